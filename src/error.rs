@@ -14,6 +14,9 @@ pub enum Error {
     /// A caller passed a bad argument.
     #[error("{0}")]
     InvalidArgument(String),
+    /// A token id outside the vocabulary.
+    #[error("{0}")]
+    TokenOutOfRange(String),
     /// The state has no room for another token.
     #[error("{0}")]
     ContextFull(String),

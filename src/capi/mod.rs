@@ -1,0 +1,166 @@
+//! The C ABI. One file per handle type; this module holds what they share:
+//! status codes, the thread-local last error, and the panic boundary.
+//!
+//! Conventions (also in the README and the generated header):
+//! - Functions that can fail return an `fnx_status`; `FNX_OK` (0) is success.
+//!   On failure `fnx_last_error()` gives a message for the calling thread.
+//! - Out-parameters are written only on success.
+//! - Handles are opaque; whoever receives one from `fnx_load`/`fnx_new_state`
+//!   owns it and frees it with the matching `fnx_free_*`.
+//! - A model may be used from many threads at once; a state by one thread at a time.
+//! - Panics never cross the boundary: they become `FNX_ERR_INTERNAL`.
+#![allow(non_camel_case_types)]
+
+mod model;
+mod state;
+
+pub use model::*;
+pub use state::*;
+
+use crate::error::Error;
+use std::cell::RefCell;
+use std::ffi::{c_char, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// Result of a fallible call: `FNX_OK` or one of the `FNX_ERR_*` codes.
+pub type fnx_status = i32;
+
+/// Success.
+pub const FNX_OK: fnx_status = 0;
+/// A required pointer argument was NULL.
+pub const FNX_ERR_NULL_ARGUMENT: fnx_status = 1;
+/// An argument had a value the function cannot accept.
+pub const FNX_ERR_INVALID_ARGUMENT: fnx_status = 2;
+/// A token id was outside the model's vocabulary.
+pub const FNX_ERR_TOKEN_OUT_OF_RANGE: fnx_status = 3;
+/// The state holds as many positions as its context limit allows.
+pub const FNX_ERR_CONTEXT_FULL: fnx_status = 4;
+/// The caller's buffer is shorter than the data to copy.
+pub const FNX_ERR_BUFFER_TOO_SMALL: fnx_status = 5;
+/// The file could not be opened, mapped or read.
+pub const FNX_ERR_IO: fnx_status = 6;
+/// The file is not a well-formed GGUF container.
+pub const FNX_ERR_INVALID_FILE: fnx_status = 7;
+/// The GGUF file does not describe a usable qwen4exp model.
+pub const FNX_ERR_INVALID_MODEL: fnx_status = 8;
+/// No token has been decoded yet, so there are no logits.
+pub const FNX_ERR_NO_LOGITS: fnx_status = 9;
+/// The state's model was freed with `fnx_free_model`.
+pub const FNX_ERR_MODEL_FREED: fnx_status = 10;
+/// The requested compute backend is not available.
+pub const FNX_ERR_BACKEND_UNAVAILABLE: fnx_status = 11;
+/// Memory could not be obtained.
+pub const FNX_ERR_OUT_OF_MEMORY: fnx_status = 12;
+/// A bug inside flashnext (a caught panic). The state involved is unusable until reset.
+pub const FNX_ERR_INTERNAL: fnx_status = 13;
+/// The state was left unusable by an earlier internal error; reset or free it.
+pub const FNX_ERR_STATE_INVALID: fnx_status = 14;
+/// A handle of the wrong kind, or one already freed (detected by its tag).
+pub const FNX_ERR_INVALID_HANDLE: fnx_status = 15;
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// An error on its way to C: a status and the message for `fnx_last_error`.
+pub(crate) struct Failure(pub fnx_status, pub String);
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        let status = match &e {
+            Error::Format(_) => FNX_ERR_INVALID_FILE,
+            Error::Model(_) | Error::Convert(_) => FNX_ERR_INVALID_MODEL,
+            Error::TokenOutOfRange(_) => FNX_ERR_TOKEN_OUT_OF_RANGE,
+            Error::InvalidArgument(_) => FNX_ERR_INVALID_ARGUMENT,
+            Error::ContextFull(_) => FNX_ERR_CONTEXT_FULL,
+            Error::Io { .. } => FNX_ERR_IO,
+            Error::Backend(_) => FNX_ERR_BACKEND_UNAVAILABLE,
+            Error::OutOfMemory(_) => FNX_ERR_OUT_OF_MEMORY,
+        };
+        Failure(status, e.to_string())
+    }
+}
+
+pub(crate) fn fail(status: fnx_status, msg: impl Into<String>) -> Failure {
+    Failure(status, msg.into())
+}
+
+fn set_last_error(msg: &str) {
+    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// Runs `f` behind the panic boundary and turns its outcome into a status.
+/// `on_panic` runs after a caught panic (to mark a state unusable).
+pub(crate) fn guard(f: impl FnOnce() -> Result<(), Failure>, on_panic: impl FnOnce()) -> fnx_status {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => FNX_OK,
+        Ok(Err(Failure(status, msg))) => {
+            set_last_error(&msg);
+            status
+        }
+        Err(p) => {
+            on_panic();
+            set_last_error(&format!("internal error (please report): {}", panic_message(&*p)));
+            FNX_ERR_INTERNAL
+        }
+    }
+}
+
+/// Returns `Err` with `FNX_ERR_NULL_ARGUMENT` naming `$name` when `$ptr` is NULL.
+macro_rules! non_null {
+    ($ptr:expr, $func:literal, $name:literal) => {
+        if $ptr.is_null() {
+            return Err($crate::capi::fail(
+                $crate::capi::FNX_ERR_NULL_ARGUMENT,
+                concat!($func, ": ", $name, " is NULL"),
+            ));
+        }
+    };
+}
+pub(crate) use non_null;
+
+/// The message of the last failed call on this thread, or "" if none. The
+/// pointer stays valid until the next failing call on the same thread.
+#[no_mangle]
+pub extern "C" fn fnx_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+/// The library version, e.g. "0.1.0" (static string, never freed).
+#[no_mangle]
+pub extern "C" fn fnx_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+/// A short constant name for a status code, e.g. "FNX_ERR_CONTEXT_FULL".
+#[no_mangle]
+pub extern "C" fn fnx_status_name(status: fnx_status) -> *const c_char {
+    let s: &'static str = match status {
+        FNX_OK => "FNX_OK\0",
+        FNX_ERR_NULL_ARGUMENT => "FNX_ERR_NULL_ARGUMENT\0",
+        FNX_ERR_INVALID_ARGUMENT => "FNX_ERR_INVALID_ARGUMENT\0",
+        FNX_ERR_TOKEN_OUT_OF_RANGE => "FNX_ERR_TOKEN_OUT_OF_RANGE\0",
+        FNX_ERR_CONTEXT_FULL => "FNX_ERR_CONTEXT_FULL\0",
+        FNX_ERR_BUFFER_TOO_SMALL => "FNX_ERR_BUFFER_TOO_SMALL\0",
+        FNX_ERR_IO => "FNX_ERR_IO\0",
+        FNX_ERR_INVALID_FILE => "FNX_ERR_INVALID_FILE\0",
+        FNX_ERR_INVALID_MODEL => "FNX_ERR_INVALID_MODEL\0",
+        FNX_ERR_NO_LOGITS => "FNX_ERR_NO_LOGITS\0",
+        FNX_ERR_MODEL_FREED => "FNX_ERR_MODEL_FREED\0",
+        FNX_ERR_BACKEND_UNAVAILABLE => "FNX_ERR_BACKEND_UNAVAILABLE\0",
+        FNX_ERR_OUT_OF_MEMORY => "FNX_ERR_OUT_OF_MEMORY\0",
+        FNX_ERR_INTERNAL => "FNX_ERR_INTERNAL\0",
+        FNX_ERR_STATE_INVALID => "FNX_ERR_STATE_INVALID\0",
+        FNX_ERR_INVALID_HANDLE => "FNX_ERR_INVALID_HANDLE\0",
+        _ => "FNX_UNKNOWN_STATUS\0",
+    };
+    s.as_ptr().cast()
+}

@@ -1,0 +1,230 @@
+//! `fnx_model`: loading a GGUF file and the facts a caller needs about it.
+
+use super::{fail, guard, non_null, fnx_status, Failure, FNX_ERR_INVALID_ARGUMENT, FNX_ERR_INVALID_HANDLE, FNX_ERR_BACKEND_UNAVAILABLE};
+use crate::model::{LoadOptions, Model};
+use std::ffi::{c_char, CStr};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// Let flashnext choose (today: the CPU).
+pub const FNX_BACKEND_AUTO: i32 = 0;
+/// The CPU backend.
+pub const FNX_BACKEND_CPU: i32 = 1;
+/// The Vulkan backend.
+pub const FNX_BACKEND_VULKAN: i32 = 2;
+
+/// Options for `fnx_load`. Get defaults from `fnx_load_params_default()` and
+/// change what you need; zero fields mean "default".
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct fnx_load_params {
+    /// `sizeof(fnx_load_params)` as the caller compiled it (set by `fnx_load_params_default`).
+    pub struct_size: u32,
+    /// Worker threads for matrix products; 0 = all cores.
+    pub n_threads: u32,
+    /// Largest number of positions per state; 0 = the model's context length.
+    pub n_ctx: u32,
+    /// `FNX_BACKEND_AUTO`, `FNX_BACKEND_CPU` or `FNX_BACKEND_VULKAN`.
+    pub backend: i32,
+    /// GPU index for the Vulkan backend.
+    pub device_index: i32,
+    /// VRAM the Vulkan backend may use, in MiB; 0 = as much as it needs.
+    pub vram_budget_mb: u64,
+}
+
+/// A loaded model (opaque). Share it between threads freely.
+pub struct fnx_model {
+    tag: u64,
+    pub(crate) model: Arc<Model>,
+    /// Cleared by `fnx_free_model`; states check it before every call.
+    pub(crate) alive: Arc<AtomicBool>,
+}
+
+const MODEL_TAG: u64 = 0x666e_785f_6d6f_646c; // "fnx_modl"
+
+impl fnx_model {
+    /// Borrows a model handle, checking its tag.
+    pub(crate) fn from_ptr<'a>(p: *const fnx_model, func: &str) -> Result<&'a fnx_model, Failure> {
+        // SAFETY: the caller passed a pointer obtained from `fnx_load` (checked non-NULL
+        // by the caller of this function); the tag catches handles of the wrong kind.
+        let m = unsafe { &*p };
+        if m.tag != MODEL_TAG {
+            return Err(fail(FNX_ERR_INVALID_HANDLE, format!("{func}: not a live fnx_model handle")));
+        }
+        Ok(m)
+    }
+}
+
+/// Default load parameters.
+#[no_mangle]
+pub extern "C" fn fnx_load_params_default() -> fnx_load_params {
+    fnx_load_params {
+        struct_size: std::mem::size_of::<fnx_load_params>() as u32,
+        n_threads: 0,
+        n_ctx: 0,
+        backend: FNX_BACKEND_AUTO,
+        device_index: 0,
+        vram_budget_mb: 0,
+    }
+}
+
+fn backend_choice(params: &fnx_load_params) -> Result<i32, Failure> {
+    // The environment wins over the params so any program can be switched without a rebuild.
+    let backend = match std::env::var("FNX_BACKEND").ok().as_deref() {
+        None | Some("") => params.backend,
+        Some("auto") => FNX_BACKEND_AUTO,
+        Some("cpu") => FNX_BACKEND_CPU,
+        Some("vulkan") => FNX_BACKEND_VULKAN,
+        Some(other) => {
+            return Err(fail(FNX_ERR_INVALID_ARGUMENT, format!("FNX_BACKEND={other:?}: expected auto, cpu or vulkan")))
+        }
+    };
+    match backend {
+        FNX_BACKEND_AUTO | FNX_BACKEND_CPU => Ok(FNX_BACKEND_CPU),
+        FNX_BACKEND_VULKAN => Err(fail(
+            FNX_ERR_BACKEND_UNAVAILABLE,
+            "the Vulkan backend is not part of this build; use FNX_BACKEND_CPU or FNX_BACKEND_AUTO",
+        )),
+        other => Err(fail(FNX_ERR_INVALID_ARGUMENT, format!("fnx_load: unknown backend {other}"))),
+    }
+}
+
+/// Loads the GGUF model at `path` (UTF-8, NUL-terminated). `params` may be NULL
+/// for defaults. On success `*out_model` receives a handle the caller frees
+/// with `fnx_free_model`; on failure it is left untouched and
+/// `fnx_last_error()` says why (missing file, not GGUF, wrong architecture,
+/// a missing or misshaped tensor, ...).
+///
+/// # Safety
+/// `path` must be NULL or a NUL-terminated string; `params` NULL or a valid
+/// `fnx_load_params`; `out_model` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_load(
+    path: *const c_char,
+    params: *const fnx_load_params,
+    out_model: *mut *mut fnx_model,
+) -> fnx_status {
+    guard(
+        || {
+            non_null!(path, "fnx_load", "path");
+            non_null!(out_model, "fnx_load", "out_model");
+            // SAFETY: non-NULL, and the caller promises a valid struct.
+            let p = if params.is_null() { fnx_load_params_default() } else { unsafe { *params } };
+            if !params.is_null() && p.struct_size as usize != std::mem::size_of::<fnx_load_params>() {
+                return Err(fail(
+                    FNX_ERR_INVALID_ARGUMENT,
+                    format!(
+                        "fnx_load: params.struct_size is {}, expected {} (initialise it with fnx_load_params_default)",
+                        p.struct_size,
+                        std::mem::size_of::<fnx_load_params>()
+                    ),
+                ));
+            }
+            backend_choice(&p)?;
+            // SAFETY: non-NULL and NUL-terminated per the contract.
+            let path = unsafe { CStr::from_ptr(path) }
+                .to_str()
+                .map_err(|_| fail(FNX_ERR_INVALID_ARGUMENT, "fnx_load: path is not valid UTF-8"))?;
+            let opts = LoadOptions { n_ctx: p.n_ctx as usize, n_threads: p.n_threads as usize };
+            let model = Model::load(Path::new(path), &opts)?;
+            let handle = Box::new(fnx_model { tag: MODEL_TAG, model, alive: Arc::new(AtomicBool::new(true)) });
+            // SAFETY: checked non-NULL above; written only on success.
+            unsafe { *out_model = Box::into_raw(handle) };
+            Ok(())
+        },
+        || {},
+    )
+}
+
+/// Frees a model handle (NULL is ignored). States created from it stay
+/// valid to free, but decoding with them returns `FNX_ERR_MODEL_FREED`.
+///
+/// # Safety
+/// `model` must be NULL or a handle from `fnx_load` not yet freed.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_free_model(model: *mut fnx_model) {
+    if model.is_null() {
+        return;
+    }
+    let _ = guard(
+        || {
+            let m = fnx_model::from_ptr(model, "fnx_free_model")?;
+            m.alive.store(false, Ordering::Release);
+            // SAFETY: the pointer came from Box::into_raw in fnx_load and is freed once.
+            let mut b = unsafe { Box::from_raw(model) };
+            b.tag = 0;
+            drop(b);
+            Ok(())
+        },
+        || {},
+    );
+}
+
+/// Reads a fact about the model; 0 when `model` is NULL or not a model handle.
+fn fact(model: *const fnx_model, func: &str, f: impl FnOnce(&Model) -> u64) -> u64 {
+    let mut out = 0;
+    let _ = guard(
+        || {
+            if model.is_null() {
+                return Err(fail(super::FNX_ERR_NULL_ARGUMENT, format!("{func}: model is NULL")));
+            }
+            out = f(&fnx_model::from_ptr(model, func)?.model);
+            Ok(())
+        },
+        || {},
+    );
+    out
+}
+
+/// Number of logits per token (rows of the output matrix); 0 if `model` is NULL.
+///
+/// # Safety
+/// `model` must be NULL or a live handle from `fnx_load`.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_model_vocab_size(model: *const fnx_model) -> usize {
+    fact(model, "fnx_model_vocab_size", |m| m.config.vocab as u64) as usize
+}
+
+/// Most positions a state of this model can hold (after `params.n_ctx`).
+///
+/// # Safety
+/// `model` must be NULL or a live handle from `fnx_load`.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_model_context_length(model: *const fnx_model) -> usize {
+    fact(model, "fnx_model_context_length", |m| m.n_ctx as u64) as usize
+}
+
+/// Number of decoder layers.
+///
+/// # Safety
+/// `model` must be NULL or a live handle from `fnx_load`.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_model_n_layers(model: *const fnx_model) -> usize {
+    fact(model, "fnx_model_n_layers", |m| m.config.n_layers as u64) as usize
+}
+
+/// Width of the hidden state.
+///
+/// # Safety
+/// `model` must be NULL or a live handle from `fnx_load`.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_model_hidden_size(model: *const fnx_model) -> usize {
+    fact(model, "fnx_model_hidden_size", |m| m.config.hidden as u64) as usize
+}
+
+/// The end-of-sequence token id from the file's tokenizer metadata, or -1 if it has none.
+///
+/// # Safety
+/// `model` must be NULL or a live handle from `fnx_load`.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_model_eos_token(model: *const fnx_model) -> i64 {
+    let v = fact(model, "fnx_model_eos_token", |m| {
+        m.metadata.get("tokenizer.ggml.eos_token_id").and_then(|v| v.as_u64()).map_or(u64::MAX, |x| x)
+    });
+    if v == u64::MAX || model.is_null() {
+        -1
+    } else {
+        v as i64
+    }
+}

@@ -1,0 +1,208 @@
+//! Weight tensors as zero-copy views into the memory-mapped model file, and
+//! the row-parallel matrix-vector products the CPU forward pass is built on.
+//!
+//! Every kernel dequantizes one row at a time and accumulates in f32 with
+//! eight independent partial sums (vectorizable; the summation order differs
+//! from PyTorch's BLAS only by rounding, ~1e-7 relative).
+
+use crate::gguf::{GgmlType, TensorInfo};
+use memmap2::Mmap;
+use rayon::prelude::*;
+use std::sync::Arc;
+
+/// A tensor in the mapped file. `dims` are in ggml order (`dims[0]` contiguous):
+/// a linear layer `out x in` is `dims = [in, out]`.
+#[derive(Clone)]
+pub struct Tensor {
+    map: Arc<Mmap>,
+    pub name: String,
+    pub ty: GgmlType,
+    pub dims: Vec<usize>,
+    offset: usize,
+    nbytes: usize,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}[{}; {:?}]", self.name, self.ty, self.dims)
+    }
+}
+
+impl Tensor {
+    pub(crate) fn new(map: Arc<Mmap>, info: &TensorInfo) -> Self {
+        Self {
+            map,
+            name: info.name.clone(),
+            ty: info.ty,
+            dims: info.dims.clone(),
+            offset: info.offset,
+            nbytes: info.nbytes,
+        }
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.map[self.offset..self.offset + self.nbytes]
+    }
+
+    /// Length of one row (the contiguous axis).
+    pub fn cols(&self) -> usize {
+        self.dims[0]
+    }
+
+    /// Number of rows across all outer axes.
+    pub fn rows(&self) -> usize {
+        self.dims[1..].iter().product()
+    }
+
+    pub fn n_elements(&self) -> usize {
+        self.dims.iter().product()
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.ty.row_bytes(self.cols()).expect("row length checked at parse time")
+    }
+
+    fn row(&self, r: usize) -> &[u8] {
+        let rb = self.row_bytes();
+        &self.bytes()[r * rb..(r + 1) * rb]
+    }
+
+    /// Dequantizes row `r` into `out` (`out.len() == cols`).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        dequantize(self.ty, self.row(r), out);
+    }
+
+    /// The whole tensor as f32 (for small vectors such as norm weights).
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.n_elements()];
+        for (r, chunk) in out.chunks_mut(self.cols()).enumerate() {
+            self.dequantize_row(r, chunk);
+        }
+        out
+    }
+
+    /// `y = W[rows] · x` for the `y.len()` rows starting at `first_row`.
+    pub fn matvec_rows(&self, first_row: usize, x: &[f32], y: &mut [f32]) {
+        assert_eq!(x.len(), self.cols(), "{}: input length", self.name);
+        assert!(first_row + y.len() <= self.rows(), "{}: rows out of range", self.name);
+        let work = y.len() * self.cols();
+        let body = |(i, out): (usize, &mut f32)| *out = dot_row(self.ty, self.row(first_row + i), x);
+        if work >= PAR_THRESHOLD {
+            y.par_iter_mut().enumerate().with_min_len(16).for_each(body);
+        } else {
+            y.iter_mut().enumerate().for_each(body);
+        }
+    }
+
+    /// `y = W · x` over all rows.
+    pub fn matvec(&self, x: &[f32], y: &mut [f32]) {
+        assert_eq!(y.len(), self.rows(), "{}: output length", self.name);
+        self.matvec_rows(0, x, y);
+    }
+}
+
+/// Below this many multiply-adds a matvec runs on the calling thread: rayon's
+/// fork-join costs more than it saves.
+const PAR_THRESHOLD: usize = 1 << 16;
+
+fn f16_to_f32(b: &[u8]) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+}
+
+fn bf16_to_f32(b: &[u8]) -> f32 {
+    f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)
+}
+
+/// Dequantizes one row of `ty` stored in `src` into `out`.
+pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) {
+    match ty {
+        GgmlType::F32 => {
+            for (o, b) in out.iter_mut().zip(src.chunks_exact(4)) {
+                *o = f32::from_le_bytes(b.try_into().unwrap());
+            }
+        }
+        GgmlType::F16 => {
+            for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
+                *o = f16_to_f32(b);
+            }
+        }
+        GgmlType::BF16 => {
+            for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
+                *o = bf16_to_f32(b);
+            }
+        }
+        GgmlType::Q8_0 => {
+            for (o, blk) in out.chunks_exact_mut(32).zip(src.chunks_exact(34)) {
+                let d = f16_to_f32(&blk[0..2]);
+                for (v, &q) in o.iter_mut().zip(&blk[2..34]) {
+                    *v = d * (q as i8) as f32;
+                }
+            }
+        }
+        other => unimplemented!("dequantize {other}: rejected at load time"),
+    }
+}
+
+#[inline]
+fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, ar) = a.split_at(a.len() / 8 * 8);
+    let (bc, br) = b.split_at(ac.len());
+    for (x, y) in ac.chunks_exact(8).zip(bc.chunks_exact(8)) {
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    let mut s = acc.iter().sum::<f32>();
+    for (x, y) in ar.iter().zip(br) {
+        s += x * y;
+    }
+    s
+}
+
+/// Dot product of one stored row with `x`.
+fn dot_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
+    match ty {
+        GgmlType::F32 => {
+            let mut acc = [0f32; 8];
+            let mut s = 0f32;
+            let n8 = x.len() / 8 * 8;
+            for (i, (b, xv)) in row[..n8 * 4].chunks_exact(32).zip(x[..n8].chunks_exact(8)).enumerate() {
+                let _ = i;
+                for k in 0..8 {
+                    acc[k] += f32::from_le_bytes(b[4 * k..4 * k + 4].try_into().unwrap()) * xv[k];
+                }
+            }
+            for (b, xv) in row[n8 * 4..].chunks_exact(4).zip(&x[n8..]) {
+                s += f32::from_le_bytes(b.try_into().unwrap()) * xv;
+            }
+            acc.iter().sum::<f32>() + s
+        }
+        GgmlType::Q8_0 => {
+            let mut s = 0f32;
+            for (blk, xv) in row.chunks_exact(34).zip(x.chunks_exact(32)) {
+                let d = f16_to_f32(&blk[0..2]);
+                let mut acc = [0f32; 8];
+                for (q, xx) in blk[2..34].chunks_exact(8).zip(xv.chunks_exact(8)) {
+                    for k in 0..8 {
+                        acc[k] += (q[k] as i8) as f32 * xx[k];
+                    }
+                }
+                s += d * acc.iter().sum::<f32>();
+            }
+            s
+        }
+        _ => {
+            let mut buf = [0f32; 256];
+            let mut s = 0f32;
+            let bs = 256 / ty.block_size() * ty.block_size();
+            let chunk_bytes = ty.row_bytes(bs).unwrap();
+            for (src, xv) in row.chunks(chunk_bytes).zip(x.chunks(bs)) {
+                let n = xv.len();
+                dequantize(ty, src, &mut buf[..n]);
+                s += dot_f32(&buf[..n], xv);
+            }
+            s
+        }
+    }
+}
