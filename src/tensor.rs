@@ -5,16 +5,14 @@
 //! eight independent partial sums (vectorizable; the summation order differs
 //! from PyTorch's BLAS only by rounding, ~1e-7 relative).
 
-use crate::gguf::{GgmlType, TensorInfo};
-use memmap2::Mmap;
+use crate::gguf::{GgmlType, Storage, TensorInfo};
 use rayon::prelude::*;
-use std::sync::Arc;
 
 /// A tensor in the mapped file. `dims` are in ggml order (`dims[0]` contiguous):
 /// a linear layer `out x in` is `dims = [in, out]`.
 #[derive(Clone)]
 pub struct Tensor {
-    map: Arc<Mmap>,
+    map: Storage,
     pub name: String,
     pub ty: GgmlType,
     pub dims: Vec<usize>,
@@ -29,7 +27,7 @@ impl std::fmt::Debug for Tensor {
 }
 
 impl Tensor {
-    pub(crate) fn new(map: Arc<Mmap>, info: &TensorInfo) -> Self {
+    pub(crate) fn new(map: Storage, info: &TensorInfo) -> Self {
         Self {
             map,
             name: info.name.clone(),
@@ -41,7 +39,7 @@ impl Tensor {
     }
 
     pub fn bytes(&self) -> &[u8] {
-        &self.map[self.offset..self.offset + self.nbytes]
+        &(*self.map).as_ref()[self.offset..self.offset + self.nbytes]
     }
 
     /// Length of one row (the contiguous axis).

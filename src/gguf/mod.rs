@@ -10,15 +10,15 @@ mod reader;
 mod types;
 mod writer;
 
-pub use reader::{GgufFile, Metadata, TensorInfo, Value};
+pub use reader::{GgufFile, Metadata, Storage, TensorInfo, Value};
 pub use types::GgmlType;
 pub use writer::{GgufWriter, TensorSource};
 
 /// `"GGUF"` as it appears in the first four bytes.
-pub const MAGIC: [u8; 4] = *b"GGUF";
+pub(crate) const MAGIC: [u8; 4] = *b"GGUF";
 /// The only version read and written.
-pub const VERSION: u32 = 3;
+pub(crate) const VERSION: u32 = 3;
 /// Data alignment when `general.alignment` is absent.
-pub const DEFAULT_ALIGNMENT: u64 = 32;
+pub(crate) const DEFAULT_ALIGNMENT: u64 = 32;
 /// Longest tensor name llama.cpp accepts (64 bytes including the NUL).
-pub const MAX_NAME_LEN: usize = 63;
+pub(crate) const MAX_NAME_LEN: usize = 63;

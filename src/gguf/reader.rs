@@ -123,9 +123,13 @@ impl TensorInfo {
     }
 }
 
-/// A parsed GGUF file backed by a read-only memory map.
+/// Where a model's bytes live: a read-only memory map of the file, or a
+/// buffer the caller owns (an embedded model, a file read into memory).
+pub type Storage = Arc<dyn AsRef<[u8]> + Send + Sync>;
+
+/// A parsed GGUF file; tensors are views into its storage.
 pub struct GgufFile {
-    map: Arc<Mmap>,
+    map: Storage,
     pub metadata: Metadata,
     pub tensors: Vec<TensorInfo>,
     pub alignment: u64,
@@ -138,15 +142,20 @@ impl GgufFile {
         // SAFETY: the file is mapped read-only; flashnext never writes through it. A file
         // truncated by another process while mapped is outside what any mmap reader can guard.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(format!("cannot map {}", path.display()), e))?;
-        let (metadata, tensors, alignment) = parse(&map)?;
-        Ok(Self { map: Arc::new(map), metadata, tensors, alignment })
+        Self::from_storage(Arc::new(map))
+    }
+
+    /// Parses a GGUF image already in memory.
+    pub fn from_storage(map: Storage) -> Result<Self> {
+        let (metadata, tensors, alignment) = parse((*map).as_ref())?;
+        Ok(Self { map, metadata, tensors, alignment })
     }
 
     pub fn bytes(&self) -> &[u8] {
-        &self.map
+        (*self.map).as_ref()
     }
 
-    pub fn map(&self) -> &Arc<Mmap> {
+    pub fn storage(&self) -> &Storage {
         &self.map
     }
 
@@ -155,7 +164,7 @@ impl GgufFile {
     }
 
     pub fn tensor_data(&self, info: &TensorInfo) -> &[u8] {
-        &self.map[info.offset..info.offset + info.nbytes]
+        &self.bytes()[info.offset..info.offset + info.nbytes]
     }
 }
 

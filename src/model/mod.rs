@@ -53,6 +53,11 @@ impl Model {
         Self::from_gguf(file, opts)
     }
 
+    /// Parses a model image held in memory (e.g. one embedded in the program).
+    pub fn from_bytes(bytes: crate::gguf::Storage, opts: &LoadOptions) -> Result<Arc<Model>> {
+        Self::from_gguf(GgufFile::from_storage(bytes)?, opts)
+    }
+
     pub fn from_gguf(file: GgufFile, opts: &LoadOptions) -> Result<Arc<Model>> {
         let mut config = Config::from_metadata(&file.metadata)?;
         let weights = Weights::load(&file, &mut config)?;

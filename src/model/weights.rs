@@ -163,7 +163,7 @@ impl Loader<'_> {
                 info.ty
             )));
         }
-        Ok(Tensor::new(self.file.map().clone(), info))
+        Ok(Tensor::new(self.file.storage().clone(), info))
     }
 
     /// A small vector of `n` elements (any dims with that product), as f32.
