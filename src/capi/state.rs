@@ -51,7 +51,7 @@ pub unsafe extern "C" fn fnx_new_state(model: *mut fnx_model, out_state: *mut *m
             let m = fnx_model::from_ptr(model, "fnx_new_state")?;
             let s = Box::new(fnx_state {
                 tag: STATE_TAG,
-                state: State::new(m.model.clone()),
+                state: State::new(m.model.clone())?,
                 model_alive: m.alive.clone(),
                 poisoned: false,
             });

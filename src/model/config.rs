@@ -137,11 +137,12 @@ const MAX_LAYERS: usize = 512;
 
 impl Config {
     pub fn from_metadata(md: &Metadata) -> Result<Self> {
-        match md.get("general.architecture").and_then(Value::as_str) {
-            Some(ARCH) => {}
-            Some(other) => {
+        match md.get("general.architecture") {
+            Some(Value::String(a)) if a == ARCH => {}
+            Some(Value::String(other)) => {
                 return Err(Error::model(format!("architecture is {other:?}; flashnext runs only {ARCH:?}")))
             }
+            Some(v) => return Err(Error::model(format!("general.architecture must be a string, found {v:?}"))),
             None => return Err(Error::model("missing key general.architecture")),
         }
         let k = Keys(md);
@@ -167,6 +168,9 @@ impl Config {
         let eps = k
             .f32("attention.layer_norm_rms_epsilon")?
             .ok_or_else(|| Error::model(format!("missing key {ARCH}.attention.layer_norm_rms_epsilon")))?;
+        if !(eps.is_finite() && eps >= 0.0) {
+            return Err(Error::model(format!("{ARCH}.attention.layer_norm_rms_epsilon = {eps} is not a finite value >= 0")));
+        }
         let hc = k.count("hyper_connection.count", 64)?;
         if hc < 2 {
             return Err(Error::model("hyper_connection.count must be > 1"));
@@ -198,7 +202,14 @@ impl Config {
                         items.len()
                     )));
                 }
-                items.iter().map(|x| x.as_u64().unwrap_or(0) != 0).collect()
+                items
+                    .iter()
+                    .map(|x| {
+                        x.as_u64().map(|v| v != 0).ok_or_else(|| {
+                            Error::model(format!("attention.recurrent_layers holds {x:?}, not a boolean"))
+                        })
+                    })
+                    .collect::<Result<_>>()?
             }
             None => {
                 let interval = k.usize_opt("full_attention_interval")?.unwrap_or(4);
@@ -220,13 +231,20 @@ impl Config {
                 items
                     .iter()
                     .map(|x| {
-                        x.as_u64()
-                            .map(|v| v as usize)
-                            .ok_or_else(|| Error::model("attention.compress_ratios holds a negative value"))
+                        x.as_u64().map(|v| v as usize).ok_or_else(|| {
+                            Error::model(format!("attention.compress_ratios holds {x:?}, not a non-negative integer"))
+                        })
                     })
                     .collect::<Result<_>>()?
             }
-            Some(v) => vec![v.as_u64().unwrap_or(0) as usize; n_layers],
+            Some(v) => match v.as_u64() {
+                Some(r) => vec![r as usize; n_layers],
+                None => {
+                    return Err(Error::model(format!(
+                        "attention.compress_ratios must be a non-negative integer or an array, found {v:?}"
+                    )))
+                }
+            },
         };
         let layers: Vec<LayerKind> = recurrent
             .iter()
@@ -319,7 +337,10 @@ impl Config {
             n_kv_heads,
             head_dim,
             rope_dims,
-            rope_theta: k.f32("rope.freq_base")?.unwrap_or(10000.0),
+            rope_theta: match k.f32("rope.freq_base")?.unwrap_or(10000.0) {
+                t if t.is_finite() && t > 0.0 => t,
+                t => return Err(Error::model(format!("{ARCH}.rope.freq_base = {t} is not a positive finite value"))),
+            },
             n_experts,
             n_experts_used,
             expert_ff: k.count("expert_feed_forward_length", MAX_DIM)?,

@@ -13,6 +13,8 @@
 use super::config::{Config, GateActivation};
 use super::ops::{l2_normalize, rms_norm, sigmoid, silu, softplus};
 use super::weights::Gdn;
+use super::state::zeros;
+use crate::error::Result;
 use rayon::prelude::*;
 
 /// Recurrent state of one GDN layer.
@@ -25,12 +27,12 @@ pub struct GdnState {
 }
 
 impl GdnState {
-    pub fn new(cfg: &Config) -> Self {
+    pub fn new(cfg: &Config) -> Result<Self> {
         let d = cfg.ssm_head_dim;
-        Self {
-            conv: vec![0.0; (cfg.ssm_conv - 1) * cfg.ssm_conv_dim()],
-            recurrent: vec![0.0; cfg.ssm_v_heads * d * d],
-        }
+        Ok(Self {
+            conv: zeros((cfg.ssm_conv - 1).checked_mul(cfg.ssm_conv_dim()), "GDN conv state")?,
+            recurrent: zeros(cfg.ssm_v_heads.checked_mul(d).and_then(|x| x.checked_mul(d)), "GDN recurrent state")?,
+        })
     }
 }
 

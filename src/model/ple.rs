@@ -15,6 +15,8 @@
 use super::config::{Config, PleConfig};
 use super::ops::{dot, rms_norm_grouped, sigmoid, silu};
 use super::weights::Ple;
+use super::state::zeros;
+use crate::error::Result;
 use crate::tensor::Tensor;
 
 /// PLE history of one sequence.
@@ -27,8 +29,9 @@ pub struct PleState {
 }
 
 impl PleState {
-    pub fn new(cfg: &Config, p: &PleConfig) -> Self {
-        Self { tokens: vec![p.eos; p.ngram - 1], conv: vec![0.0; (p.conv_kernel - 1) * p.ngram * cfg.hc * cfg.hidden] }
+    pub fn new(cfg: &Config, p: &PleConfig) -> Result<Self> {
+        let n = ((p.conv_kernel - 1) * p.ngram).checked_mul(cfg.hc).and_then(|x| x.checked_mul(cfg.hidden));
+        Ok(Self { tokens: vec![p.eos; p.ngram - 1], conv: zeros(n, "PLE conv history")? })
     }
 }
 

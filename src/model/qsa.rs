@@ -20,6 +20,7 @@
 use super::config::Config;
 use super::ops::{dot, rms_norm, sigmoid, softmax, Rope};
 use super::weights::{Attention, Indexer};
+use crate::error::{Error, Result};
 use rayon::prelude::*;
 
 /// KV and indexer caches of one attention layer; they grow with the sequence.
@@ -33,6 +34,27 @@ pub struct AttnState {
     pub index_keys: Vec<f32>,
     /// Pooled, normed, roped keys of complete blocks: [n_blocks][id]
     pub block_keys: Vec<f32>,
+}
+
+impl AttnState {
+    pub fn clear(&mut self) {
+        self.keys.clear();
+        self.values.clear();
+        self.index_keys.clear();
+        self.block_keys.clear();
+    }
+
+    /// Makes room for one more token so the decode step cannot fail half way.
+    pub fn reserve_one(&mut self, cfg: &Config) -> Result<()> {
+        let kv = cfg.n_kv_heads * cfg.head_dim;
+        let id = cfg.qsa.as_ref().map_or(0, |q| q.head_dim);
+        let oom = |_| Error::OutOfMemory("attention cache cannot grow".into());
+        self.keys.try_reserve(kv).map_err(oom)?;
+        self.values.try_reserve(kv).map_err(oom)?;
+        self.index_keys.try_reserve(id).map_err(oom)?;
+        self.block_keys.try_reserve(id).map_err(oom)?;
+        Ok(())
+    }
 }
 
 /// Indices of the tokens a query at position `t` attends to.

@@ -180,6 +180,15 @@ impl Loader<'_> {
         Ok(v)
     }
 
+    /// A small tensor of exactly `dims`, as f32 (for kernels whose layout matters).
+    fn small(&self, name: &str, dims: &[usize]) -> Result<Vec<f32>> {
+        let v = self.tensor(name, dims)?.to_f32();
+        if let Some(bad) = v.iter().position(|x| !x.is_finite()) {
+            return Err(Error::model(format!("tensor {name} holds a non-finite value at element {bad}")));
+        }
+        Ok(v)
+    }
+
     fn hyper_connection(&self, prefix: &str, cfg: &Config, inject: bool) -> Result<HyperConnection> {
         let ch = cfg.hc * cfg.hidden;
         Ok(HyperConnection {
@@ -200,7 +209,7 @@ impl Loader<'_> {
             z: self.tensor(&format!("{b}.attn_gate.weight"), &[h, nv * dv])?,
             beta: self.tensor(&format!("{b}.ssm_beta.weight"), &[h, nv])?,
             alpha: self.tensor(&format!("{b}.ssm_alpha.weight"), &[h, nv])?,
-            conv: self.vector(&format!("{b}.ssm_conv1d.weight"), dc * cfg.ssm_conv)?,
+            conv: self.small(&format!("{b}.ssm_conv1d.weight"), &[cfg.ssm_conv, dc])?,
             dt_bias: self.vector(&format!("{b}.ssm_dt.bias"), nv)?,
             a,
             norm: self.vector(&format!("{b}.ssm_norm.weight"), dv)?,
@@ -260,7 +269,7 @@ impl Loader<'_> {
             norm_key: self.vector(&format!("{b}.ple_norm_key.weight"), ch)?,
             norm_query: self.vector(&format!("{b}.ple_norm_query.weight"), ch)?,
             norm_conv: self.vector(&format!("{b}.ple_norm_conv.weight"), ch)?,
-            conv: self.vector(&format!("{b}.ple_conv1d.weight"), ch * kernel)?,
+            conv: self.small(&format!("{b}.ple_conv1d.weight"), &[kernel, ch])?,
         })
     }
 }
