@@ -1,0 +1,137 @@
+//! Encoders from `f32` to the ggml storage types the converter writes.
+//!
+//! Each function encodes one contiguous run of values (normally one tensor row)
+//! into little-endian bytes laid out exactly as `ggml-common.h` defines them, and
+//! each is bit-exact with the reference ggml / gguf-py implementation named in its
+//! doc comment, so a file we write is byte-identical to what llama.cpp's converter
+//! would produce from the same f32 values.
+
+use crate::error::{Error, Result};
+use crate::gguf::GgmlType;
+
+/// Elements per Q8_0 block.
+pub const QK8_0: usize = 32;
+/// Bytes per Q8_0 block: an f16 scale followed by 32 signed bytes.
+pub const Q8_0_BLOCK_BYTES: usize = 34;
+
+/// Rounds an `f32` to bf16 bits like ggml's `GGML_FP32_TO_BF16` (and gguf-py's
+/// `BF16.quantize_blocks`): round to nearest, ties to even; a NaN keeps its sign
+/// and upper payload bits and is forced quiet (bit 6 of the result set).
+#[inline]
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let u = x.to_bits();
+    if u & 0x7fff_ffff > 0x7f80_0000 {
+        return ((u >> 16) | 64) as u16;
+    }
+    ((u as u64 + (0x7fff + ((u >> 16) & 1)) as u64) >> 16) as u16
+}
+
+/// The `f32` a bf16 bit pattern stands for (exact).
+#[inline]
+pub fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// Writes `src` as little-endian f32 (`dst.len() == 4 * src.len()`).
+pub fn encode_f32(src: &[f32], dst: &mut [u8]) {
+    assert_eq!(dst.len(), src.len() * 4, "encode_f32: destination size");
+    for (x, d) in src.iter().zip(dst.chunks_exact_mut(4)) {
+        d.copy_from_slice(&x.to_le_bytes());
+    }
+}
+
+/// Writes `src` as IEEE half precision, round to nearest even (the `half` crate's
+/// conversion, identical to numpy's `astype(float16)` and ggml's `GGML_FP32_TO_FP16`
+/// on hardware with F16C); `dst.len() == 2 * src.len()`.
+pub fn encode_f16(src: &[f32], dst: &mut [u8]) {
+    assert_eq!(dst.len(), src.len() * 2, "encode_f16: destination size");
+    for (x, d) in src.iter().zip(dst.chunks_exact_mut(2)) {
+        d.copy_from_slice(&half::f16::from_f32(*x).to_bits().to_le_bytes());
+    }
+}
+
+/// Writes `src` as bf16 with [`f32_to_bf16`]; `dst.len() == 2 * src.len()`.
+pub fn encode_bf16(src: &[f32], dst: &mut [u8]) {
+    assert_eq!(dst.len(), src.len() * 2, "encode_bf16: destination size");
+    for (x, d) in src.iter().zip(dst.chunks_exact_mut(2)) {
+        d.copy_from_slice(&f32_to_bf16(*x).to_le_bytes());
+    }
+}
+
+/// Quantizes `src` to Q8_0 like ggml's `quantize_row_q8_0_ref` (bit-exact with
+/// gguf-py's `Q8_0.quantize_blocks`): per block of 32, `amax = max|x|`,
+/// `d = amax / 127`, `id = 1/d` (0 when `d == 0`), `q = roundf(x * id)` (halves
+/// away from zero), `d` stored as f16 before the 32 quants.
+///
+/// `src.len()` must be a multiple of 32 and `dst.len() == src.len() / 32 * 34`.
+pub fn quantize_q8_0(src: &[f32], dst: &mut [u8]) {
+    assert_eq!(src.len() % QK8_0, 0, "quantize_q8_0: length not a multiple of 32");
+    assert_eq!(dst.len(), src.len() / QK8_0 * Q8_0_BLOCK_BYTES, "quantize_q8_0: destination size");
+    for (x, out) in src.chunks_exact(QK8_0).zip(dst.chunks_exact_mut(Q8_0_BLOCK_BYTES)) {
+        let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        out[..2].copy_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
+        for (q, v) in out[2..].iter_mut().zip(x) {
+            // f32::round rounds halves away from zero, like C's roundf.
+            *q = ((v * id).round() as i8) as u8;
+        }
+    }
+}
+
+/// Encodes one row of `src` as `ty` into `dst`, which must be exactly
+/// `ty.row_bytes(src.len())` long. Only the types the converter writes (F32, F16,
+/// BF16, Q8_0) are supported; any other type is an error.
+pub fn encode_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<()> {
+    let want = ty
+        .row_bytes(src.len())
+        .ok_or_else(|| Error::convert(format!("row of {} values is not a whole number of {ty} blocks", src.len())))?;
+    if dst.len() != want {
+        return Err(Error::convert(format!("{ty} row of {} values needs {want} bytes, got {}", src.len(), dst.len())));
+    }
+    match ty {
+        GgmlType::F32 => encode_f32(src, dst),
+        GgmlType::F16 => encode_f16(src, dst),
+        GgmlType::BF16 => encode_bf16(src, dst),
+        GgmlType::Q8_0 => quantize_q8_0(src, dst),
+        other => return Err(Error::convert(format!("no encoder for {other}"))),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_rounding_and_nan() {
+        assert_eq!(f32_to_bf16(1.0), 0x3f80);
+        // 1 + 2^-8 is exactly halfway between two bf16 values: ties to even (down).
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f80_8000)), 0x3f80);
+        // 1 + 3*2^-8 is halfway with an odd lower neighbour: rounds up.
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f81_8000)), 0x3f82);
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f80_8001)), 0x3f81);
+        // A signalling NaN becomes quiet and stays NaN (no rounding into infinity).
+        assert_eq!(f32_to_bf16(f32::from_bits(0x7f80_0001)), 0x7fc0);
+        assert_eq!(f32_to_bf16(f32::from_bits(0xffff_ffff)), 0xffff);
+        assert_eq!(f32_to_bf16(f32::INFINITY), 0x7f80);
+        assert_eq!(bf16_to_f32(0xc000), -2.0);
+    }
+
+    #[test]
+    fn q8_0_reference() {
+        let mut x = [0.0f32; 32];
+        x[0] = 127.0;
+        x[1] = -63.5; // exactly half: rounds away from zero
+        x[2] = 0.5;
+        let mut out = [0u8; 34];
+        quantize_q8_0(&x, &mut out);
+        assert_eq!(u16::from_le_bytes([out[0], out[1]]), half::f16::from_f32(1.0).to_bits());
+        assert_eq!(out[2] as i8, 127);
+        assert_eq!(out[3] as i8, -64);
+        assert_eq!(out[4] as i8, 1);
+        let zeros = [0.0f32; 32];
+        quantize_q8_0(&zeros, &mut out);
+        assert!(out.iter().all(|&b| b == 0));
+    }
+}
