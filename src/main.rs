@@ -10,6 +10,8 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+mod demo;
+
 #[derive(Parser)]
 #[command(name = "flashnext", version, about = "Qwen3.8-Flash-Next (qwen4_exp) inference engine tools")]
 struct Cli {
@@ -33,6 +35,19 @@ enum Command {
         #[arg(long, short)]
         quiet: bool,
     },
+    /// Decode a prompt and generate greedily on a model (by default the
+    /// embedded tiny model), printing load time and decode speed.
+    Demo {
+        /// A GGUF model; without it, the embedded default model.
+        #[arg(long, short)]
+        model: Option<PathBuf>,
+        /// Tokens to generate after the prompt.
+        #[arg(long, short = 'n', default_value_t = 32)]
+        tokens: usize,
+        /// Worker threads (0 = all cores).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+    },
 }
 
 fn parse_out_type(s: &str) -> Result<OutType, String> {
@@ -43,6 +58,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Convert { hf_dir, out, out_type, quiet } => run_convert(hf_dir, out, out_type, quiet),
+        Command::Demo { model, tokens, threads } => demo::run(model, tokens, threads),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
