@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The C tests link the cdylib, which `cargo test` alone does not build.
+cargo build --lib
 cargo test --all-targets

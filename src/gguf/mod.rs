@@ -10,6 +10,7 @@ mod reader;
 mod types;
 mod writer;
 
+pub use reader::parse;
 pub use reader::{GgufFile, Metadata, Storage, TensorInfo, Value};
 pub use types::GgmlType;
 pub use writer::{GgufWriter, TensorSource};
