@@ -310,7 +310,9 @@ pub fn parse(buf: &[u8]) -> Result<(Metadata, Vec<TensorInfo>, u64)> {
         }
     };
 
-    let mut raw = Vec::with_capacity(n_tensors as usize);
+    // A tensor info takes at least 32 bytes (name length, one dim, type, offset):
+    // never reserve for more infos than the bytes left could hold.
+    let mut raw = Vec::with_capacity((n_tensors as usize).min(c.remaining() / 32));
     let mut names = std::collections::HashSet::new();
     for i in 0..n_tensors {
         let name = c.string(&format!("name of tensor #{i}"))?;

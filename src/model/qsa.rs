@@ -82,7 +82,7 @@ fn select_tokens(ix: &Indexer, cfg: &Config, ratio: usize, rope: &Rope, st: &mut
         st.block_keys.extend_from_slice(&key);
     }
 
-    let mut selected: Vec<usize> = Vec::with_capacity(qsa.budget + ratio);
+    let mut selected: Vec<usize> = Vec::with_capacity((qsa.budget + ratio).min(n_tokens));
     if n_complete > 0 {
         let mut q = vec![0f32; qsa.n_heads * id];
         ix.q_proj.matvec(x, &mut q);
