@@ -15,6 +15,7 @@
 #ifndef FLASHNEXT_H
 #define FLASHNEXT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -27,14 +28,75 @@
 // The Vulkan backend.
 #define FNX_BACKEND_VULKAN 2
 
+// Most severe: something failed.
+#define FNX_LOG_ERROR 1
+
+// Something looks wrong but work continues.
+#define FNX_LOG_WARN 2
+
+// Milestones (a model loaded, and what it holds).
+#define FNX_LOG_INFO 3
+
+// Details (timings, sizes).
+#define FNX_LOG_DEBUG 4
+
+// `fnx_sampler_params.seed` value asking for a random seed.
+#define FNX_SEED_RANDOM 18446744073709551615ull
+
+// Turns generated tokens into text one at a time (opaque). Use from one
+// thread at a time; free with `fnx_detokenizer_free`.
+typedef struct fnx_detokenizer fnx_detokenizer;
+
 // A loaded model (opaque). Share it between threads freely.
 typedef struct fnx_model fnx_model;
+
+// A sampler (opaque): the settings, the random generator and the accepted
+// tokens. Use from one thread at a time; free with `fnx_sampler_free`.
+typedef struct fnx_sampler fnx_sampler;
 
 // Decode state of one sequence (opaque). Use from one thread at a time.
 typedef struct fnx_state fnx_state;
 
 // Result of a fallible call: `FNX_OK` or one of the `FNX_ERR_*` codes.
 typedef int32_t fnx_status;
+
+// Options for `fnx_generate`. Get defaults from `fnx_generate_params_default()`.
+typedef struct fnx_generate_params {
+  // `sizeof(fnx_generate_params)` as the caller compiled it (set by `fnx_generate_params_default`).
+  uint32_t struct_size;
+  // Most tokens to generate; 0 = no limit (until a stop condition or a full context).
+  uint32_t max_tokens;
+  // Chooses each token; NULL = greedy. `fnx_generate` accepts every
+  // generated token into it (not the prompt) and does not reset it.
+  struct fnx_sampler *sampler;
+  // Token ids that stop generation (after being generated): `n_stop_tokens` of them.
+  const int32_t *stop_tokens;
+  size_t n_stop_tokens;
+  // NUL-terminated strings that stop generation once the generated text
+  // contains one (checked after each token, across token boundaries; the
+  // token completing it is still passed to the callback): `n_stop_strings` of them.
+  const char *const *stop_strings;
+  size_t n_stop_strings;
+  // false (the default): the model's end-of-sequence and end-of-turn
+  // tokens (from its tokenizer metadata) also stop generation.
+  bool ignore_eos;
+} fnx_generate_params;
+
+// Receives each generated token and its text: `piece_len` bytes at `piece`
+// (UTF-8 from the model's tokenizer, never a partial character: bytes of an
+// incomplete one come with a later token; empty for special tokens such as
+// `<|im_end|>` and when the file has no tokenizer; followed by a NUL; valid
+// during the call only). Return false to stop after this token. It must not
+// use the state or the sampler that is generating.
+typedef bool (*fnx_token_callback)(int32_t token,
+                                   const char *piece,
+                                   size_t piece_len,
+                                   void *user_data);
+
+// Load progress: `progress` runs from 0 (start) to 1 (done), reported at the
+// start, after parsing, after each layer's tensors and at the end. Return
+// false to cancel the load (`fnx_load` then returns `FNX_ERR_CANCELLED`).
+typedef bool (*fnx_progress_callback)(float progress, void *user_data);
 
 // Options for `fnx_load`. Get defaults from `fnx_load_params_default()` and
 // change what you need; zero fields mean "default".
@@ -51,7 +113,64 @@ typedef struct fnx_load_params {
   int32_t device_index;
   // VRAM the Vulkan backend may use, in MiB; 0 = as much as it needs.
   uint64_t vram_budget_mb;
+  // Called on the loading thread as the load advances; NULL = none.
+  fnx_progress_callback progress_callback;
+  // Passed unchanged to `progress_callback`.
+  void *progress_user_data;
 } fnx_load_params;
+
+// Receives log messages: `level` is one of `FNX_LOG_*`, `message` a
+// NUL-terminated line without a trailing newline, valid during the call only.
+typedef void (*fnx_log_callback)(int32_t level, const char *message, void *user_data);
+
+// Settings of a sampler. Get them from `fnx_sampler_params_default()` or
+// `fnx_sampler_params_preset()` and change what you need. The chain runs:
+// repetition penalty, presence/frequency penalties, temperature, top-k,
+// top-p, min-p, then a seeded draw.
+typedef struct fnx_sampler_params {
+  // `sizeof(fnx_sampler_params)` as the caller compiled it (set by the functions above).
+  uint32_t struct_size;
+  // Keep the `top_k` most likely tokens; 0 = off.
+  int32_t top_k;
+  // Seed of the draw; `FNX_SEED_RANDOM` picks one. The same seed and the
+  // same logits give the same tokens.
+  uint64_t seed;
+  // 0 = greedy (always the most likely token); otherwise > 0.
+  float temperature;
+  // Nucleus: keep the most likely tokens until their probability reaches
+  // `top_p`, in (0, 1]; 1 = off.
+  float top_p;
+  // Keep tokens at least `min_p` times as likely as the most likely one, in [0, 1]; 0 = off.
+  float min_p;
+  // Divides positive logits / multiplies negative logits of recently
+  // accepted tokens, > 0; 1 = off.
+  float repetition_penalty;
+  // How many of the last accepted tokens `repetition_penalty` covers; 0 = off, -1 = all.
+  int32_t penalty_last_n;
+  // Subtracted once from the logit of every token accepted so far (OpenAI); 0 = off.
+  float presence_penalty;
+  // Subtracted per occurrence of every token accepted so far (OpenAI); 0 = off.
+  float frequency_penalty;
+} fnx_sampler_params;
+
+// Polled by decoding calls before every token; return true to abort the
+// call (it then returns `FNX_ERR_ABORTED` and the state is as it was).
+typedef bool (*fnx_abort_callback)(void *user_data);
+
+// One message of a conversation for `fnx_apply_chat_template`. All strings
+// are NUL-terminated UTF-8.
+typedef struct fnx_chat_message {
+  // "system", "user", "assistant" or "tool" (required).
+  const char *role;
+  // The message text; NULL leaves it out (e.g. an assistant turn with only tool calls).
+  const char *content;
+  // An assistant turn's reasoning (thinking); may be NULL.
+  const char *reasoning_content;
+  // An assistant turn's tool calls as a JSON array, e.g.
+  // `[{"type":"function","function":{"name":"f","arguments":{"x":1}}}]`
+  // (`arguments` may also be a string holding a JSON object); may be NULL.
+  const char *tool_calls_json;
+} fnx_chat_message;
 
 // Success.
 #define FNX_OK 0
@@ -101,6 +220,18 @@ typedef struct fnx_load_params {
 // A handle of the wrong kind, or one already freed (detected by its tag).
 #define FNX_ERR_INVALID_HANDLE 15
 
+// The load progress callback returned false; nothing was loaded.
+#define FNX_ERR_CANCELLED 16
+
+// The state's abort callback returned true; the state is as it was before the call.
+#define FNX_ERR_ABORTED 17
+
+// The snapshot is intact but belongs to another model, format version or context limit.
+#define FNX_ERR_SNAPSHOT_MISMATCH 18
+
+// The bytes are not a complete, undamaged state snapshot.
+#define FNX_ERR_SNAPSHOT_CORRUPT 19
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -115,8 +246,58 @@ const char *fnx_version(void);
 // A short constant name for a status code, e.g. "FNX_ERR_CONTEXT_FULL".
 const char *fnx_status_name(fnx_status status);
 
+// Default generation options: greedy, no token limit, no stop strings,
+// stop at the model's end-of-sequence and end-of-turn tokens.
+struct fnx_generate_params fnx_generate_params_default(void);
+
+// Decodes `n` tokens in order; the logits are then the last token's. Every
+// token and the context room are checked before anything is decoded, and
+// any failure (including `FNX_ERR_ABORTED` from the abort callback, polled
+// before each token) leaves the state as it was. `n` = 0 does nothing.
+//
+// # Safety
+// `state` must be NULL or a live handle, not used by another thread
+// meanwhile; `tokens` NULL or `n` readable ids.
+fnx_status fnx_decode_tokens(struct fnx_state *state, const int32_t *tokens, size_t n);
+
+// Decodes `prompt` (`n_prompt` tokens; may be empty when the state already
+// has logits), then generates: picks a token (with `params->sampler`, or
+// greedily), passes it and its text to `on_token` (may be NULL), and
+// decodes it, until `max_tokens`, a stop token (by default including the
+// model's end-of-sequence and end-of-turn tokens), a stop string, `on_token` returning false,
+// or a full context. Every generated token, including the one that stopped
+// generation, is decoded into the state. `*out_n_generated` (may be NULL)
+// receives the number of generated tokens.
+//
+// Arguments are checked before anything is decoded. On any failure,
+// including `FNX_ERR_ABORTED` (the abort callback is polled before every
+// token), the state and the sampler are as they were before the call;
+// tokens already passed to `on_token` are then not part of the state.
+//
+// # Safety
+// `state` must be NULL or a live handle, not used by another thread
+// meanwhile; `prompt` NULL or `n_prompt` readable ids; `params` NULL or a
+// valid `fnx_generate_params` whose arrays hold the stated counts;
+// `out_n_generated` NULL or writable.
+fnx_status fnx_generate(struct fnx_state *state,
+                        const int32_t *prompt,
+                        size_t n_prompt,
+                        const struct fnx_generate_params *params,
+                        fnx_token_callback on_token,
+                        void *user_data,
+                        size_t *out_n_generated);
+
 // Default load parameters.
 struct fnx_load_params fnx_load_params_default(void);
+
+// Sets the process-wide log callback (NULL = silent, the default). It may be
+// called from any thread that uses flashnext, so it must be thread-safe; it
+// must not call `fnx_set_log_callback` itself.
+//
+// # Safety
+// `callback` must be NULL or a function that stays callable, with
+// `user_data`, until it is replaced.
+void fnx_set_log_callback(fnx_log_callback callback, void *user_data);
 
 // Loads the GGUF model at `path` (UTF-8, NUL-terminated). `params` may be NULL
 // for defaults. On success `*out_model` receives a handle the caller frees
@@ -168,6 +349,61 @@ size_t fnx_model_hidden_size(const struct fnx_model *model);
 // `model` must be NULL or a live handle from `fnx_load`.
 int64_t fnx_model_eos_token(const struct fnx_model *model);
 
+// Settings that leave the model's distribution as it is: temperature 1,
+// no truncation, no penalties, random seed.
+struct fnx_sampler_params fnx_sampler_params_default(void);
+
+// Fills `*out` with a named preset: `"thinking"` (temperature 1.0, top-p
+// 0.95, top-k 20, min-p 0), `"instruct"` (temperature 0.7, top-p 0.8, top-k
+// 20, min-p 0, presence penalty 1.5) or `"greedy"`. Unnamed fields get the
+// defaults (random seed). `FNX_ERR_INVALID_ARGUMENT` for other names.
+//
+// # Safety
+// `name` must be NULL or NUL-terminated; `out` NULL or writable.
+fnx_status fnx_sampler_params_preset(const char *name, struct fnx_sampler_params *out);
+
+// Creates a sampler. `params` may be NULL for the defaults; out-of-range
+// settings give `FNX_ERR_INVALID_ARGUMENT` naming the field.
+//
+// # Safety
+// `params` must be NULL or a valid `fnx_sampler_params`; `out_sampler` NULL or writable.
+fnx_status fnx_sampler_new(const struct fnx_sampler_params *params,
+                           struct fnx_sampler **out_sampler);
+
+// Draws a token from `n` logits (any source; index = token id) into
+// `*out_token`. Advances the random generator; does not accept the token
+// (call `fnx_sampler_accept` for the penalties to see it). Logits of
+// -INFINITY are never drawn; NaN or +INFINITY give `FNX_ERR_INVALID_ARGUMENT`.
+//
+// # Safety
+// `sampler` NULL or a live handle; `logits` NULL or `n` readable floats;
+// `out_token` NULL or writable.
+fnx_status fnx_sampler_sample(struct fnx_sampler *sampler,
+                              const float *logits,
+                              size_t n,
+                              int32_t *out_token);
+
+// Records `token` as part of the text, for the repetition, presence and
+// frequency penalties. `fnx_generate` accepts the tokens it generates.
+//
+// # Safety
+// `sampler` must be NULL or a live handle.
+fnx_status fnx_sampler_accept(struct fnx_sampler *sampler, int32_t token);
+
+// Forgets the accepted tokens and restarts the random generator from the
+// seed (a random seed drawn at creation is kept): the same logits then give
+// the same tokens again.
+//
+// # Safety
+// `sampler` must be NULL or a live handle.
+fnx_status fnx_sampler_reset(struct fnx_sampler *sampler);
+
+// Frees a sampler (NULL is ignored).
+//
+// # Safety
+// `sampler` must be NULL or a handle from `fnx_sampler_new` not yet freed.
+void fnx_sampler_free(struct fnx_sampler *sampler);
+
 // Creates an empty state for `model`. The caller frees it with `fnx_free_state`.
 //
 // # Safety
@@ -206,6 +442,194 @@ fnx_status fnx_state_reset(struct fnx_state *state);
 // # Safety
 // `state` must be NULL or a live handle.
 size_t fnx_state_position(const struct fnx_state *state);
+
+// Sets the callback that decoding calls on this state (`fnx_decode_token`,
+// `fnx_decode_tokens`, `fnx_generate`) poll before every token; NULL removes
+// it. When it returns true the call stops and returns `FNX_ERR_ABORTED`,
+// leaving the state as it was before the call. It runs on the decoding
+// thread and must not use this state. Copies made with `fnx_state_copy` do
+// not inherit it.
+//
+// # Safety
+// `state` must be NULL or a live handle, not used by another thread
+// meanwhile; `callback` must stay callable with `user_data` while set.
+fnx_status fnx_state_set_abort_callback(struct fnx_state *state,
+                                        fnx_abort_callback callback,
+                                        void *user_data);
+
+// Makes an independent copy of `state` (same model, same sequence so far):
+// both can then continue differently. The copy has no abort callback. The
+// caller frees it with `fnx_free_state`.
+//
+// # Safety
+// `state` must be NULL or a live handle not being modified meanwhile;
+// `out_state` NULL or writable.
+fnx_status fnx_state_copy(const struct fnx_state *state, struct fnx_state **out_state);
+
+// Bytes `fnx_state_save` will write for the state as it is now.
+//
+// # Safety
+// `state` must be NULL or a live handle; `out_size` NULL or writable.
+fnx_status fnx_state_save_size(const struct fnx_state *state, size_t *out_size);
+
+// Writes a snapshot of the state (position, every cache, the last logits)
+// into `out`, which holds `capacity` bytes; `*out_written` (may be NULL)
+// receives its length. `FNX_ERR_BUFFER_TOO_SMALL` (nothing written) when
+// `capacity < fnx_state_save_size()`. The snapshot carries the model's
+// fingerprint and can be loaded into any state of the same model file.
+//
+// # Safety
+// `state` must be NULL or a live handle; `out` NULL or `capacity` writable
+// bytes; `out_written` NULL or writable.
+fnx_status fnx_state_save(const struct fnx_state *state,
+                          uint8_t *out,
+                          size_t capacity,
+                          size_t *out_written);
+
+// Replaces the state's contents with a snapshot from `fnx_state_save`
+// (`size` bytes at `data`). Refused, with the state unchanged:
+// `FNX_ERR_SNAPSHOT_MISMATCH` for a snapshot of another model, format
+// version or a longer context than this model allows;
+// `FNX_ERR_SNAPSHOT_CORRUPT` for truncated, damaged or foreign bytes.
+// Success also clears an unusable (poisoned) state. The abort callback is kept.
+//
+// # Safety
+// `state` must be NULL or a live handle, not used by another thread
+// meanwhile; `data` NULL or `size` readable bytes.
+fnx_status fnx_state_load(struct fnx_state *state, const uint8_t *data, size_t size);
+
+// Splits `text_len` bytes of UTF-8 `text` into tokens of `model`'s vocabulary.
+// `add_special` adds the BOS/EOS tokens the model asks for (Qwen: none);
+// `parse_special` turns special-token text such as `<|im_start|>` into those
+// tokens (otherwise it is tokenized as plain text). Writes the ids to
+// `out_tokens` (room for `capacity`; may be NULL when `capacity` is 0) and
+// their number to `*out_n_tokens`. Size query: if `capacity` is too small the
+// call fails with `FNX_ERR_BUFFER_TOO_SMALL`, writes no ids, and sets
+// `*out_n_tokens` to the number needed. Text that is not UTF-8 is
+// `FNX_ERR_INVALID_ARGUMENT`; `text` may be NULL when `text_len` is 0.
+//
+// # Safety
+// `model` NULL or a live handle; `text` NULL or `text_len` readable bytes;
+// `out_tokens` NULL or room for `capacity` ids; `out_n_tokens` NULL or writable.
+fnx_status fnx_tokenize(const struct fnx_model *model,
+                        const char *text,
+                        size_t text_len,
+                        bool add_special,
+                        bool parse_special,
+                        int32_t *out_tokens,
+                        size_t capacity,
+                        size_t *out_n_tokens);
+
+// The bytes `token` stands for, written to `out` (room for `capacity`
+// bytes; NOT NUL-terminated) with their number in `*out_len` (if `capacity`
+// is too small: `FNX_ERR_BUFFER_TOO_SMALL`, nothing written to `out`,
+// `*out_len` = bytes needed). A piece may be
+// part of a UTF-8 sequence (byte-level BPE); use `fnx_detokenize` or a
+// `fnx_detokenizer` to get text. Special tokens (e.g. `<|im_end|>`) give
+// their text only when `special` is true, and nothing otherwise.
+//
+// # Safety
+// `model` NULL or a live handle; `out` NULL or room for `capacity` bytes;
+// `out_len` NULL or writable.
+fnx_status fnx_token_to_piece(const struct fnx_model *model,
+                              int32_t token,
+                              bool special,
+                              char *out,
+                              size_t capacity,
+                              size_t *out_len);
+
+// The text of `n` tokens, as UTF-8 in `out` (room for `capacity` bytes; NOT
+// NUL-terminated) with its length in `*out_len` (if `capacity` is too small:
+// `FNX_ERR_BUFFER_TOO_SMALL`, nothing written to `out`, `*out_len` = bytes
+// needed). Bytes that do not form
+// valid UTF-8 become U+FFFD, as Hugging Face's `decode` does;
+// `remove_special` leaves special tokens out. `tokens` may be NULL when `n`
+// is 0.
+//
+// # Safety
+// `model` NULL or a live handle; `tokens` NULL or `n` readable ids; `out`
+// NULL or room for `capacity` bytes; `out_len` NULL or writable.
+fnx_status fnx_detokenize(const struct fnx_model *model,
+                          const int32_t *tokens,
+                          size_t n,
+                          bool remove_special,
+                          char *out,
+                          size_t capacity,
+                          size_t *out_len);
+
+// Creates a streaming detokenizer for `model`'s tokens; `*out` receives a
+// handle the caller frees with `fnx_detokenizer_free`. It renders special
+// tokens (like `fnx_detokenize` with `remove_special` false).
+//
+// # Safety
+// `model` NULL or a live handle; `out` NULL or writable.
+fnx_status fnx_detokenizer_new(const struct fnx_model *model, struct fnx_detokenizer **out);
+
+// Adds one token and writes the text that is now complete to `out` (room
+// for `capacity` bytes; NOT NUL-terminated; `*out_len` may be 0): only whole
+// UTF-8 sequences, bytes of an unfinished one wait for the next token. On
+// `FNX_ERR_BUFFER_TOO_SMALL` the token is not consumed and `*out_len` is the
+// room needed: push it again with a larger buffer. `out` may be NULL when
+// `capacity` is 0. After the model is freed: `FNX_ERR_MODEL_FREED`.
+//
+// # Safety
+// `detok` NULL or a live handle; `out` NULL or room for `capacity` bytes;
+// `out_len` NULL or writable.
+fnx_status fnx_detokenizer_push(struct fnx_detokenizer *detok,
+                                int32_t token,
+                                char *out,
+                                size_t capacity,
+                                size_t *out_len);
+
+// Ends the stream: writes what is still held back (an unfinished UTF-8
+// sequence, as U+FFFD) to `out` and empties the detokenizer, which can then
+// start a new stream. On `FNX_ERR_BUFFER_TOO_SMALL` nothing is consumed and
+// `*out_len` is the room needed (at most 3 bytes).
+//
+// # Safety
+// `detok` NULL or a live handle; `out` NULL or room for `capacity` bytes;
+// `out_len` NULL or writable.
+fnx_status fnx_detokenizer_flush(struct fnx_detokenizer *detok,
+                                 char *out,
+                                 size_t capacity,
+                                 size_t *out_len);
+
+// Frees a detokenizer (NULL is ignored); what it still held back is dropped.
+//
+// # Safety
+// `detok` must be NULL or a handle from `fnx_detokenizer_new` not yet freed.
+void fnx_detokenizer_free(struct fnx_detokenizer *detok);
+
+// Renders a conversation with the model's chat template (its
+// `tokenizer.chat_template`), or with `template_override` (Jinja source)
+// when that is not NULL, the way transformers' `apply_chat_template` does.
+// `tools_json` is a JSON array of tool schemas or NULL; `add_generation_prompt`
+// ends with the header of a new assistant turn; `enable_thinking` is passed
+// to the template (Qwen: false opens an empty think block). Writes the text
+// to `out` (room for `capacity` bytes; NOT NUL-terminated) and its length to
+// `*out_len` (if `capacity` is too small: `FNX_ERR_BUFFER_TOO_SMALL`, nothing
+// written to `out`, `*out_len` = bytes needed). `messages` may be NULL
+// when `n_messages` is 0. Errors: a template syntax error or one the
+// template raises (e.g. "System message must be at the beginning.") and
+// malformed JSON are `FNX_ERR_INVALID_ARGUMENT` (a syntax error in the
+// model's own template: `FNX_ERR_INVALID_MODEL`), with the template's
+// message in `fnx_last_error()`.
+//
+// # Safety
+// `model` NULL or a live handle; `template_override` and `tools_json` NULL or
+// NUL-terminated; `messages` NULL or `n_messages` readable structs whose
+// string fields are NULL or NUL-terminated; `out` NULL or room for
+// `capacity` bytes; `out_len` NULL or writable.
+fnx_status fnx_apply_chat_template(const struct fnx_model *model,
+                                   const char *template_override,
+                                   const struct fnx_chat_message *messages,
+                                   size_t n_messages,
+                                   const char *tools_json,
+                                   bool add_generation_prompt,
+                                   bool enable_thinking,
+                                   char *out,
+                                   size_t capacity,
+                                   size_t *out_len);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -11,11 +11,17 @@
 //! - Panics never cross the boundary: they become `FNX_ERR_INTERNAL`.
 #![allow(non_camel_case_types)]
 
+mod generate;
 mod model;
+mod sampler;
 mod state;
+mod text;
 
+pub use generate::*;
 pub use model::*;
+pub use sampler::*;
 pub use state::*;
+pub use text::*;
 
 use crate::error::Error;
 use std::cell::RefCell;
@@ -57,6 +63,14 @@ pub const FNX_ERR_INTERNAL: fnx_status = 13;
 pub const FNX_ERR_STATE_INVALID: fnx_status = 14;
 /// A handle of the wrong kind, or one already freed (detected by its tag).
 pub const FNX_ERR_INVALID_HANDLE: fnx_status = 15;
+/// The load progress callback returned false; nothing was loaded.
+pub const FNX_ERR_CANCELLED: fnx_status = 16;
+/// The state's abort callback returned true; the state is as it was before the call.
+pub const FNX_ERR_ABORTED: fnx_status = 17;
+/// The snapshot is intact but belongs to another model, format version or context limit.
+pub const FNX_ERR_SNAPSHOT_MISMATCH: fnx_status = 18;
+/// The bytes are not a complete, undamaged state snapshot.
+pub const FNX_ERR_SNAPSHOT_CORRUPT: fnx_status = 19;
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
@@ -160,6 +174,10 @@ pub extern "C" fn fnx_status_name(status: fnx_status) -> *const c_char {
         FNX_ERR_INTERNAL => "FNX_ERR_INTERNAL\0",
         FNX_ERR_STATE_INVALID => "FNX_ERR_STATE_INVALID\0",
         FNX_ERR_INVALID_HANDLE => "FNX_ERR_INVALID_HANDLE\0",
+        FNX_ERR_CANCELLED => "FNX_ERR_CANCELLED\0",
+        FNX_ERR_ABORTED => "FNX_ERR_ABORTED\0",
+        FNX_ERR_SNAPSHOT_MISMATCH => "FNX_ERR_SNAPSHOT_MISMATCH\0",
+        FNX_ERR_SNAPSHOT_CORRUPT => "FNX_ERR_SNAPSHOT_CORRUPT\0",
         _ => "FNX_UNKNOWN_STATUS\0",
     };
     s.as_ptr().cast()

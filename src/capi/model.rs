@@ -1,11 +1,14 @@
 //! `fnx_model`: loading a GGUF file and the facts a caller needs about it.
 
-use super::{fail, guard, non_null, fnx_status, Failure, FNX_ERR_INVALID_ARGUMENT, FNX_ERR_INVALID_HANDLE, FNX_ERR_BACKEND_UNAVAILABLE};
-use crate::model::{LoadOptions, Model};
-use std::ffi::{c_char, CStr};
+use super::{
+    fail, guard, non_null, fnx_status, Failure, FNX_ERR_BACKEND_UNAVAILABLE, FNX_ERR_CANCELLED, FNX_ERR_INVALID_ARGUMENT,
+    FNX_ERR_INVALID_HANDLE,
+};
+use crate::model::{LayerKind, LoadOptions, Model};
+use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Let flashnext choose (today: the CPU).
 pub const FNX_BACKEND_AUTO: i32 = 0;
@@ -13,6 +16,11 @@ pub const FNX_BACKEND_AUTO: i32 = 0;
 pub const FNX_BACKEND_CPU: i32 = 1;
 /// The Vulkan backend.
 pub const FNX_BACKEND_VULKAN: i32 = 2;
+
+/// Load progress: `progress` runs from 0 (start) to 1 (done), reported at the
+/// start, after parsing, after each layer's tensors and at the end. Return
+/// false to cancel the load (`fnx_load` then returns `FNX_ERR_CANCELLED`).
+pub type fnx_progress_callback = Option<unsafe extern "C" fn(progress: f32, user_data: *mut c_void) -> bool>;
 
 /// Options for `fnx_load`. Get defaults from `fnx_load_params_default()` and
 /// change what you need; zero fields mean "default".
@@ -31,7 +39,15 @@ pub struct fnx_load_params {
     pub device_index: i32,
     /// VRAM the Vulkan backend may use, in MiB; 0 = as much as it needs.
     pub vram_budget_mb: u64,
+    /// Called on the loading thread as the load advances; NULL = none.
+    pub progress_callback: fnx_progress_callback,
+    /// Passed unchanged to `progress_callback`.
+    pub progress_user_data: *mut c_void,
 }
+
+/// `struct_size` of callers built before the progress fields existed; such
+/// callers are still accepted (the missing fields read as NULL).
+const LOAD_PARAMS_V1_SIZE: usize = std::mem::offset_of!(fnx_load_params, progress_callback);
 
 /// A loaded model (opaque). Share it between threads freely.
 pub struct fnx_model {
@@ -66,7 +82,77 @@ pub extern "C" fn fnx_load_params_default() -> fnx_load_params {
         backend: FNX_BACKEND_AUTO,
         device_index: 0,
         vram_budget_mb: 0,
+        progress_callback: None,
+        progress_user_data: std::ptr::null_mut(),
     }
+}
+
+/// Most severe: something failed.
+pub const FNX_LOG_ERROR: i32 = 1;
+/// Something looks wrong but work continues.
+pub const FNX_LOG_WARN: i32 = 2;
+/// Milestones (a model loaded, and what it holds).
+pub const FNX_LOG_INFO: i32 = 3;
+/// Details (timings, sizes).
+pub const FNX_LOG_DEBUG: i32 = 4;
+
+/// Receives log messages: `level` is one of `FNX_LOG_*`, `message` a
+/// NUL-terminated line without a trailing newline, valid during the call only.
+pub type fnx_log_callback = Option<unsafe extern "C" fn(level: i32, message: *const c_char, user_data: *mut c_void)>;
+
+type LogSink = (unsafe extern "C" fn(i32, *const c_char, *mut c_void), usize);
+static LOG_SINK: Mutex<Option<LogSink>> = Mutex::new(None);
+
+/// Sends a message to the log callback, if one is set (the message is only
+/// formatted then).
+pub(crate) fn log(level: i32, message: impl FnOnce() -> String) {
+    let sink = *LOG_SINK.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((f, user_data)) = sink {
+        let c = CString::new(message().replace('\0', " ")).unwrap_or_default();
+        // SAFETY: the callback and its user data were registered by the caller
+        // through fnx_set_log_callback; the string lives across the call.
+        unsafe { f(level, c.as_ptr(), user_data as *mut c_void) };
+    }
+}
+
+/// Sets the process-wide log callback (NULL = silent, the default). It may be
+/// called from any thread that uses flashnext, so it must be thread-safe; it
+/// must not call `fnx_set_log_callback` itself.
+///
+/// # Safety
+/// `callback` must be NULL or a function that stays callable, with
+/// `user_data`, until it is replaced.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_set_log_callback(callback: fnx_log_callback, user_data: *mut c_void) {
+    let mut sink = LOG_SINK.lock().unwrap_or_else(|e| e.into_inner());
+    *sink = callback.map(|f| (f, user_data as usize));
+}
+
+/// Reads the caller's params (either layout it may have been built with).
+///
+/// # Safety
+/// `params` must point to at least `struct_size` readable bytes.
+unsafe fn read_params(params: *const fnx_load_params) -> Result<fnx_load_params, Failure> {
+    // SAFETY: struct_size is the first field of every layout.
+    let size = unsafe { *params.cast::<u32>() } as usize;
+    let mut p = fnx_load_params_default();
+    if size == std::mem::size_of::<fnx_load_params>() {
+        // SAFETY: the caller's struct has this layout.
+        p = unsafe { *params };
+    } else if size == LOAD_PARAMS_V1_SIZE {
+        // SAFETY: the caller's struct is the older prefix of this layout.
+        unsafe { std::ptr::copy_nonoverlapping(params.cast::<u8>(), (&mut p as *mut fnx_load_params).cast::<u8>(), size) };
+    } else {
+        return Err(fail(
+            FNX_ERR_INVALID_ARGUMENT,
+            format!(
+                "fnx_load: params.struct_size is {size}, expected {} (initialise it with fnx_load_params_default)",
+                std::mem::size_of::<fnx_load_params>()
+            ),
+        ));
+    }
+    p.struct_size = std::mem::size_of::<fnx_load_params>() as u32;
+    Ok(p)
 }
 
 fn backend_choice(params: &fnx_load_params) -> Result<i32, Failure> {
@@ -110,30 +196,74 @@ pub unsafe extern "C" fn fnx_load(
             non_null!(path, "fnx_load", "path");
             non_null!(out_model, "fnx_load", "out_model");
             // SAFETY: non-NULL, and the caller promises a valid struct.
-            let p = if params.is_null() { fnx_load_params_default() } else { unsafe { *params } };
-            if !params.is_null() && p.struct_size as usize != std::mem::size_of::<fnx_load_params>() {
-                return Err(fail(
-                    FNX_ERR_INVALID_ARGUMENT,
-                    format!(
-                        "fnx_load: params.struct_size is {}, expected {} (initialise it with fnx_load_params_default)",
-                        p.struct_size,
-                        std::mem::size_of::<fnx_load_params>()
-                    ),
-                ));
-            }
+            let p = if params.is_null() { fnx_load_params_default() } else { unsafe { read_params(params) }? };
             backend_choice(&p)?;
             // SAFETY: non-NULL and NUL-terminated per the contract.
             let path = unsafe { CStr::from_ptr(path) }
                 .to_str()
                 .map_err(|_| fail(FNX_ERR_INVALID_ARGUMENT, "fnx_load: path is not valid UTF-8"))?;
-            let opts = LoadOptions { n_ctx: p.n_ctx as usize, n_threads: p.n_threads as usize };
-            let model = Model::load(Path::new(path), &opts)?;
+            let cancelled = Arc::new(AtomicBool::new(false));
+            let progress = p.progress_callback.map(|f| {
+                let (user_data, cancelled) = (p.progress_user_data as usize, cancelled.clone());
+                let wrapped = move |fraction: f32| {
+                    // SAFETY: the caller's callback and user data, called on this thread during fnx_load.
+                    let go_on = unsafe { f(fraction, user_data as *mut c_void) };
+                    if !go_on {
+                        cancelled.store(true, Ordering::Relaxed);
+                    }
+                    go_on
+                };
+                Arc::new(wrapped) as crate::model::ProgressFn
+            });
+            let opts = LoadOptions { n_ctx: p.n_ctx as usize, n_threads: p.n_threads as usize, progress };
+            let start = std::time::Instant::now();
+            let model = match Model::load(Path::new(path), &opts) {
+                Ok(m) => m,
+                Err(_) if cancelled.load(Ordering::Relaxed) => {
+                    log(super::FNX_LOG_INFO, || format!("loading {path} cancelled by the progress callback"));
+                    return Err(fail(FNX_ERR_CANCELLED, format!("fnx_load: loading {path} was cancelled by the progress callback")));
+                }
+                Err(e) => {
+                    log(super::FNX_LOG_ERROR, || format!("fnx_load {path}: {e}"));
+                    return Err(e.into());
+                }
+            };
+            if p.n_ctx as usize > model.config.context_length {
+                log(super::FNX_LOG_WARN, || {
+                    format!(
+                        "n_ctx {} exceeds the model's context length {}; using {}",
+                        p.n_ctx, model.config.context_length, model.n_ctx
+                    )
+                });
+            }
+            log(super::FNX_LOG_INFO, || describe(path, &model, start.elapsed()));
             let handle = Box::new(fnx_model { tag: MODEL_TAG, model, alive: Arc::new(AtomicBool::new(true)) });
             // SAFETY: checked non-NULL above; written only on success.
             unsafe { *out_model = Box::into_raw(handle) };
             Ok(())
         },
         || {},
+    )
+}
+
+/// The one-line summary logged when a model is loaded.
+fn describe(path: &str, m: &Model, took: std::time::Duration) -> String {
+    let c = &m.config;
+    let gdn = c.layers.iter().filter(|k| **k == LayerKind::Linear).count();
+    let types: Vec<String> = m.tensor_types().iter().map(|(ty, n)| format!("{n} {ty}")).collect();
+    format!(
+        "loaded {path}: {} layers ({gdn} Gated DeltaNet, {} attention), vocab {}, hidden {}, \
+         {} experts ({} per token), context {}; tensors: {}; {:.1} MiB in {:.1} ms",
+        c.n_layers,
+        c.n_layers - gdn,
+        c.vocab,
+        c.hidden,
+        c.n_experts,
+        c.n_experts_used,
+        m.n_ctx,
+        types.join(", "),
+        m.file_size() as f64 / (1024.0 * 1024.0),
+        took.as_secs_f64() * 1e3
     )
 }
 

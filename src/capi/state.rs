@@ -1,25 +1,60 @@
 //! `fnx_state`: one sequence being decoded.
 
 use super::{
-    fail, fnx_model, fnx_status, guard, non_null, Failure, FNX_ERR_BUFFER_TOO_SMALL, FNX_ERR_INVALID_HANDLE,
-    FNX_ERR_MODEL_FREED, FNX_ERR_NO_LOGITS, FNX_ERR_STATE_INVALID,
+    fail, fnx_model, fnx_status, guard, log, non_null, Failure, FNX_ERR_ABORTED, FNX_ERR_BUFFER_TOO_SMALL,
+    FNX_ERR_INVALID_HANDLE, FNX_ERR_MODEL_FREED, FNX_ERR_NO_LOGITS, FNX_ERR_OUT_OF_MEMORY, FNX_ERR_SNAPSHOT_CORRUPT,
+    FNX_ERR_SNAPSHOT_MISMATCH, FNX_ERR_STATE_INVALID, FNX_LOG_DEBUG,
 };
-use crate::model::State;
+use crate::model::{SnapshotError, State};
+use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+
+/// Polled by decoding calls before every token; return true to abort the
+/// call (it then returns `FNX_ERR_ABORTED` and the state is as it was).
+pub type fnx_abort_callback = Option<unsafe extern "C" fn(user_data: *mut c_void) -> bool>;
 
 /// Decode state of one sequence (opaque). Use from one thread at a time.
 pub struct fnx_state {
     tag: u64,
-    state: State,
+    pub(crate) state: State,
     model_alive: Arc<AtomicBool>,
     /// Set when an internal error interrupted a decode half way.
-    poisoned: bool,
+    pub(crate) poisoned: bool,
+    /// Set by `fnx_state_set_abort_callback`.
+    abort: Option<(unsafe extern "C" fn(*mut c_void) -> bool, *mut c_void)>,
 }
 
 const STATE_TAG: u64 = 0x666e_785f_7374_6174; // "fnx_stat"
 
-fn check<'a>(p: *const fnx_state, func: &str) -> Result<&'a fnx_state, Failure> {
+impl fnx_state {
+    /// The abort callback as a closure (never aborts when none is set).
+    pub(crate) fn abort_fn(&self) -> impl FnMut() -> bool {
+        let abort = self.abort;
+        // SAFETY: the caller registered the callback and its user data for this state.
+        move || abort.is_some_and(|(f, user_data)| unsafe { f(user_data) })
+    }
+}
+
+/// The abort error every decoding entry point returns.
+pub(crate) fn aborted(func: &str) -> Failure {
+    fail(FNX_ERR_ABORTED, format!("{func}: aborted by the abort callback; the state is unchanged"))
+}
+
+/// Borrows a live, usable state handle (tag, model alive, not poisoned).
+pub(crate) fn check<'a>(p: *const fnx_state, func: &str) -> Result<&'a fnx_state, Failure> {
+    let s = check_live(p, func)?;
+    if s.poisoned {
+        return Err(fail(
+            FNX_ERR_STATE_INVALID,
+            format!("{func}: an earlier internal error left this state unusable; call fnx_state_reset"),
+        ));
+    }
+    Ok(s)
+}
+
+/// Like `check` but accepts a poisoned state (for calls that replace its contents).
+fn check_live<'a>(p: *const fnx_state, func: &str) -> Result<&'a fnx_state, Failure> {
     // SAFETY: non-NULL (checked by the caller) handle from fnx_new_state; the tag
     // catches handles of the wrong kind.
     let s = unsafe { &*p };
@@ -28,12 +63,6 @@ fn check<'a>(p: *const fnx_state, func: &str) -> Result<&'a fnx_state, Failure> 
     }
     if !s.model_alive.load(Ordering::Acquire) {
         return Err(fail(FNX_ERR_MODEL_FREED, format!("{func}: the state's model has been freed")));
-    }
-    if s.poisoned {
-        return Err(fail(
-            FNX_ERR_STATE_INVALID,
-            format!("{func}: an earlier internal error left this state unusable; call fnx_state_reset"),
-        ));
     }
     Ok(s)
 }
@@ -54,6 +83,7 @@ pub unsafe extern "C" fn fnx_new_state(model: *mut fnx_model, out_state: *mut *m
                 state: State::new(m.model.clone())?,
                 model_alive: m.alive.clone(),
                 poisoned: false,
+                abort: None,
             });
             // SAFETY: checked non-NULL; written only on success.
             unsafe { *out_state = Box::into_raw(s) };
@@ -104,6 +134,13 @@ pub unsafe extern "C" fn fnx_decode_token(state: *mut fnx_state, token: i32) -> 
             let token = u32::try_from(token).map_err(|_| {
                 fail(super::FNX_ERR_TOKEN_OUT_OF_RANGE, format!("fnx_decode_token: token {token} is negative"))
             })?;
+            if s.abort.is_some() {
+                // Bad arguments are reported as such, even when an abort is pending.
+                s.state.check_tokens(&[token])?;
+                if s.abort_fn()() {
+                    return Err(aborted("fnx_decode_token"));
+                }
+            }
             s.state.decode(token)?;
             Ok(())
         },
@@ -188,4 +225,159 @@ pub unsafe extern "C" fn fnx_state_position(state: *const fnx_state) -> usize {
         || {},
     );
     pos
+}
+
+/// Sets the callback that decoding calls on this state (`fnx_decode_token`,
+/// `fnx_decode_tokens`, `fnx_generate`) poll before every token; NULL removes
+/// it. When it returns true the call stops and returns `FNX_ERR_ABORTED`,
+/// leaving the state as it was before the call. It runs on the decoding
+/// thread and must not use this state. Copies made with `fnx_state_copy` do
+/// not inherit it.
+///
+/// # Safety
+/// `state` must be NULL or a live handle, not used by another thread
+/// meanwhile; `callback` must stay callable with `user_data` while set.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_state_set_abort_callback(
+    state: *mut fnx_state,
+    callback: fnx_abort_callback,
+    user_data: *mut c_void,
+) -> fnx_status {
+    guard(
+        || {
+            non_null!(state, "fnx_state_set_abort_callback", "state");
+            check_live(state, "fnx_state_set_abort_callback")?;
+            // SAFETY: checked above; the caller guarantees exclusive use.
+            let s = unsafe { &mut *state };
+            s.abort = callback.map(|f| (f, user_data));
+            Ok(())
+        },
+        || {},
+    )
+}
+
+/// Makes an independent copy of `state` (same model, same sequence so far):
+/// both can then continue differently. The copy has no abort callback. The
+/// caller frees it with `fnx_free_state`.
+///
+/// # Safety
+/// `state` must be NULL or a live handle not being modified meanwhile;
+/// `out_state` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_state_copy(state: *const fnx_state, out_state: *mut *mut fnx_state) -> fnx_status {
+    guard(
+        || {
+            non_null!(state, "fnx_state_copy", "state");
+            non_null!(out_state, "fnx_state_copy", "out_state");
+            let s = check(state, "fnx_state_copy")?;
+            let copy = Box::new(fnx_state {
+                tag: STATE_TAG,
+                state: s.state.try_clone()?,
+                model_alive: s.model_alive.clone(),
+                poisoned: false,
+                abort: None,
+            });
+            // SAFETY: checked non-NULL; written only on success.
+            unsafe { *out_state = Box::into_raw(copy) };
+            Ok(())
+        },
+        || {},
+    )
+}
+
+/// Bytes `fnx_state_save` will write for the state as it is now.
+///
+/// # Safety
+/// `state` must be NULL or a live handle; `out_size` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_state_save_size(state: *const fnx_state, out_size: *mut usize) -> fnx_status {
+    guard(
+        || {
+            non_null!(state, "fnx_state_save_size", "state");
+            non_null!(out_size, "fnx_state_save_size", "out_size");
+            let s = check(state, "fnx_state_save_size")?;
+            // SAFETY: checked non-NULL.
+            unsafe { *out_size = s.state.save_size() };
+            Ok(())
+        },
+        || {},
+    )
+}
+
+/// Writes a snapshot of the state (position, every cache, the last logits)
+/// into `out`, which holds `capacity` bytes; `*out_written` (may be NULL)
+/// receives its length. `FNX_ERR_BUFFER_TOO_SMALL` (nothing written) when
+/// `capacity < fnx_state_save_size()`. The snapshot carries the model's
+/// fingerprint and can be loaded into any state of the same model file.
+///
+/// # Safety
+/// `state` must be NULL or a live handle; `out` NULL or `capacity` writable
+/// bytes; `out_written` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_state_save(
+    state: *const fnx_state,
+    out: *mut u8,
+    capacity: usize,
+    out_written: *mut usize,
+) -> fnx_status {
+    guard(
+        || {
+            non_null!(state, "fnx_state_save", "state");
+            non_null!(out, "fnx_state_save", "out");
+            let s = check(state, "fnx_state_save")?;
+            let size = s.state.save_size();
+            if capacity < size {
+                return Err(fail(
+                    FNX_ERR_BUFFER_TOO_SMALL,
+                    format!("fnx_state_save: buffer holds {capacity} bytes, the snapshot needs {size}"),
+                ));
+            }
+            // SAFETY: `out` has `capacity >= size` writable bytes per the contract.
+            let buf = unsafe { std::slice::from_raw_parts_mut(out, size) };
+            let n = s.state.save_into(buf).expect("buffer sized by save_size");
+            if !out_written.is_null() {
+                // SAFETY: non-NULL and writable per the contract.
+                unsafe { *out_written = n };
+            }
+            log(FNX_LOG_DEBUG, || format!("saved a state at position {} ({n} bytes)", s.state.position()));
+            Ok(())
+        },
+        || {},
+    )
+}
+
+/// Replaces the state's contents with a snapshot from `fnx_state_save`
+/// (`size` bytes at `data`). Refused, with the state unchanged:
+/// `FNX_ERR_SNAPSHOT_MISMATCH` for a snapshot of another model, format
+/// version or a longer context than this model allows;
+/// `FNX_ERR_SNAPSHOT_CORRUPT` for truncated, damaged or foreign bytes.
+/// Success also clears an unusable (poisoned) state. The abort callback is kept.
+///
+/// # Safety
+/// `state` must be NULL or a live handle, not used by another thread
+/// meanwhile; `data` NULL or `size` readable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_state_load(state: *mut fnx_state, data: *const u8, size: usize) -> fnx_status {
+    guard(
+        || {
+            non_null!(state, "fnx_state_load", "state");
+            non_null!(data, "fnx_state_load", "data");
+            check_live(state, "fnx_state_load")?;
+            // SAFETY: checked above; the caller guarantees exclusive use and `size` readable bytes.
+            let s = unsafe { &mut *state };
+            let bytes = unsafe { std::slice::from_raw_parts(data, size) };
+            s.state.restore(bytes).map_err(|e| {
+                let status = match &e {
+                    SnapshotError::OutOfMemory(_) => FNX_ERR_OUT_OF_MEMORY,
+                    e if e.is_mismatch() => FNX_ERR_SNAPSHOT_MISMATCH,
+                    _ => FNX_ERR_SNAPSHOT_CORRUPT,
+                };
+                fail(status, format!("fnx_state_load: {e}"))
+            })?;
+            s.poisoned = false;
+            log(FNX_LOG_DEBUG, || format!("loaded a state at position {} ({size} bytes)", s.state.position()));
+            Ok(())
+        },
+        || {},
+    )
 }

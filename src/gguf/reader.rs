@@ -341,7 +341,9 @@ pub fn parse(buf: &[u8]) -> Result<(Metadata, Vec<TensorInfo>, u64)> {
         raw.push((name, dims, ty, offset));
     }
 
+    // A file without tensors (a vocabulary-only GGUF) needs no padding after its header.
     let data_start = align_up(c.pos as u64, alignment)
+        .map(|s| if raw.is_empty() { s.min(buf.len() as u64) } else { s })
         .filter(|&s| s <= buf.len() as u64)
         .ok_or_else(|| Error::format("file truncated: it ends before its tensor data section"))?;
     let data_len = buf.len() as u64 - data_start;

@@ -15,25 +15,62 @@ mod moe;
 pub mod ops;
 mod ple;
 mod qsa;
+pub mod snapshot;
 pub mod state;
 pub mod weights;
 
 pub use config::{Config, GateActivation, LayerKind};
+pub use snapshot::SnapshotError;
 pub use state::State;
 pub use weights::Weights;
 
 use crate::error::{Error, Result};
-use crate::gguf::{GgufFile, Metadata};
+use crate::gguf::{GgmlType, GgufFile, Metadata};
 use std::path::Path;
 use std::sync::Arc;
 
+/// Load progress callback: receives a fraction in [0, 1] (0 at the start,
+/// then after parsing, after each layer's tensors, and 1 at the end) and
+/// returns `false` to cancel the load.
+pub type ProgressFn = Arc<dyn Fn(f32) -> bool + Send + Sync>;
+
+/// Message of the error a cancelled load returns (an `Error::InvalidArgument`).
+pub const LOAD_CANCELLED: &str = "loading cancelled by the progress callback";
+
 /// Options for [`Model::load`].
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub struct LoadOptions {
     /// Largest number of positions a state may hold; 0 = the model's `context_length`.
     pub n_ctx: usize,
     /// Worker threads for this model's matrix products; 0 = rayon's global pool (all cores).
     pub n_threads: usize,
+    /// Called as the load advances; returning `false` cancels it (see [`ProgressFn`]).
+    pub progress: Option<ProgressFn>,
+}
+
+impl std::fmt::Debug for LoadOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadOptions")
+            .field("n_ctx", &self.n_ctx)
+            .field("n_threads", &self.n_threads)
+            .field("progress", &self.progress.as_ref().map(|_| "Fn(f32) -> bool"))
+            .finish()
+    }
+}
+
+impl LoadOptions {
+    /// Reports `fraction` to the progress callback; `Err` when it cancels.
+    fn report(&self, fraction: f32) -> Result<()> {
+        match &self.progress {
+            Some(f) if !f(fraction.clamp(0.0, 1.0)) => Err(Error::arg(LOAD_CANCELLED)),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Layer index of a tensor named `blk.N.*`, if any.
+fn tensor_layer(name: &str) -> Option<usize> {
+    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
 }
 
 /// A loaded model: immutable, shareable across threads (`Arc<Model>`).
@@ -44,23 +81,65 @@ pub struct Model {
     /// Positions a state may hold (after `LoadOptions::n_ctx`).
     pub n_ctx: usize,
     pool: Option<rayon::ThreadPool>,
+    /// The tokenizer, built on first use by [`Model::tokenizer`] (see `crate::tokenizer`).
+    pub tokenizer: std::sync::OnceLock<std::result::Result<crate::tokenizer::Tokenizer, String>>,
+    /// Identity of the model file, for state snapshots (see [`snapshot`]).
+    fingerprint: u64,
+    /// Bytes of the model image.
+    file_size: u64,
+    /// Number of tensors of each type in the file, most common first.
+    tensor_types: Vec<(GgmlType, usize)>,
 }
 
 impl Model {
     /// Maps and validates a GGUF file.
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Arc<Model>> {
+        opts.report(0.0)?;
         let file = GgufFile::open(path)?;
-        Self::from_gguf(file, opts)
+        Self::build(file, opts)
     }
 
     /// Parses a model image held in memory (e.g. one embedded in the program).
     pub fn from_bytes(bytes: crate::gguf::Storage, opts: &LoadOptions) -> Result<Arc<Model>> {
-        Self::from_gguf(GgufFile::from_storage(bytes)?, opts)
+        opts.report(0.0)?;
+        Self::build(GgufFile::from_storage(bytes)?, opts)
     }
 
     pub fn from_gguf(file: GgufFile, opts: &LoadOptions) -> Result<Arc<Model>> {
+        opts.report(0.0)?;
+        Self::build(file, opts)
+    }
+
+    fn build(file: GgufFile, opts: &LoadOptions) -> Result<Arc<Model>> {
         let mut config = Config::from_metadata(&file.metadata)?;
+        opts.report(0.05)?;
+        // One pass over the tensors, layer by layer: the fingerprint and the
+        // type census. Tensors outside `blk.N` go first.
+        let file_size = file.bytes().len() as u64;
+        let mut fp = snapshot::Fingerprinter::new(file_size, &file.metadata);
+        let mut groups: Vec<Vec<&crate::gguf::TensorInfo>> = vec![Vec::new(); config.n_layers + 1];
+        for t in &file.tensors {
+            let g = tensor_layer(&t.name).filter(|&l| l < config.n_layers).map_or(0, |l| l + 1);
+            groups[g].push(t);
+        }
+        let mut census: Vec<(GgmlType, usize)> = Vec::new();
+        for (g, tensors) in groups.iter().enumerate() {
+            for t in tensors {
+                let data = file.bytes().get(t.offset..t.offset.saturating_add(t.nbytes)).unwrap_or(&[]);
+                fp.tensor(t, data);
+                match census.iter_mut().find(|(ty, _)| *ty == t.ty) {
+                    Some((_, n)) => *n += 1,
+                    None => census.push((t.ty, 1)),
+                }
+            }
+            if g > 0 {
+                opts.report(0.05 + 0.85 * g as f32 / config.n_layers as f32)?;
+            }
+        }
+        census.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.id().cmp(&b.0.id())));
+        let fingerprint = fp.finish();
         let weights = Weights::load(&file, &mut config)?;
+        opts.report(0.95)?;
         let n_ctx = if opts.n_ctx == 0 { config.context_length } else { opts.n_ctx.min(config.context_length) };
         let pool = if opts.n_threads > 0 {
             Some(
@@ -72,17 +151,59 @@ impl Model {
         } else {
             None
         };
+        opts.report(1.0)?;
         Ok(Arc::new(Model {
             config,
             weights,
             metadata: file.metadata,
             n_ctx,
             pool,
+            tokenizer: std::sync::OnceLock::new(),
+            fingerprint,
+            file_size,
+            tensor_types: census,
         }))
     }
 
     pub fn vocab_size(&self) -> usize {
         self.config.vocab
+    }
+
+    /// Identity of the model file (file size, metadata, tensor layout and
+    /// sampled tensor bytes, hashed); snapshots carry it.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    /// Size of the model image in bytes.
+    pub fn file_size(&self) -> u64 {
+        self.file_size
+    }
+
+    /// Number of tensors of each type in the file, most common first.
+    pub fn tensor_types(&self) -> &[(GgmlType, usize)] {
+        &self.tensor_types
+    }
+
+    /// The end-of-sequence token from the tokenizer metadata, if any.
+    pub fn eos_token(&self) -> Option<u32> {
+        self.metadata_token("tokenizer.ggml.eos_token_id")
+    }
+
+    /// Tokens that end a generated reply: the end-of-sequence and
+    /// end-of-turn tokens the tokenizer metadata names (deduplicated).
+    pub fn end_of_generation_tokens(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = Vec::new();
+        for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
+            if let Some(t) = self.metadata_token(key).filter(|t| !v.contains(t)) {
+                v.push(t);
+            }
+        }
+        v
+    }
+
+    fn metadata_token(&self, key: &str) -> Option<u32> {
+        self.metadata.get(key).and_then(|v| v.as_u64()).and_then(|v| u32::try_from(v).ok())
     }
 
     /// Runs `f` on this model's thread pool (or the global one).

@@ -120,4 +120,141 @@ impl State {
         self.pos += 1;
         Ok(())
     }
+
+    /// Checks that `tokens` are all in the vocabulary and fit in the context,
+    /// without changing anything.
+    pub fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        let vocab = self.model.config.vocab;
+        if let Some((i, t)) = tokens.iter().enumerate().find(|(_, t)| **t as usize >= vocab) {
+            return Err(Error::TokenOutOfRange(format!(
+                "token {t} (index {i}) is out of range: the vocabulary has {vocab} tokens"
+            )));
+        }
+        let room = self.model.n_ctx.saturating_sub(self.pos);
+        if tokens.len() > room {
+            return Err(Error::ContextFull(format!(
+                "{} tokens do not fit: {} positions decoded, context limit {} ({room} left)",
+                tokens.len(),
+                self.pos,
+                self.model.n_ctx
+            )));
+        }
+        Ok(())
+    }
+
+    /// Decodes `tokens` in order; the logits are the last token's. Every
+    /// token and the context room are checked before anything is decoded, and
+    /// a failure part way (out of memory) rolls back: on error nothing has changed.
+    pub fn decode_tokens(&mut self, tokens: &[u32]) -> Result<()> {
+        self.check_tokens(tokens)?;
+        let checkpoint = if tokens.len() > 1 { Some(self.checkpoint()?) } else { None };
+        for &t in tokens {
+            if let Err(e) = self.decode(t) {
+                if let Some(c) = checkpoint {
+                    self.rollback(c);
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// A deep copy, or an out-of-memory error instead of an allocation abort.
+    pub fn try_clone(&self) -> Result<State> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(match l {
+                    LayerState::Gdn(g) => LayerState::Gdn(GdnState {
+                        conv: copy_of(&g.conv, "GDN conv state")?,
+                        recurrent: copy_of(&g.recurrent, "GDN recurrent state")?,
+                    }),
+                    LayerState::Attention(a) => LayerState::Attention(AttnState {
+                        keys: copy_of(&a.keys, "attention keys")?,
+                        values: copy_of(&a.values, "attention values")?,
+                        index_keys: copy_of(&a.index_keys, "indexer keys")?,
+                        block_keys: copy_of(&a.block_keys, "block keys")?,
+                    }),
+                })
+            })
+            .collect::<Result<_>>()?;
+        let ple = match &self.ple {
+            None => None,
+            Some(p) => Some(PleState { tokens: p.tokens.clone(), conv: copy_of(&p.conv, "PLE conv history")? }),
+        };
+        Ok(State { model: self.model.clone(), pos: self.pos, layers, ple, logits: copy_of(&self.logits, "logits")? })
+    }
+
+    /// What [`State::rollback`] needs to undo any number of decode steps:
+    /// copies of the fixed-size recurrent buffers, the lengths of the
+    /// append-only attention caches, the position and the logits.
+    pub(crate) fn checkpoint(&self) -> Result<Checkpoint> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(match l {
+                    LayerState::Gdn(g) => LayerCheckpoint::Gdn(GdnState {
+                        conv: copy_of(&g.conv, "GDN conv checkpoint")?,
+                        recurrent: copy_of(&g.recurrent, "GDN recurrent checkpoint")?,
+                    }),
+                    LayerState::Attention(a) => LayerCheckpoint::Attention([
+                        a.keys.len(),
+                        a.values.len(),
+                        a.index_keys.len(),
+                        a.block_keys.len(),
+                    ]),
+                })
+            })
+            .collect::<Result<_>>()?;
+        let ple = match &self.ple {
+            None => None,
+            Some(p) => Some(PleState { tokens: p.tokens.clone(), conv: copy_of(&p.conv, "PLE checkpoint")? }),
+        };
+        Ok(Checkpoint { pos: self.pos, logits: copy_of(&self.logits, "logits checkpoint")?, layers, ple })
+    }
+
+    /// Returns to `checkpoint`, taken from this state: everything decoded
+    /// since is forgotten.
+    pub(crate) fn rollback(&mut self, checkpoint: Checkpoint) {
+        for (l, c) in self.layers.iter_mut().zip(checkpoint.layers) {
+            match (l, c) {
+                (LayerState::Gdn(g), LayerCheckpoint::Gdn(saved)) => *g = saved,
+                (LayerState::Attention(a), LayerCheckpoint::Attention([k, v, ik, bk])) => {
+                    a.keys.truncate(k);
+                    a.values.truncate(v);
+                    a.index_keys.truncate(ik);
+                    a.block_keys.truncate(bk);
+                }
+                _ => unreachable!("a checkpoint is taken from the same state"),
+            }
+        }
+        self.ple = checkpoint.ple;
+        self.logits = checkpoint.logits;
+        self.pos = checkpoint.pos;
+    }
+}
+
+/// Saved by [`State::checkpoint`]. Attention caches only grow while
+/// decoding, so their lengths suffice to undo.
+pub(crate) struct Checkpoint {
+    pos: usize,
+    logits: Vec<f32>,
+    layers: Vec<LayerCheckpoint>,
+    ple: Option<PleState>,
+}
+
+enum LayerCheckpoint {
+    Gdn(GdnState),
+    Attention([usize; 4]),
+}
+
+/// A copy of `v`, or an out-of-memory error instead of an allocation abort.
+fn copy_of(v: &[f32], what: &str) -> Result<Vec<f32>> {
+    let mut c = Vec::new();
+    c.try_reserve_exact(v.len())
+        .map_err(|_| Error::OutOfMemory(format!("{what}: cannot allocate {} floats", v.len())))?;
+    c.extend_from_slice(v);
+    Ok(c)
 }

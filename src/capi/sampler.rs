@@ -1,0 +1,326 @@
+//! `fnx_sampler`: turns logits into a token (penalties, temperature,
+//! top-k, top-p, min-p, seeded draw); see `crate::sampling` for the exact chain.
+
+use super::{
+    fail, fnx_status, guard, non_null, Failure, FNX_ERR_INVALID_ARGUMENT, FNX_ERR_INVALID_HANDLE,
+};
+use crate::sampling::{Sampler, SamplerParams, PRESETS, RANDOM_SEED};
+use std::ffi::{c_char, CStr};
+
+/// `fnx_sampler_params.seed` value asking for a random seed.
+pub const FNX_SEED_RANDOM: u64 = 0xFFFF_FFFF_FFFF_FFFF;
+
+/// Settings of a sampler. Get them from `fnx_sampler_params_default()` or
+/// `fnx_sampler_params_preset()` and change what you need. The chain runs:
+/// repetition penalty, presence/frequency penalties, temperature, top-k,
+/// top-p, min-p, then a seeded draw.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct fnx_sampler_params {
+    /// `sizeof(fnx_sampler_params)` as the caller compiled it (set by the functions above).
+    pub struct_size: u32,
+    /// Keep the `top_k` most likely tokens; 0 = off.
+    pub top_k: i32,
+    /// Seed of the draw; `FNX_SEED_RANDOM` picks one. The same seed and the
+    /// same logits give the same tokens.
+    pub seed: u64,
+    /// 0 = greedy (always the most likely token); otherwise > 0.
+    pub temperature: f32,
+    /// Nucleus: keep the most likely tokens until their probability reaches
+    /// `top_p`, in (0, 1]; 1 = off.
+    pub top_p: f32,
+    /// Keep tokens at least `min_p` times as likely as the most likely one, in [0, 1]; 0 = off.
+    pub min_p: f32,
+    /// Divides positive logits / multiplies negative logits of recently
+    /// accepted tokens, > 0; 1 = off.
+    pub repetition_penalty: f32,
+    /// How many of the last accepted tokens `repetition_penalty` covers; 0 = off, -1 = all.
+    pub penalty_last_n: i32,
+    /// Subtracted once from the logit of every token accepted so far (OpenAI); 0 = off.
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence of every token accepted so far (OpenAI); 0 = off.
+    pub frequency_penalty: f32,
+}
+
+/// A sampler (opaque): the settings, the random generator and the accepted
+/// tokens. Use from one thread at a time; free with `fnx_sampler_free`.
+pub struct fnx_sampler {
+    tag: u64,
+    /// Boxed so the handle is two words: a wrong handle passed here is still
+    /// read within its allocation when the tag is checked.
+    pub(crate) sampler: Box<Sampler>,
+}
+
+const SAMPLER_TAG: u64 = 0x666e_785f_736d_706c; // "fnx_smpl"
+
+impl fnx_sampler {
+    /// Borrows a sampler handle mutably, checking its tag.
+    ///
+    /// # Safety
+    /// `p` is non-NULL and, per the caller's contract, a handle from
+    /// `fnx_sampler_new` not used elsewhere meanwhile.
+    pub(crate) unsafe fn from_ptr<'a>(
+        p: *mut fnx_sampler,
+        func: &str,
+    ) -> Result<&'a mut fnx_sampler, Failure> {
+        // SAFETY: see above; the tag catches handles of the wrong kind.
+        let s = unsafe { &mut *p };
+        if s.tag != SAMPLER_TAG {
+            return Err(fail(
+                FNX_ERR_INVALID_HANDLE,
+                format!("{func}: not a live fnx_sampler handle"),
+            ));
+        }
+        Ok(s)
+    }
+}
+
+fn to_c(p: &SamplerParams) -> fnx_sampler_params {
+    fnx_sampler_params {
+        struct_size: std::mem::size_of::<fnx_sampler_params>() as u32,
+        top_k: p.top_k.min(i32::MAX as usize) as i32,
+        seed: if p.seed == RANDOM_SEED {
+            FNX_SEED_RANDOM
+        } else {
+            p.seed
+        },
+        temperature: p.temperature,
+        top_p: p.top_p,
+        min_p: p.min_p,
+        repetition_penalty: p.repetition_penalty,
+        penalty_last_n: if p.penalty_last_n == usize::MAX {
+            -1
+        } else {
+            p.penalty_last_n.min(i32::MAX as usize) as i32
+        },
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+    }
+}
+
+fn from_c(p: &fnx_sampler_params, func: &str) -> Result<SamplerParams, Failure> {
+    if p.struct_size as usize != std::mem::size_of::<fnx_sampler_params>() {
+        return Err(fail(
+            FNX_ERR_INVALID_ARGUMENT,
+            format!(
+                "{func}: params.struct_size is {}, expected {} (initialise it with fnx_sampler_params_default)",
+                p.struct_size,
+                std::mem::size_of::<fnx_sampler_params>()
+            ),
+        ));
+    }
+    let top_k = usize::try_from(p.top_k).map_err(|_| {
+        fail(
+            FNX_ERR_INVALID_ARGUMENT,
+            format!("{func}: top_k {} must be >= 0 (0 = off)", p.top_k),
+        )
+    })?;
+    let penalty_last_n = match p.penalty_last_n {
+        -1 => usize::MAX,
+        n => usize::try_from(n).map_err(|_| {
+            fail(
+                FNX_ERR_INVALID_ARGUMENT,
+                format!("{func}: penalty_last_n {n} must be >= -1 (-1 = all, 0 = off)"),
+            )
+        })?,
+    };
+    let params = SamplerParams {
+        seed: p.seed,
+        temperature: p.temperature,
+        top_k,
+        top_p: p.top_p,
+        min_p: p.min_p,
+        repetition_penalty: p.repetition_penalty,
+        penalty_last_n,
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+    };
+    params
+        .validate()
+        .map_err(|e| fail(FNX_ERR_INVALID_ARGUMENT, format!("{func}: {e}")))?;
+    Ok(params)
+}
+
+/// Settings that leave the model's distribution as it is: temperature 1,
+/// no truncation, no penalties, random seed.
+#[no_mangle]
+pub extern "C" fn fnx_sampler_params_default() -> fnx_sampler_params {
+    to_c(&SamplerParams::default())
+}
+
+/// Fills `*out` with a named preset: `"thinking"` (temperature 1.0, top-p
+/// 0.95, top-k 20, min-p 0), `"instruct"` (temperature 0.7, top-p 0.8, top-k
+/// 20, min-p 0, presence penalty 1.5) or `"greedy"`. Unnamed fields get the
+/// defaults (random seed). `FNX_ERR_INVALID_ARGUMENT` for other names.
+///
+/// # Safety
+/// `name` must be NULL or NUL-terminated; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_sampler_params_preset(
+    name: *const c_char,
+    out: *mut fnx_sampler_params,
+) -> fnx_status {
+    guard(
+        || {
+            non_null!(name, "fnx_sampler_params_preset", "name");
+            non_null!(out, "fnx_sampler_params_preset", "out");
+            // SAFETY: non-NULL and NUL-terminated per the contract.
+            let name = unsafe { CStr::from_ptr(name) }.to_string_lossy();
+            let p = SamplerParams::preset(&name).ok_or_else(|| {
+                fail(
+                    FNX_ERR_INVALID_ARGUMENT,
+                    format!(
+                        "fnx_sampler_params_preset: unknown preset {name:?} (known: {})",
+                        PRESETS.join(", ")
+                    ),
+                )
+            })?;
+            // SAFETY: checked non-NULL; written only on success.
+            unsafe { *out = to_c(&p) };
+            Ok(())
+        },
+        || {},
+    )
+}
+
+/// Creates a sampler. `params` may be NULL for the defaults; out-of-range
+/// settings give `FNX_ERR_INVALID_ARGUMENT` naming the field.
+///
+/// # Safety
+/// `params` must be NULL or a valid `fnx_sampler_params`; `out_sampler` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_sampler_new(
+    params: *const fnx_sampler_params,
+    out_sampler: *mut *mut fnx_sampler,
+) -> fnx_status {
+    guard(
+        || {
+            non_null!(out_sampler, "fnx_sampler_new", "out_sampler");
+            // SAFETY: non-NULL per the check; the caller promises a valid struct.
+            let p = if params.is_null() {
+                fnx_sampler_params_default()
+            } else {
+                unsafe { *params }
+            };
+            let sampler = Sampler::new(from_c(&p, "fnx_sampler_new")?)?;
+            let handle = Box::new(fnx_sampler {
+                tag: SAMPLER_TAG,
+                sampler: Box::new(sampler),
+            });
+            // SAFETY: checked non-NULL; written only on success.
+            unsafe { *out_sampler = Box::into_raw(handle) };
+            Ok(())
+        },
+        || {},
+    )
+}
+
+/// Draws a token from `n` logits (any source; index = token id) into
+/// `*out_token`. Advances the random generator; does not accept the token
+/// (call `fnx_sampler_accept` for the penalties to see it). Logits of
+/// -INFINITY are never drawn; NaN or +INFINITY give `FNX_ERR_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `sampler` NULL or a live handle; `logits` NULL or `n` readable floats;
+/// `out_token` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_sampler_sample(
+    sampler: *mut fnx_sampler,
+    logits: *const f32,
+    n: usize,
+    out_token: *mut i32,
+) -> fnx_status {
+    guard(
+        || {
+            non_null!(sampler, "fnx_sampler_sample", "sampler");
+            non_null!(logits, "fnx_sampler_sample", "logits");
+            non_null!(out_token, "fnx_sampler_sample", "out_token");
+            // SAFETY: non-NULL live handle used by this thread only.
+            let s = unsafe { fnx_sampler::from_ptr(sampler, "fnx_sampler_sample") }?;
+            if n == 0 || n > i32::MAX as usize {
+                return Err(fail(
+                    FNX_ERR_INVALID_ARGUMENT,
+                    format!("fnx_sampler_sample: n is {n}, expected 1..=INT32_MAX"),
+                ));
+            }
+            // SAFETY: `n` readable floats per the contract.
+            let l = unsafe { std::slice::from_raw_parts(logits, n) };
+            let t = s
+                .sampler
+                .sample(l)
+                .map_err(|e| fail(FNX_ERR_INVALID_ARGUMENT, format!("fnx_sampler_sample: {e}")))?;
+            // SAFETY: checked non-NULL; written only on success.
+            unsafe { *out_token = t as i32 };
+            Ok(())
+        },
+        || {},
+    )
+}
+
+/// Records `token` as part of the text, for the repetition, presence and
+/// frequency penalties. `fnx_generate` accepts the tokens it generates.
+///
+/// # Safety
+/// `sampler` must be NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_sampler_accept(sampler: *mut fnx_sampler, token: i32) -> fnx_status {
+    guard(
+        || {
+            non_null!(sampler, "fnx_sampler_accept", "sampler");
+            // SAFETY: non-NULL live handle used by this thread only.
+            let s = unsafe { fnx_sampler::from_ptr(sampler, "fnx_sampler_accept") }?;
+            let t = u32::try_from(token).map_err(|_| {
+                fail(
+                    super::FNX_ERR_TOKEN_OUT_OF_RANGE,
+                    format!("fnx_sampler_accept: token {token} is negative"),
+                )
+            })?;
+            s.sampler.accept(t);
+            Ok(())
+        },
+        || {},
+    )
+}
+
+/// Forgets the accepted tokens and restarts the random generator from the
+/// seed (a random seed drawn at creation is kept): the same logits then give
+/// the same tokens again.
+///
+/// # Safety
+/// `sampler` must be NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_sampler_reset(sampler: *mut fnx_sampler) -> fnx_status {
+    guard(
+        || {
+            non_null!(sampler, "fnx_sampler_reset", "sampler");
+            // SAFETY: non-NULL live handle used by this thread only.
+            let s = unsafe { fnx_sampler::from_ptr(sampler, "fnx_sampler_reset") }?;
+            s.sampler.reset();
+            Ok(())
+        },
+        || {},
+    )
+}
+
+/// Frees a sampler (NULL is ignored).
+///
+/// # Safety
+/// `sampler` must be NULL or a handle from `fnx_sampler_new` not yet freed.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_sampler_free(sampler: *mut fnx_sampler) {
+    if sampler.is_null() {
+        return;
+    }
+    let _ = guard(
+        || {
+            // SAFETY: non-NULL; the tag is checked before freeing.
+            unsafe { fnx_sampler::from_ptr(sampler, "fnx_sampler_free") }?;
+            // SAFETY: made by Box::into_raw in fnx_sampler_new, freed once.
+            let mut b = unsafe { Box::from_raw(sampler) };
+            b.tag = 0;
+            drop(b);
+            Ok(())
+        },
+        || {},
+    );
+}

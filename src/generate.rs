@@ -1,0 +1,306 @@
+//! Multi-token decoding and the generation loop: decode a prompt, then
+//! sample, stream and decode tokens until a stop condition.
+//!
+//! Failure semantics: [`decode_tokens`] and [`generate`] either succeed or
+//! leave the state (and the sampler) exactly as they were, whether the cause
+//! is a bad argument, an abort request or running out of memory part way.
+//! Tokens already streamed to `on_token` before an abort are not taken back
+//! from the caller, but they are gone from the state.
+//!
+//! Abort requests are polled before every token (prompt and generated), so a
+//! request takes effect within one token's decode time.
+
+use crate::error::{Error, Result};
+use crate::model::{Model, State};
+use crate::sampling::{argmax, Sampler};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+
+/// Turns generated tokens into text, one token at a time. A streaming
+/// detokenizer returns the bytes that became complete with this token
+/// (possibly none, e.g. half of a multi-byte character).
+pub trait Detokenize {
+    fn push(&mut self, token: u32) -> Vec<u8>;
+}
+
+impl<F: FnMut(u32) -> Vec<u8>> Detokenize for F {
+    fn push(&mut self, token: u32) -> Vec<u8> {
+        self(token)
+    }
+}
+
+/// A detokenizer that produces no text (stop strings then never match).
+pub struct NoText;
+
+impl Detokenize for NoText {
+    fn push(&mut self, _token: u32) -> Vec<u8> {
+        Vec::new()
+    }
+}
+
+/// The model's tokenizer as a streaming detokenizer: each token's text as
+/// soon as its UTF-8 is complete; special (control) tokens such as
+/// `<|im_end|>` give no text. Bytes of a character left incomplete when
+/// generation ends are dropped.
+pub struct TokenText<'a> {
+    tokenizer: &'a Tokenizer,
+    decoder: StreamDecoder,
+}
+
+impl<'a> TokenText<'a> {
+    pub fn new(tokenizer: &'a Tokenizer) -> Self {
+        TokenText {
+            tokenizer,
+            decoder: StreamDecoder::new(true),
+        }
+    }
+}
+
+impl Detokenize for TokenText<'_> {
+    fn push(&mut self, token: u32) -> Vec<u8> {
+        // An id the tokenizer does not know (a vocabulary wider than the
+        // tokenizer's) has no text.
+        self.decoder
+            .push(self.tokenizer, token)
+            .map(String::into_bytes)
+            .unwrap_or_default()
+    }
+}
+
+/// The text step for `model`: [`TokenText`] when the file has a tokenizer
+/// flashnext can use, otherwise [`NoText`].
+pub fn model_text(model: &Model) -> Box<dyn Detokenize + '_> {
+    match model.tokenizer() {
+        Ok(t) => Box::new(TokenText::new(t)),
+        Err(_) => Box::new(NoText),
+    }
+}
+
+/// Why [`decode_tokens`] or [`generate`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    /// The abort callback asked to stop; nothing was changed.
+    #[error("aborted by the abort callback")]
+    Aborted,
+    #[error(transparent)]
+    Failed(#[from] Error),
+}
+
+/// What [`generate`] does besides sampling.
+#[derive(Clone, Debug, Default)]
+pub struct GenerateOptions {
+    /// Most tokens to generate; 0 = no limit (until a stop condition or the context is full).
+    pub max_tokens: usize,
+    /// Generation stops after any of these tokens (which is generated, streamed and decoded).
+    pub stop_tokens: Vec<u32>,
+    /// Generation stops after the token whose text completes any of these
+    /// (matched on the generated text only, across token boundaries).
+    pub stop_strings: Vec<Vec<u8>>,
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// `max_tokens` tokens were generated.
+    MaxTokens,
+    /// This stop token was generated.
+    StopToken(u32),
+    /// The stop string with this index was completed.
+    StopString(usize),
+    /// `on_token` returned false.
+    Callback,
+    /// The state's context is full.
+    ContextFull,
+}
+
+/// The outcome of [`generate`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Generation {
+    /// Every generated token, in order (all of them are decoded into the state).
+    pub tokens: Vec<u32>,
+    pub stop: StopReason,
+}
+
+/// Finds stop strings in text that arrives piece by piece.
+#[derive(Clone, Debug)]
+pub struct StopMatcher {
+    stops: Vec<Vec<u8>>,
+    /// The last `longest - 1` bytes seen, for matches across pieces.
+    tail: Vec<u8>,
+    keep: usize,
+}
+
+impl StopMatcher {
+    /// Empty stop strings are refused.
+    pub fn new(stops: Vec<Vec<u8>>) -> Result<Self> {
+        if let Some(i) = stops.iter().position(|s| s.is_empty()) {
+            return Err(Error::arg(format!("stop string {i} is empty")));
+        }
+        let keep = stops.iter().map(|s| s.len()).max().unwrap_or(1) - 1;
+        Ok(StopMatcher {
+            stops,
+            tail: Vec::new(),
+            keep,
+        })
+    }
+
+    /// Appends `piece` to the text; returns the index of the stop string that
+    /// now occurs for the first time (the earliest-ending one; lowest index on ties).
+    pub fn push(&mut self, piece: &[u8]) -> Option<usize> {
+        if self.stops.is_empty() || piece.is_empty() {
+            return None;
+        }
+        let mut window = std::mem::take(&mut self.tail);
+        let old = window.len();
+        window.extend_from_slice(piece);
+        let mut best: Option<(usize, usize)> = None; // (end, index)
+        for (i, s) in self.stops.iter().enumerate() {
+            // Only matches ending in the new bytes are new.
+            let from = (old + 1).saturating_sub(s.len());
+            if window.len() < s.len() || from > window.len() - s.len() {
+                continue;
+            }
+            if let Some(p) = window[from..].windows(s.len()).position(|w| w == &s[..]) {
+                let end = from + p + s.len();
+                if best.map_or(true, |(e, _)| end < e) {
+                    best = Some((end, i));
+                }
+            }
+        }
+        let cut = window.len().saturating_sub(self.keep);
+        self.tail = window.split_off(cut);
+        best.map(|(_, i)| i)
+    }
+}
+
+/// Decodes `tokens` in order (the logits are the last one's). Every token and
+/// the context room are checked first; `abort` is polled before each token.
+/// On any error, including [`GenerateError::Aborted`], the state is unchanged.
+pub fn decode_tokens(
+    state: &mut State,
+    tokens: &[u32],
+    abort: &mut dyn FnMut() -> bool,
+) -> std::result::Result<(), GenerateError> {
+    state.check_tokens(tokens)?;
+    if tokens.is_empty() {
+        return Ok(());
+    }
+    if abort() {
+        return Err(GenerateError::Aborted);
+    }
+    if tokens.len() == 1 {
+        // One decode step changes nothing when it fails.
+        return Ok(state.decode(tokens[0])?);
+    }
+    let checkpoint = state.checkpoint()?;
+    for (i, &t) in tokens.iter().enumerate() {
+        let step = if i > 0 && abort() {
+            Err(GenerateError::Aborted)
+        } else {
+            state.decode(t).map_err(Into::into)
+        };
+        if let Err(e) = step {
+            state.rollback(checkpoint);
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// Decodes `prompt` (may be empty when the state already has logits), then
+/// repeatedly: samples a token (`sampler`, or greedy when `None`), accepts it
+/// into the sampler, passes it and its text (from `detok`) to `on_token`, and
+/// decodes it. Stops after `max_tokens`, a stop token, a completed stop string,
+/// `on_token` returning false, or when the context is full; the token that
+/// stops generation is streamed and decoded like the others. The prompt is
+/// not accepted into the sampler (accept it yourself to penalise it).
+///
+/// On error (including an abort) the state and the sampler are as before the call.
+pub fn generate(
+    state: &mut State,
+    prompt: &[u32],
+    mut sampler: Option<&mut Sampler>,
+    opts: &GenerateOptions,
+    detok: &mut dyn Detokenize,
+    abort: &mut dyn FnMut() -> bool,
+    on_token: &mut dyn FnMut(u32, &[u8]) -> bool,
+) -> std::result::Result<Generation, GenerateError> {
+    state.check_tokens(prompt)?;
+    if prompt.is_empty() && state.logits().is_none() {
+        return Err(Error::arg(
+            "nothing to generate from: the prompt is empty and no token has been decoded",
+        )
+        .into());
+    }
+    let mut matcher = StopMatcher::new(opts.stop_strings.clone())?;
+    if abort() {
+        return Err(GenerateError::Aborted);
+    }
+    let checkpoint = state.checkpoint()?;
+    let sampler_before = sampler.as_deref().cloned();
+
+    let mut run = || -> std::result::Result<Generation, GenerateError> {
+        for (i, &t) in prompt.iter().enumerate() {
+            if i > 0 && abort() {
+                return Err(GenerateError::Aborted);
+            }
+            state.decode(t)?;
+        }
+        let mut tokens = Vec::new();
+        loop {
+            if opts.max_tokens > 0 && tokens.len() >= opts.max_tokens {
+                return Ok(Generation {
+                    tokens,
+                    stop: StopReason::MaxTokens,
+                });
+            }
+            if state.position() >= state.model().n_ctx {
+                return Ok(Generation {
+                    tokens,
+                    stop: StopReason::ContextFull,
+                });
+            }
+            if (!prompt.is_empty() || !tokens.is_empty()) && abort() {
+                return Err(GenerateError::Aborted);
+            }
+            let logits = state.logits().expect("a token has been decoded");
+            let token = match sampler.as_deref_mut() {
+                Some(s) => {
+                    let t = s.sample(logits)?;
+                    s.accept(t);
+                    t
+                }
+                None => argmax(logits).expect("logits are not empty"),
+            };
+            let piece = detok.push(token);
+            let go_on = on_token(token, &piece);
+            state.decode(token)?;
+            tokens.push(token);
+            if opts.stop_tokens.contains(&token) {
+                return Ok(Generation {
+                    tokens,
+                    stop: StopReason::StopToken(token),
+                });
+            }
+            if let Some(i) = matcher.push(&piece) {
+                return Ok(Generation {
+                    tokens,
+                    stop: StopReason::StopString(i),
+                });
+            }
+            if !go_on {
+                return Ok(Generation {
+                    tokens,
+                    stop: StopReason::Callback,
+                });
+            }
+        }
+    };
+    let result = run();
+    if result.is_err() {
+        state.rollback(checkpoint);
+        if let (Some(s), Some(before)) = (sampler, sampler_before) {
+            *s = before;
+        }
+    }
+    result
+}
