@@ -520,6 +520,22 @@ fnx_status fnx_tokenize(const struct fnx_model *model,
                         size_t capacity,
                         size_t *out_n_tokens);
 
+// The tokens that end a reply: the end-of-sequence and end-of-turn tokens
+// the model's tokenizer metadata names (for Qwen, `<|endoftext|>` and
+// `<|im_end|>`), for callers that run their own decode loop (`fnx_generate`
+// stops on them by itself). Writes them to `out_tokens` (room for
+// `capacity`; may be NULL when `capacity` is 0) and their number to
+// `*out_n_tokens`; size query and `FNX_ERR_BUFFER_TOO_SMALL` as
+// `fnx_tokenize`. A file that names none gives 0 tokens.
+//
+// # Safety
+// `model` NULL or a live handle; `out_tokens` NULL or room for `capacity`
+// ids; `out_n_tokens` NULL or writable.
+fnx_status fnx_model_end_of_generation_tokens(const struct fnx_model *model,
+                                              int32_t *out_tokens,
+                                              size_t capacity,
+                                              size_t *out_n_tokens);
+
 // The bytes `token` stands for, written to `out` (room for `capacity`
 // bytes; NOT NUL-terminated) with their number in `*out_len` (if `capacity`
 // is too small: `FNX_ERR_BUFFER_TOO_SMALL`, nothing written to `out`,

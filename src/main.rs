@@ -10,7 +10,7 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-mod demo;
+mod cli;
 
 #[derive(Parser)]
 #[command(name = "flashnext", version, about = "Qwen3.8-Flash-Next (qwen4_exp) inference engine tools")]
@@ -35,18 +35,51 @@ enum Command {
         #[arg(long, short)]
         quiet: bool,
     },
-    /// Decode a prompt and generate greedily on a model (by default the
-    /// embedded tiny model), printing load time and decode speed.
+    /// The main job: one chat turn, text in and text out, on a model (by
+    /// default the embedded tiny model), with load time and speed.
     Demo {
         /// A GGUF model; without it, the embedded default model.
         #[arg(long, short)]
         model: Option<PathBuf>,
-        /// Tokens to generate after the prompt.
-        #[arg(long, short = 'n', default_value_t = 32)]
+        /// The user's message.
+        #[arg(long, short, default_value = "Hello! Who are you?")]
+        prompt: String,
+        /// Most tokens in the reply.
+        #[arg(long, short = 'n', default_value_t = 48)]
         tokens: usize,
         /// Worker threads (0 = all cores).
         #[arg(long, default_value_t = 0)]
         threads: usize,
+    },
+    /// Generate text: complete a prompt (or, with --chat, answer it as a user
+    /// message in the model's chat format), streaming it to standard output.
+    Run {
+        #[command(flatten)]
+        model: cli::ModelArgs,
+        #[command(flatten)]
+        sampling: cli::SamplingArgs,
+        /// The prompt text (special tokens such as <|im_start|> are recognised).
+        #[arg(long, short)]
+        prompt: String,
+        /// Wrap the prompt in the model's chat template as a user message.
+        #[arg(long)]
+        chat: bool,
+        /// With --chat: turn the model's thinking off.
+        #[arg(long)]
+        no_think: bool,
+    },
+    /// Chat interactively: one user message per line on standard input.
+    Chat {
+        #[command(flatten)]
+        model: cli::ModelArgs,
+        #[command(flatten)]
+        sampling: cli::SamplingArgs,
+        /// A system message opening the conversation.
+        #[arg(long)]
+        system: Option<String>,
+        /// Turn the model's thinking off.
+        #[arg(long)]
+        no_think: bool,
     },
 }
 
@@ -58,7 +91,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Convert { hf_dir, out, out_type, quiet } => run_convert(hf_dir, out, out_type, quiet),
-        Command::Demo { model, tokens, threads } => demo::run(model, tokens, threads),
+        Command::Demo { model, prompt, tokens, threads } => cli::demo::run(model, &prompt, tokens, threads),
+        Command::Run { model, sampling, prompt, chat, no_think } => cli::run(&model, &sampling, &prompt, chat, no_think),
+        Command::Chat { model, sampling, system, no_think } => cli::chat(&model, &sampling, system.as_deref(), no_think),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -310,11 +310,6 @@ impl Tokenizer {
         self.kinds.get(id as usize).copied()
     }
 
-    /// Whether `id` ends generation: the EOS or EOT token.
-    pub fn is_end_of_generation(&self, id: u32) -> bool {
-        Some(id) == self.eos || Some(id) == self.eot
-    }
-
     /// The id of the token whose text is exactly `text` (a normal token in its
     /// byte-level form, or an added token's content), if any.
     pub fn token_id(&self, text: &str) -> Option<u32> {

@@ -439,6 +439,46 @@ fn c_tokenize_from_many_threads() {
     });
 }
 
+/// The fixture's end-of-generation tokens are those transformers stops on:
+/// `generation_config.eos_token_id` and the tokenizer's `eos_token`.
+#[test]
+fn c_end_of_generation_tokens() {
+    let m = model();
+    let hf = util::fixtures_dir().join("tiny_flat/hf"); // the fixture `model()` converts
+    let read = |f: &str| -> Json { serde_json::from_str(&std::fs::read_to_string(hf.join(f)).unwrap()).unwrap() };
+    let eos_text = read("tokenizer_config.json")["eos_token"].as_str().unwrap().to_string();
+    let eos_id = read("tokenizer.json")["added_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["content"] == eos_text.as_str())
+        .map(|t| t["id"].as_i64().unwrap() as i32)
+        .unwrap();
+    let mut expected = vec![eos_id, read("generation_config.json")["eos_token_id"].as_i64().unwrap() as i32];
+    expected.sort();
+    let mut n = 0usize;
+    let mut out = [0i32; 8];
+    // SAFETY (all calls below): pointers are valid or deliberately NULL.
+    unsafe {
+        assert_eq!(fnx_model_end_of_generation_tokens(m.0, std::ptr::null_mut(), 0, &mut n), FNX_ERR_BUFFER_TOO_SMALL);
+        assert_eq!(n, expected.len());
+        assert_eq!(fnx_model_end_of_generation_tokens(m.0, out.as_mut_ptr(), out.len(), &mut n), FNX_OK);
+        let mut got = out[..n].to_vec();
+        got.sort();
+        assert_eq!(got, expected);
+        assert_eq!(
+            fnx_model_end_of_generation_tokens(std::ptr::null(), out.as_mut_ptr(), 8, &mut n),
+            FNX_ERR_NULL_ARGUMENT
+        );
+        assert_eq!(
+            fnx_model_end_of_generation_tokens(m.0, out.as_mut_ptr(), 8, std::ptr::null_mut()),
+            FNX_ERR_NULL_ARGUMENT
+        );
+        assert!(util::last_error().contains("out_n_tokens"));
+        assert_eq!(fnx_model_end_of_generation_tokens(m.0, std::ptr::null_mut(), 8, &mut n), FNX_ERR_NULL_ARGUMENT);
+    }
+}
+
 #[test]
 fn c_tokenize_misuse() {
     let m = model();

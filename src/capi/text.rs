@@ -146,6 +146,39 @@ pub unsafe extern "C" fn fnx_tokenize(
     )
 }
 
+/// The tokens that end a reply: the end-of-sequence and end-of-turn tokens
+/// the model's tokenizer metadata names (for Qwen, `<|endoftext|>` and
+/// `<|im_end|>`), for callers that run their own decode loop (`fnx_generate`
+/// stops on them by itself). Writes them to `out_tokens` (room for
+/// `capacity`; may be NULL when `capacity` is 0) and their number to
+/// `*out_n_tokens`; size query and `FNX_ERR_BUFFER_TOO_SMALL` as
+/// `fnx_tokenize`. A file that names none gives 0 tokens.
+///
+/// # Safety
+/// `model` NULL or a live handle; `out_tokens` NULL or room for `capacity`
+/// ids; `out_n_tokens` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_model_end_of_generation_tokens(
+    model: *const fnx_model,
+    out_tokens: *mut i32,
+    capacity: usize,
+    out_n_tokens: *mut usize,
+) -> fnx_status {
+    const F: &str = "fnx_model_end_of_generation_tokens";
+    guard(
+        || {
+            non_null!(model, "fnx_model_end_of_generation_tokens", "model");
+            non_null!(out_n_tokens, "fnx_model_end_of_generation_tokens", "out_n_tokens");
+            check_out(out_tokens, capacity, F, "out_tokens")?;
+            let m = fnx_model::from_ptr(model, F)?;
+            let ids: Vec<i32> =
+                m.model.end_of_generation_tokens().into_iter().filter_map(|t| i32::try_from(t).ok()).collect();
+            deliver(&ids, out_tokens, capacity, out_n_tokens, F)
+        },
+        || {},
+    )
+}
+
 /// The bytes `token` stands for, written to `out` (room for `capacity`
 /// bytes; NOT NUL-terminated) with their number in `*out_len` (if `capacity`
 /// is too small: `FNX_ERR_BUFFER_TOO_SMALL`, nothing written to `out`,

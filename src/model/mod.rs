@@ -191,11 +191,21 @@ impl Model {
     }
 
     /// Tokens that end a generated reply: the end-of-sequence and
-    /// end-of-turn tokens the tokenizer metadata names (deduplicated).
+    /// end-of-turn tokens the tokenizer metadata names, then the control
+    /// tokens `<|im_end|>` and `<|endoftext|>` when the vocabulary has them
+    /// (deduplicated; ids outside the vocabulary, which can never be
+    /// generated, are left out). A GGUF file holds one EOS id, while
+    /// transformers stops on `generation_config.eos_token_id`, which for Qwen
+    /// lists both of those tokens; llama.cpp adds them by text the same way.
     pub fn end_of_generation_tokens(&self) -> Vec<u32> {
         let mut v: Vec<u32> = Vec::new();
-        for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
-            if let Some(t) = self.metadata_token(key).filter(|t| !v.contains(t)) {
+        let named = ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"].map(|k| self.metadata_token(k));
+        let by_text = self.tokenizer().ok().map(|tok| {
+            ["<|im_end|>", "<|endoftext|>"]
+                .map(|text| tok.token_id(text).filter(|&id| tok.kind(id) == Some(crate::tokenizer::TokenKind::Control)))
+        });
+        for t in named.into_iter().chain(by_text.into_iter().flatten()).flatten() {
+            if (t as usize) < self.config.vocab && !v.contains(&t) {
                 v.push(t);
             }
         }

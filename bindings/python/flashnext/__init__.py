@@ -269,6 +269,7 @@ _FUNCTIONS = {
         fnx_status,
         [_ModelP, c_char_p, c_size_t, c_bool, c_bool, POINTER(c_int32), c_size_t, POINTER(c_size_t)],
     ),
+    "fnx_model_end_of_generation_tokens": (fnx_status, [_ModelP, POINTER(c_int32), c_size_t, POINTER(c_size_t)]),
     "fnx_token_to_piece": (fnx_status, [_ModelP, c_int32, c_bool, c_char_p, c_size_t, POINTER(c_size_t)]),
     "fnx_detokenize": (
         fnx_status,
@@ -1004,6 +1005,18 @@ def _tokenize(self, text, add_special=False, parse_special=False):
     return buf[:n]
 
 
+def _end_of_generation_tokens(self):
+    """The tokens that end a reply (end of sequence, end of turn), for a
+    decode loop of your own; ``generate`` stops on them by itself."""
+    h = self._handle()
+    buf, n = _sized_call(
+        lambda out, cap, n_out: _fn("fnx_model_end_of_generation_tokens")(h, out, cap, n_out),
+        lambda cap: (c_int32 * cap)(),
+        4,
+    )
+    return buf[:n]
+
+
 def _token_to_piece(self, token, special=True):
     """The bytes of one token (possibly part of a UTF-8 character); special
     tokens give their text only when ``special``."""
@@ -1080,6 +1093,7 @@ def _apply_chat_template(
 
 
 Model.tokenize = _tokenize
+Model.end_of_generation_tokens = _end_of_generation_tokens
 Model.token_to_piece = _token_to_piece
 Model.detokenize = _detokenize
 Model.apply_chat_template = _apply_chat_template

@@ -570,6 +570,11 @@ class TestText(ModelCase):
         self.assertEqual(m.tokenize(""), [])
         self.assertEqual(m.detokenize([]), "")
 
+    def test_end_of_generation_tokens(self):
+        m = self.model
+        ends = sorted(m.tokenize(t, parse_special=True)[0] for t in ["<|im_end|>", "<|endoftext|>"])
+        self.assertEqual(sorted(m.end_of_generation_tokens()), ends)
+
     def test_special_tokens(self):
         m = self.model
         end = m.eos_token
