@@ -19,5 +19,9 @@ pub mod tensor;
 pub mod tokenizer;
 /// cbindgen:ignore
 pub mod chat;
+/// cbindgen:ignore
+pub mod synth;
+/// cbindgen:ignore
+pub mod bench;
 
 pub use error::{Error, Result};

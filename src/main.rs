@@ -10,7 +10,9 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+mod bench_cmd;
 mod demo;
+mod synth_cmd;
 
 #[derive(Parser)]
 #[command(name = "flashnext", version, about = "Qwen3.8-Flash-Next (qwen4_exp) inference engine tools")]
@@ -48,6 +50,53 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         threads: usize,
     },
+    /// Write a synthetic qwen4exp GGUF with the published shapes and
+    /// pseudo-random weights (for benchmarks).
+    Synth {
+        /// Output GGUF file.
+        #[arg(short, long)]
+        out: PathBuf,
+        /// Keep the first N of the 48 layers.
+        #[arg(long)]
+        layers: Option<usize>,
+        /// Storage profile: f32, f16, bf16, q8_0, q4_k_m or q2_k.
+        #[arg(long = "type", value_name = "TYPE", default_value = "q8_0")]
+        profile: String,
+        /// Approximate rows of the PLE table (0 = the published 320 001 536).
+        #[arg(long, default_value_t = flashnext::synth::DEFAULT_PLE_ROWS)]
+        ple_rows: u64,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// real, or small (shrunken dimensions, for tests).
+        #[arg(long, default_value = "real")]
+        dims: String,
+        /// No progress on stderr.
+        #[arg(long, short)]
+        quiet: bool,
+    },
+    /// Measure decode and prompt speed of a model against its bandwidth bound.
+    Bench {
+        #[arg(long, short)]
+        model: PathBuf,
+        /// cpu, vulkan or auto.
+        #[arg(long, default_value = "auto")]
+        backend: String,
+        /// Prompt text (default: a fixed English paragraph).
+        #[arg(long)]
+        prompt: Option<String>,
+        /// Timed decode tokens.
+        #[arg(long, default_value_t = 32)]
+        gen: usize,
+        /// Untimed decode tokens before the timed ones.
+        #[arg(long, default_value_t = 2)]
+        warmup: usize,
+        /// Worker threads (0 = all cores).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+        /// Also write the report as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
 }
 
 fn parse_out_type(s: &str) -> Result<OutType, String> {
@@ -59,6 +108,12 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Convert { hf_dir, out, out_type, quiet } => run_convert(hf_dir, out, out_type, quiet),
         Command::Demo { model, tokens, threads } => demo::run(model, tokens, threads),
+        Command::Synth { out, layers, profile, ple_rows, seed, dims, quiet } => {
+            synth_cmd::run(out, layers, &profile, ple_rows, seed, &dims, quiet)
+        }
+        Command::Bench { model, backend, prompt, gen, warmup, threads, json } => {
+            bench_cmd::run(model, &backend, prompt, gen, warmup, threads, json)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

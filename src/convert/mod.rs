@@ -78,6 +78,7 @@ mod tensors;
 mod tokenizer;
 
 pub use config::{HfConfig, PleConfig};
+pub(crate) use plan::forced_f32;
 
 use crate::error::{Error, Result};
 use crate::gguf::{GgmlType, GgufWriter, Value};

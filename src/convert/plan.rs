@@ -27,17 +27,22 @@ pub(crate) struct Plan {
     pub ple: Option<PleArrays>,
 }
 
-/// The type a tensor is stored as (spec §3.9).
-pub(crate) fn storage_type(name: &str, dims: &[usize], out: OutType) -> GgmlType {
-    let forced_f32 = dims.len() <= 1
+/// Tensors always stored as F32 (spec §3.9): 1-D, norms, routers, the GDN
+/// conv kernel and names without `.weight`. llama-quantize keeps them too.
+pub(crate) fn forced_f32(name: &str, dims: &[usize]) -> bool {
+    dims.len() <= 1
         || name.ends_with("_norm.weight")
         || name.ends_with(".ffn_gate_inp.weight")
         || name.ends_with(".ffn_gate_inp_shexp.weight")
         || name.ends_with(".ssm_conv1d.weight")
-        || !name.ends_with(".weight");
+        || !name.ends_with(".weight")
+}
+
+/// The type a tensor is stored as (spec §3.9).
+pub(crate) fn storage_type(name: &str, dims: &[usize], out: OutType) -> GgmlType {
     let ty = out.ggml_type();
     match () {
-        _ if forced_f32 => GgmlType::F32,
+        _ if forced_f32(name, dims) => GgmlType::F32,
         // A row that is not a whole number of blocks (Q8_0 on ple_conv1d) falls back to F16.
         _ if ty.row_bytes(dims[0]).is_none() => GgmlType::F16,
         _ => ty,
