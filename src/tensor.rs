@@ -57,7 +57,9 @@ impl Tensor {
     }
 
     fn row_bytes(&self) -> usize {
-        self.ty.row_bytes(self.cols()).expect("row length checked at parse time")
+        self.ty
+            .row_bytes(self.cols())
+            .expect("row length checked at parse time")
     }
 
     fn row(&self, r: usize) -> &[u8] {
@@ -67,7 +69,7 @@ impl Tensor {
 
     /// Dequantizes row `r` into `out` (`out.len() == cols`).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        dequantize(self.ty, self.row(r), out);
+        crate::quant::dequantize_row(self.ty, self.row(r), out);
     }
 
     /// The whole tensor as f32 (for small vectors such as norm weights).
@@ -82,9 +84,14 @@ impl Tensor {
     /// `y = W[rows] · x` for the `y.len()` rows starting at `first_row`.
     pub fn matvec_rows(&self, first_row: usize, x: &[f32], y: &mut [f32]) {
         assert_eq!(x.len(), self.cols(), "{}: input length", self.name);
-        assert!(first_row + y.len() <= self.rows(), "{}: rows out of range", self.name);
+        assert!(
+            first_row + y.len() <= self.rows(),
+            "{}: rows out of range",
+            self.name
+        );
         let work = y.len() * self.cols();
-        let body = |(i, out): (usize, &mut f32)| *out = dot_row(self.ty, self.row(first_row + i), x);
+        let body =
+            |(i, out): (usize, &mut f32)| *out = dot_row(self.ty, self.row(first_row + i), x);
         if work >= PAR_THRESHOLD {
             y.par_iter_mut().enumerate().with_min_len(16).for_each(body);
         } else {
@@ -102,44 +109,6 @@ impl Tensor {
 /// Below this many multiply-adds a matvec runs on the calling thread: rayon's
 /// fork-join costs more than it saves.
 const PAR_THRESHOLD: usize = 1 << 16;
-
-fn f16_to_f32(b: &[u8]) -> f32 {
-    half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
-}
-
-fn bf16_to_f32(b: &[u8]) -> f32 {
-    f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)
-}
-
-/// Dequantizes one row of `ty` stored in `src` into `out`.
-pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) {
-    match ty {
-        GgmlType::F32 => {
-            for (o, b) in out.iter_mut().zip(src.chunks_exact(4)) {
-                *o = f32::from_le_bytes(b.try_into().unwrap());
-            }
-        }
-        GgmlType::F16 => {
-            for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
-                *o = f16_to_f32(b);
-            }
-        }
-        GgmlType::BF16 => {
-            for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
-                *o = bf16_to_f32(b);
-            }
-        }
-        GgmlType::Q8_0 => {
-            for (o, blk) in out.chunks_exact_mut(32).zip(src.chunks_exact(34)) {
-                let d = f16_to_f32(&blk[0..2]);
-                for (v, &q) in o.iter_mut().zip(&blk[2..34]) {
-                    *v = d * (q as i8) as f32;
-                }
-            }
-        }
-        other => unimplemented!("dequantize {other}: rejected at load time"),
-    }
-}
 
 #[inline]
 fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
@@ -165,7 +134,11 @@ fn dot_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
             let mut acc = [0f32; 8];
             let mut s = 0f32;
             let n8 = x.len() / 8 * 8;
-            for (i, (b, xv)) in row[..n8 * 4].chunks_exact(32).zip(x[..n8].chunks_exact(8)).enumerate() {
+            for (i, (b, xv)) in row[..n8 * 4]
+                .chunks_exact(32)
+                .zip(x[..n8].chunks_exact(8))
+                .enumerate()
+            {
                 let _ = i;
                 for k in 0..8 {
                     acc[k] += f32::from_le_bytes(b[4 * k..4 * k + 4].try_into().unwrap()) * xv[k];
@@ -179,7 +152,7 @@ fn dot_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
         GgmlType::Q8_0 => {
             let mut s = 0f32;
             for (blk, xv) in row.chunks_exact(34).zip(x.chunks_exact(32)) {
-                let d = f16_to_f32(&blk[0..2]);
+                let d = half::f16::from_bits(u16::from_le_bytes([blk[0], blk[1]])).to_f32();
                 let mut acc = [0f32; 8];
                 for (q, xx) in blk[2..34].chunks_exact(8).zip(xv.chunks_exact(8)) {
                     for k in 0..8 {
@@ -197,7 +170,7 @@ fn dot_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
             let chunk_bytes = ty.row_bytes(bs).unwrap();
             for (src, xv) in row.chunks(chunk_bytes).zip(x.chunks(bs)) {
                 let n = xv.len();
-                dequantize(ty, src, &mut buf[..n]);
+                crate::quant::dequantize_row(ty, src, &mut buf[..n]);
                 s += dot_f32(&buf[..n], xv);
             }
             s
