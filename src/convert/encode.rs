@@ -89,10 +89,7 @@ mod tests {
         x[2] = 0.5;
         let mut out = [0u8; 34];
         quantize_q8_0(&x, &mut out);
-        assert_eq!(
-            u16::from_le_bytes([out[0], out[1]]),
-            half::f16::from_f32(1.0).to_bits()
-        );
+        assert_eq!(u16::from_le_bytes([out[0], out[1]]), half::f16::from_f32(1.0).to_bits());
         assert_eq!(out[2] as i8, 127);
         assert_eq!(out[3] as i8, -64);
         assert_eq!(out[4] as i8, 1);

@@ -3,12 +3,11 @@
 //!
 //! `quantize_*` encode one super-block like ggml's `quantize_row_*_K_ref`
 //! (what `llama-quantize` runs without an importance matrix); `dequantize_*`
-//! decode one like ggml's `dequantize_row_*_K`. Byte offsets inside a block
-//! are spelled out in each type's doc comment.
+//! decode one like ggml's `dequantize_row_*_K`, in storage order so the SIMD
+//! kernels can inline and vectorize them. Byte offsets inside a block are
+//! spelled out in each type's doc comment.
 
-use super::search::{
-    make_q3_quants, make_qkx2_quants, make_qx_quants, nearest_int, Qkx2, GROUP_MAX_EPS,
-};
+use super::search::{make_q3_quants, make_qkx2_quants, make_qx_quants, nearest_int, Qkx2, GROUP_MAX_EPS};
 use super::{f16_at, put_f16, round_f16, QK_K};
 
 /// Packs 2-bit levels as Q2_K and Q3_K do: in each half of 128 values, byte
@@ -22,13 +21,6 @@ fn pack2(levels: &[u8; QK_K], qs: &mut [u8]) {
     }
 }
 
-/// The 2-bit level of value `i` packed by [`pack2`].
-#[inline]
-fn unpack2(qs: &[u8], i: usize) -> u8 {
-    let (half, r) = (i / 128, i % 128);
-    (qs[32 * half + r % 32] >> (2 * (r / 32))) & 3
-}
-
 /// The largest of `v` (0 when all are <= 0), as the reference loops compute it.
 fn max_positive(v: &[f32]) -> f32 {
     v.iter().fold(0f32, |m, &s| if s > m { s } else { m })
@@ -39,13 +31,7 @@ fn max_positive(v: &[f32]) -> f32 {
 /// `x = d * sc * q - dmin * m` per sub-block of 16.
 pub fn quantize_q2_k(x: &[f32], out: &mut [u8]) {
     const Q4SCALE: f32 = 15.0;
-    let p = Qkx2 {
-        nmax: 3,
-        rmin: -0.5,
-        rdelta: 0.1,
-        nstep: 15,
-        use_mad: true,
-    };
+    let p = Qkx2 { nmax: 3, rmin: -0.5, rdelta: 0.1, nstep: 15, use_mad: true };
     let mut levels = [0u8; QK_K];
     let (mut scales, mut mins) = ([0f32; 16], [0f32; 16]);
     for j in 0..16 {
@@ -93,12 +79,19 @@ pub fn quantize_q2_k(x: &[f32], out: &mut [u8]) {
     pack2(&levels, &mut out[16..80]);
 }
 
+#[inline(always)]
 pub fn dequantize_q2_k(b: &[u8], y: &mut [f32]) {
     let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
-    for (j, ys) in y.chunks_exact_mut(16).enumerate() {
-        let (dl, ml) = (d * (b[j] & 0xF) as f32, dmin * (b[j] >> 4) as f32);
-        for (k, v) in ys.iter_mut().enumerate() {
-            *v = dl * unpack2(&b[16..80], 16 * j + k) as f32 - ml;
+    let (sc, qs) = (&b[..16], &b[16..80]);
+    for (n, (yh, q)) in y.chunks_exact_mut(128).zip(qs.chunks_exact(32)).enumerate() {
+        for (j, y32) in yh.chunks_exact_mut(32).enumerate() {
+            for (k, y16) in y32.chunks_exact_mut(16).enumerate() {
+                let s = sc[8 * n + 2 * j + k];
+                let (dl, ml) = (d * (s & 0xF) as f32, dmin * (s >> 4) as f32);
+                for (v, &byte) in y16.iter_mut().zip(&q[16 * k..16 * k + 16]) {
+                    *v = dl * ((byte >> (2 * j)) & 3) as f32 - ml;
+                }
+            }
         }
     }
 }
@@ -168,15 +161,21 @@ pub fn quantize_q3_k(x: &[f32], out: &mut [u8]) {
     pack2(&low, &mut out[32..96]);
 }
 
+#[inline(always)]
 pub fn dequantize_q3_k(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 108);
-    for (j, ys) in y.chunks_exact_mut(16).enumerate() {
-        let dl = d * q3_scale(&b[96..108], j) as f32;
-        for (k, v) in ys.iter_mut().enumerate() {
-            let i = 16 * j + k;
-            let high = (b[i % 32] >> (i / 32)) & 1;
-            let q = unpack2(&b[32..96], i) as i32 - if high != 0 { 0 } else { 4 };
-            *v = dl * q as f32;
+    let (hmask, qs, sc) = (&b[..32], &b[32..96], &b[96..108]);
+    for (n, (yh, q)) in y.chunks_exact_mut(128).zip(qs.chunks_exact(32)).enumerate() {
+        for (j, y32) in yh.chunks_exact_mut(32).enumerate() {
+            let bit = 4 * n + j;
+            for (k, y16) in y32.chunks_exact_mut(16).enumerate() {
+                let dl = d * q3_scale(sc, 8 * n + 2 * j + k) as f32;
+                for (l, v) in y16.iter_mut().enumerate() {
+                    let low = ((q[16 * k + l] >> (2 * j)) & 3) as i32;
+                    let high = (hmask[16 * k + l] >> bit) & 1;
+                    *v = dl * (low - 4 * (1 - high as i32)) as f32;
+                }
+            }
         }
     }
 }
@@ -189,10 +188,7 @@ pub(crate) fn scale_min_k4(s: &[u8], j: usize) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {
-        (
-            (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4),
-            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
-        )
+        ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
     }
 }
 
@@ -212,11 +208,7 @@ fn quantize_scale_min(x: &[f32], p: &Qkx2, out: &mut [u8]) -> [u8; QK_K] {
         (scales[j], mins[j]) = make_qkx2_quants(p, xs, &w, &mut levels[32 * j..32 * j + 32]);
     }
     let (max_scale, max_min) = (max_positive(&scales), max_positive(&mins));
-    let inv_scale = if max_scale > 0.0 {
-        63.0 / max_scale
-    } else {
-        0.0
-    };
+    let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
     let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
     let s = &mut out[4..16];
     s.fill(0);
@@ -249,71 +241,51 @@ fn quantize_scale_min(x: &[f32], p: &Qkx2, out: &mut [u8]) -> [u8; QK_K] {
     levels
 }
 
-/// Decodes a Q4_K / Q5_K block given the 5-bit (or 4-bit) level of value `i`.
-#[inline]
-fn dequantize_scale_min(b: &[u8], y: &mut [f32], level: impl Fn(usize) -> u8) {
+/// Decodes a Q4_K / Q5_K block: chunk `c` of 64 values has scale/min pairs
+/// `2c` (first 32 values) and `2c + 1` (last 32); `level(c, l)` gives the
+/// levels of values `64c + l` and `64c + 32 + l`.
+#[inline(always)]
+fn dequantize_scale_min(b: &[u8], y: &mut [f32], level: impl Fn(usize, usize) -> (u8, u8)) {
     let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-    for (j, ys) in y.chunks_exact_mut(32).enumerate() {
-        let (sc, m) = scale_min_k4(&b[4..16], j);
-        let (dl, ml) = (d * sc as f32, dmin * m as f32);
-        for (k, v) in ys.iter_mut().enumerate() {
-            *v = dl * level(32 * j + k) as f32 - ml;
+    for (c, y64) in y.chunks_exact_mut(64).enumerate() {
+        let ((s1, m1), (s2, m2)) = (scale_min_k4(&b[4..16], 2 * c), scale_min_k4(&b[4..16], 2 * c + 1));
+        let (d1, m1, d2, m2) = (d * s1 as f32, dmin * m1 as f32, d * s2 as f32, dmin * m2 as f32);
+        let (lo, hi) = y64.split_at_mut(32);
+        for (l, (a, b)) in lo.iter_mut().zip(hi.iter_mut()).enumerate() {
+            let (q1, q2) = level(c, l);
+            *a = d1 * q1 as f32 - m1;
+            *b = d2 * q2 as f32 - m2;
         }
     }
-}
-
-/// The low nibble of value `i` in Q4_K / Q5_K: chunk `c = i / 64` holds
-/// values `64c + l` (low nibbles) and `64c + 32 + l` (high) in byte `32c + l`.
-#[inline]
-fn nibble_k(qs: &[u8], i: usize) -> u8 {
-    let (c, r) = (i / 64, i % 64);
-    (qs[32 * c + r % 32] >> (4 * (r / 32))) & 0xF
 }
 
 /// Q4_K (144 bytes): `d, dmin: f16` at 0 and 2, `scales: u8[12]` at 4,
 /// `qs: u8[128]` at 16; `x = d * sc * q - dmin * m` per sub-block of 32.
 pub fn quantize_q4_k(x: &[f32], out: &mut [u8]) {
-    let p = Qkx2 {
-        nmax: 15,
-        rmin: -1.0,
-        rdelta: 0.1,
-        nstep: 20,
-        use_mad: false,
-    };
+    let p = Qkx2 { nmax: 15, rmin: -1.0, rdelta: 0.1, nstep: 20, use_mad: false };
     let levels = quantize_scale_min(x, &p, out);
-    for (chunk, q) in levels
-        .chunks_exact(64)
-        .zip(out[16..144].chunks_exact_mut(32))
-    {
+    for (chunk, q) in levels.chunks_exact(64).zip(out[16..144].chunks_exact_mut(32)) {
         for (l, b) in q.iter_mut().enumerate() {
             *b = chunk[l] | (chunk[l + 32] << 4);
         }
     }
 }
 
+#[inline(always)]
 pub fn dequantize_q4_k(b: &[u8], y: &mut [f32]) {
-    dequantize_scale_min(b, y, |i| nibble_k(&b[16..144], i));
+    let qs = &b[16..144];
+    dequantize_scale_min(b, y, |c, l| (qs[32 * c + l] & 0xF, qs[32 * c + l] >> 4));
 }
 
 /// Q5_K (176 bytes): as Q4_K with `qh: u8[32]` at 16 and `qs: u8[128]` at
 /// 48; value `i` of chunk `c` gets `+16` from bit `2c` (low nibbles) or
 /// `2c + 1` (high nibbles) of `qh[i % 32]`.
 pub fn quantize_q5_k(x: &[f32], out: &mut [u8]) {
-    let p = Qkx2 {
-        nmax: 31,
-        rmin: -0.5,
-        rdelta: 0.1,
-        nstep: 15,
-        use_mad: false,
-    };
+    let p = Qkx2 { nmax: 31, rmin: -0.5, rdelta: 0.1, nstep: 15, use_mad: false };
     let levels = quantize_scale_min(x, &p, out);
     let (qh, qs) = out[16..176].split_at_mut(32);
     qh.fill(0);
-    for (c, (chunk, q)) in levels
-        .chunks_exact(64)
-        .zip(qs.chunks_exact_mut(32))
-        .enumerate()
-    {
+    for (c, (chunk, q)) in levels.chunks_exact(64).zip(qs.chunks_exact_mut(32)).enumerate() {
         for (l, b) in q.iter_mut().enumerate() {
             let (lo, hi) = (chunk[l], chunk[l + 32]);
             qh[l] |= ((lo >> 4) << (2 * c)) | ((hi >> 4) << (2 * c + 1));
@@ -322,10 +294,12 @@ pub fn quantize_q5_k(x: &[f32], out: &mut [u8]) {
     }
 }
 
+#[inline(always)]
 pub fn dequantize_q5_k(b: &[u8], y: &mut [f32]) {
-    dequantize_scale_min(b, y, |i| {
-        let high = (b[16 + i % 32] >> (2 * (i / 64) + (i % 64) / 32)) & 1;
-        nibble_k(&b[48..176], i) | (high << 4)
+    let (qh, qs) = (&b[16..48], &b[48..176]);
+    dequantize_scale_min(b, y, |c, l| {
+        let (q, h) = (qs[32 * c + l], qh[l] >> (2 * c));
+        ((q & 0xF) | ((h & 1) << 4), (q >> 4) | ((h & 2) << 3))
     });
 }
 
@@ -339,11 +313,7 @@ pub fn quantize_q6_k(x: &[f32], out: &mut [u8]) {
     let mut scales = [0f32; 16];
     let (mut max_abs, mut max_scale) = (0f32, 0f32);
     for j in 0..16 {
-        scales[j] = make_qx_quants(
-            32,
-            &x[16 * j..16 * j + 16],
-            &mut levels[16 * j..16 * j + 16],
-        );
+        scales[j] = make_qx_quants(32, &x[16 * j..16 * j + 16], &mut levels[16 * j..16 * j + 16]);
         if scales[j].abs() > max_abs {
             max_abs = scales[j].abs();
             max_scale = scales[j];
@@ -374,25 +344,28 @@ pub fn quantize_q6_k(x: &[f32], out: &mut [u8]) {
         for l in 0..32 {
             ql[64 * h + l] = (l6(l) & 0xF) | ((l6(l + 64) & 0xF) << 4);
             ql[64 * h + l + 32] = (l6(l + 32) & 0xF) | ((l6(l + 96) & 0xF) << 4);
-            qh[32 * h + l] = (l6(l) >> 4)
-                | ((l6(l + 32) >> 4) << 2)
-                | ((l6(l + 64) >> 4) << 4)
-                | ((l6(l + 96) >> 4) << 6);
+            qh[32 * h + l] =
+                (l6(l) >> 4) | ((l6(l + 32) >> 4) << 2) | ((l6(l + 64) >> 4) << 4) | ((l6(l + 96) >> 4) << 6);
         }
     }
 }
 
+#[inline(always)]
 pub fn dequantize_q6_k(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 208);
-    for (j, ys) in y.chunks_exact_mut(16).enumerate() {
-        let dl = d * b[192 + j] as i8 as f32;
-        for (k, v) in ys.iter_mut().enumerate() {
-            let i = 16 * j + k;
-            let (h, r) = (i / 128, i % 128);
-            let (kk, l) = (r / 32, r % 32);
-            let low = (b[64 * h + l + 32 * (kk & 1)] >> (4 * (kk / 2))) & 0xF;
-            let high = (b[128 + 32 * h + l] >> (2 * kk)) & 3;
-            *v = dl * ((low | (high << 4)) as i32 - 32) as f32;
+    let (ql, qh, sc) = (&b[..128], &b[128..192], &b[192..208]);
+    for (h, yh) in y.chunks_exact_mut(128).enumerate() {
+        let (ql, qh, sc) = (&ql[64 * h..64 * h + 64], &qh[32 * h..32 * h + 32], &sc[8 * h..8 * h + 8]);
+        let (y01, y23) = yh.split_at_mut(64);
+        let ((y0, y1), (y2, y3)) = (y01.split_at_mut(32), y23.split_at_mut(32));
+        for l in 0..32 {
+            let is = l / 16;
+            let level = |low: u8, shift: u32| ((low & 0xF) | (((qh[l] >> shift) & 3) << 4)) as i32 - 32;
+            let w = |k: usize| d * sc[is + 2 * k] as i8 as f32;
+            y0[l] = w(0) * level(ql[l], 0) as f32;
+            y1[l] = w(1) * level(ql[l + 32], 2) as f32;
+            y2[l] = w(2) * level(ql[l] >> 4, 4) as f32;
+            y3[l] = w(3) * level(ql[l + 32] >> 4, 6) as f32;
         }
     }
 }

@@ -4,7 +4,8 @@
 //!
 //! Each `quantize_*` encodes one block of 32 values like ggml's
 //! `quantize_row_*_ref`; each `dequantize_*` decodes one block like ggml's
-//! `dequantize_row_*` (equal, bit for bit, to gguf-py's numpy ports).
+//! `dequantize_row_*` (equal, bit for bit, to gguf-py's numpy ports), in
+//! storage order so the SIMD kernels can inline and vectorize them.
 
 use super::{f16_at, put_f16};
 
@@ -57,25 +58,29 @@ fn pack5(q: &[u8; QK], qh: &mut [u8], qs: &mut [u8]) {
     qh.copy_from_slice(&bits.to_le_bytes());
 }
 
-/// The 5-bit value `i` of a block packed by [`pack5`].
-#[inline]
-fn unpack5(qh: u32, qs: &[u8], i: usize) -> u8 {
-    let low = if i < HALF {
-        qs[i] & 0x0F
-    } else {
-        qs[i - HALF] >> 4
-    };
-    low | (((qh >> i) & 1) as u8) << 4
+/// Decodes a block of 32 from its levels: `value(j)` gives the levels of
+/// values `j` and `j + 16` (which share byte `qs[j]`), `f` maps a level to
+/// the weight.
+#[inline(always)]
+fn decode(y: &mut [f32], value: impl Fn(usize) -> (u8, u8), f: impl Fn(u8) -> f32) {
+    let (lo, hi) = y[..QK].split_at_mut(HALF);
+    for (j, (a, b)) in lo.iter_mut().zip(hi.iter_mut()).enumerate() {
+        let (q0, q1) = value(j);
+        *a = f(q0);
+        *b = f(q1);
+    }
 }
 
-/// The 4-bit value `i` of a block whose nibbles pair `i` with `i + 16`.
-#[inline]
-fn unpack4(qs: &[u8], i: usize) -> u8 {
-    if i < HALF {
-        qs[i] & 0x0F
-    } else {
-        qs[i - HALF] >> 4
-    }
+#[inline(always)]
+fn nibbles(qs: &[u8], j: usize) -> (u8, u8) {
+    (qs[j] & 0x0F, qs[j] >> 4)
+}
+
+/// Levels `j` and `j + 16` of a 5-bit block: nibbles plus bits `j`, `j + 16` of `qh`.
+#[inline(always)]
+fn fives(qh: u32, qs: &[u8], j: usize) -> (u8, u8) {
+    let (a, b) = nibbles(qs, j);
+    (a | (((qh >> j) << 4) & 0x10) as u8, b | ((qh >> (j + 12)) & 0x10) as u8)
 }
 
 /// Q4_0 (18 bytes): `d: f16, qs: u8[16]`; `x = d * (q - 8)`.
@@ -90,11 +95,10 @@ pub fn quantize_q4_0(x: &[f32], out: &mut [u8]) {
     }
 }
 
+#[inline(always)]
 pub fn dequantize_q4_0(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
-    for (i, v) in y.iter_mut().enumerate() {
-        *v = (unpack4(&b[2..18], i) as i32 - 8) as f32 * d;
-    }
+    decode(y, |j| nibbles(&b[2..18], j), |q| (q as i32 - 8) as f32 * d);
 }
 
 /// Q4_1 (20 bytes): `d, m: f16, qs: u8[16]`; `x = d * q + m`.
@@ -111,11 +115,10 @@ pub fn quantize_q4_1(x: &[f32], out: &mut [u8]) {
     }
 }
 
+#[inline(always)]
 pub fn dequantize_q4_1(b: &[u8], y: &mut [f32]) {
     let (d, m) = (f16_at(b, 0), f16_at(b, 2));
-    for (i, v) in y.iter_mut().enumerate() {
-        *v = unpack4(&b[4..20], i) as f32 * d + m;
-    }
+    decode(y, |j| nibbles(&b[4..20], j), |q| q as f32 * d + m);
 }
 
 /// Q5_0 (22 bytes): `d: f16, qh: u8[4], qs: u8[16]`; `x = d * (q - 16)`.
@@ -131,12 +134,11 @@ pub fn quantize_q5_0(x: &[f32], out: &mut [u8]) {
     pack5(&q, qh, qs);
 }
 
+#[inline(always)]
 pub fn dequantize_q5_0(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
     let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-    for (i, v) in y.iter_mut().enumerate() {
-        *v = (unpack5(qh, &b[6..22], i) as i32 - 16) as f32 * d;
-    }
+    decode(y, |j| fives(qh, &b[6..22], j), |q| (q as i32 - 16) as f32 * d);
 }
 
 /// Q5_1 (24 bytes): `d, m: f16, qh: u8[4], qs: u8[16]`; `x = d * q + m`.
@@ -154,12 +156,11 @@ pub fn quantize_q5_1(x: &[f32], out: &mut [u8]) {
     pack5(&q, qh, qs);
 }
 
+#[inline(always)]
 pub fn dequantize_q5_1(b: &[u8], y: &mut [f32]) {
     let (d, m) = (f16_at(b, 0), f16_at(b, 2));
     let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-    for (i, v) in y.iter_mut().enumerate() {
-        *v = unpack5(qh, &b[8..24], i) as f32 * d + m;
-    }
+    decode(y, |j| fives(qh, &b[8..24], j), |q| q as f32 * d + m);
 }
 
 /// Q8_0 (34 bytes): `d: f16, qs: i8[32]`; `x = d * q`. `amax = max|x|`,
@@ -175,6 +176,7 @@ pub fn quantize_q8_0_block(x: &[f32], out: &mut [u8]) {
     }
 }
 
+#[inline(always)]
 pub fn dequantize_q8_0(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
     for (v, &q) in y.iter_mut().zip(&b[2..34]) {
@@ -185,16 +187,8 @@ pub fn dequantize_q8_0(b: &[u8], y: &mut [f32]) {
 /// Quantizes a whole row to Q8_0 (`src.len()` a multiple of 32,
 /// `dst.len() == src.len() / 32 * 34`).
 pub fn quantize_q8_0(src: &[f32], dst: &mut [u8]) {
-    assert_eq!(
-        src.len() % QK,
-        0,
-        "quantize_q8_0: length not a multiple of 32"
-    );
-    assert_eq!(
-        dst.len(),
-        src.len() / QK * 34,
-        "quantize_q8_0: destination size"
-    );
+    assert_eq!(src.len() % QK, 0, "quantize_q8_0: length not a multiple of 32");
+    assert_eq!(dst.len(), src.len() / QK * 34, "quantize_q8_0: destination size");
     for (x, b) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(34)) {
         quantize_q8_0_block(x, b);
     }

@@ -16,6 +16,7 @@
 //! (256-element super-blocks); [`search`] holds the scale searches the
 //! K-quant reference quantizers share.
 
+pub mod kernels;
 pub mod kquants;
 pub mod legacy;
 mod search;
@@ -50,12 +51,7 @@ pub(crate) struct BlockCodec {
 
 /// The block codec of a quantized type, `None` for the float types.
 pub(crate) fn codec(ty: GgmlType) -> Option<BlockCodec> {
-    let c = |quantize, dequantize| {
-        Some(BlockCodec {
-            quantize,
-            dequantize,
-        })
-    };
+    let c = |quantize, dequantize| Some(BlockCodec { quantize, dequantize });
     match ty {
         GgmlType::Q4_0 => c(legacy::quantize_q4_0, legacy::dequantize_q4_0),
         GgmlType::Q4_1 => c(legacy::quantize_q4_1, legacy::dequantize_q4_1),
@@ -73,15 +69,10 @@ pub(crate) fn codec(ty: GgmlType) -> Option<BlockCodec> {
 
 /// Checks that `bytes` holds exactly one row of `n` values of `ty`.
 fn check_row(ty: GgmlType, n: usize, bytes: usize) -> Result<()> {
-    let want = ty.row_bytes(n).ok_or_else(|| {
-        Error::arg(format!(
-            "row of {n} values is not a whole number of {ty} blocks"
-        ))
-    })?;
+    let want =
+        ty.row_bytes(n).ok_or_else(|| Error::arg(format!("row of {n} values is not a whole number of {ty} blocks")))?;
     if bytes != want {
-        return Err(Error::arg(format!(
-            "{ty} row of {n} values needs {want} bytes, got {bytes}"
-        )));
+        return Err(Error::arg(format!("{ty} row of {n} values needs {want} bytes, got {bytes}")));
     }
     Ok(())
 }
