@@ -49,8 +49,14 @@ fn unit_rms(n: usize, seed: u64) -> Vec<f32> {
 }
 
 #[test]
-fn small_model_loads_decodes_and_routes_over_every_expert() {
-    let file = write(&small(Profile::Q8_0, 1), "q8.gguf");
+fn small_models_load_decode_and_route_over_every_expert() {
+    for profile in [Profile::Q8_0, Profile::Q4KM, Profile::Q2K] {
+        decodes_and_routes(profile);
+    }
+}
+
+fn decodes_and_routes(profile: Profile) {
+    let file = write(&small(profile, 1), &format!("{profile}.gguf"));
     let model = load(&file.0);
     let cfg = &model.config;
     assert_eq!(
@@ -69,7 +75,7 @@ fn small_model_loads_decodes_and_routes_over_every_expert() {
         let mean = logits.iter().sum::<f32>() / logits.len() as f32;
         let std =
             (logits.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / logits.len() as f32).sqrt();
-        assert!((0.05..20.0).contains(&std), "logit std {std}");
+        assert!((0.05..20.0).contains(&std), "{profile}: logit std {std}");
         token = flashnext::sampling::argmax(logits).unwrap();
     }
 
