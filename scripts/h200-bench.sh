@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Synthesise the two real-shape benchmark models on the GPU machine and
+# benchmark each: a 24-layer q4_k_m model (~40 GB) and the 48-layer 2-bit
+# expert profile (q2_k, ~55 GB). Each model is written to a local work
+# directory (not $OUT), benchmarked, then deleted, so the 64 GiB disk holds
+# one at a time. Logs and JSON reports go to $OUT.
+#
+# Usage (repository root, release binary carried to target/release/flashnext):
+#   OUT=/some/dir scripts/h200-bench.sh [q4|q2|all]
+# Environment overrides: FLASHNEXT (binary), WORK (model directory),
+# LAYERS_Q4, LAYERS_Q2, GEN, WARMUP, PROMPT, STEP_TIMEOUT (seconds per synth
+# or bench step).
+set -u -o pipefail
+
+which=${1:-all}
+bin=${FLASHNEXT:-target/release/flashnext}
+out=${OUT:?set OUT to the directory for reports}
+work=${WORK:-/tmp/flashnext-bench}
+gen=${GEN:-8}
+warmup=${WARMUP:-2}
+prompt=${PROMPT:-The quick brown fox}
+step_timeout=${STEP_TIMEOUT:-400}
+
+mkdir -p "$out" "$work"
+log=$out/h200-bench.log
+say() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$log"; }
+
+# The Vulkan loader, when the caller carried it (see the device notes).
+if [ -d .gl ] && ls .gl/*.deb >/dev/null 2>&1; then
+    for f in .gl/*.deb; do dpkg -x "$f" /; done
+    ldconfig
+    export VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json}
+fi
+
+{
+    echo "host: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB RAM"
+    df -h "$work" | tail -1
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
+} | tee -a "$log"
+
+# run_one NAME LAYERS TYPE: synthesise, benchmark on the CPU (and Vulkan), delete.
+run_one() {
+    local name=$1 layers=$2 type=$3
+    local model=$work/$name.gguf
+    say "synth $name: --layers $layers --type $type"
+    local t0 t1
+    t0=$(date +%s.%N)
+    if ! timeout "$step_timeout" "$bin" synth -o "$model" --layers "$layers" --type "$type" 2>&1 \
+        | tail -n 3 | tee -a "$log"; then
+        say "synth $name failed or timed out"
+    fi
+    t1=$(date +%s.%N)
+    if [ -f "$model" ]; then
+        local bytes
+        bytes=$(stat -c %s "$model")
+        say "synth $name: $(awk -v b="$bytes" -v s="$(awk -v a="$t0" -v b="$t1" 'BEGIN {print b - a}')" \
+            'BEGIN {printf "%.0f bytes in %.1f s: %.2f GB/s", b, s, b / s / 1e9}')"
+        for backend in cpu vulkan; do
+            say "bench $name --backend $backend"
+            timeout "$step_timeout" "$bin" bench --model "$model" --backend "$backend" --prompt "$prompt" \
+                --gen "$gen" --warmup "$warmup" --json "$out/bench-$name-$backend.json" 2>&1 | tee -a "$log" \
+                || say "bench $name --backend $backend failed"
+        done
+    fi
+    rm -f "$model" "$model.partial"
+}
+
+case $which in
+    q4 | all) run_one q4_k_m-${LAYERS_Q4:-24}L "${LAYERS_Q4:-24}" q4_k_m ;;&
+    q2 | all) run_one q2_k-${LAYERS_Q2:-48}L "${LAYERS_Q2:-48}" q2_k ;;
+    q4) ;;
+    *) echo "usage: $0 [q4|q2|all]" >&2; exit 2 ;;
+esac
+say "done"
