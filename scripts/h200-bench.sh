@@ -9,7 +9,8 @@
 #   OUT=/some/dir scripts/h200-bench.sh [q4|q2|all]
 # Environment overrides: FLASHNEXT (binary), WORK (model directory),
 # LAYERS_Q4, LAYERS_Q2, GEN, WARMUP, PROMPT, STEP_TIMEOUT (seconds per synth
-# or bench step).
+# or bench step), LLAMA_BENCH (a carried llama-bench binary, its shared
+# libraries beside it: then llama.cpp is measured on the same file too).
 set -u -o pipefail
 
 which=${1:-all}
@@ -61,6 +62,11 @@ run_one() {
                 --gen "$gen" --warmup "$warmup" --json "$out/bench-$name-$backend.json" 2>&1 | tee -a "$log" \
                 || say "bench $name --backend $backend failed"
         done
+        if [ -n "${LLAMA_BENCH:-}" ]; then
+            say "llama-bench $name"
+            LD_LIBRARY_PATH=$(dirname "$LLAMA_BENCH") timeout "$step_timeout" "$LLAMA_BENCH" -m "$model" \
+                -p 16 -n "$gen" -r 1 -o json > "$out/llama-bench-$name.json" 2>> "$log" || say "llama-bench $name failed"
+        fi
     fi
     rm -f "$model" "$model.partial"
 }
