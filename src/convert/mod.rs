@@ -84,8 +84,7 @@ use crate::error::{Error, Result};
 use crate::gguf::{GgmlType, GgufWriter, Value};
 use config::T_UINT64;
 use std::fmt;
-use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// Storage type for the large weight matrices (`--type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -322,22 +321,8 @@ pub fn convert(hf_dir: &Path, out: &Path, opts: &ConvertOptions) -> Result<Conve
     }
     report.skipped = plan.skipped;
 
-    let partial = partial_path(out);
-    let file = File::create(&partial).map_err(|e| Error::io(format!("creating {}", partial.display()), e))?;
-    let result = w.write(file, |_, _, _| {});
-    if let Err(e) = result {
-        let _ = std::fs::remove_file(&partial);
-        return Err(e);
-    }
-    std::fs::rename(&partial, out)
-        .map_err(|e| Error::io(format!("renaming {} to {}", partial.display(), out.display()), e))?;
+    w.write_to_path(out)?;
     Ok(report)
-}
-
-fn partial_path(out: &Path) -> PathBuf {
-    let mut s = out.as_os_str().to_owned();
-    s.push(".partial");
-    PathBuf::from(s)
 }
 
 /// `general.name`: the checkpoint directory's name (as llama.cpp does by default).

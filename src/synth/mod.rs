@@ -28,10 +28,9 @@ use crate::convert::HfConfig;
 use crate::error::{Error, Result};
 use crate::gguf::{GgmlType, GgufWriter, Value};
 use shapes::{Init, PleHash, TensorPlan};
-use std::fs::File;
+use std::cell::RefCell;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
 use std::time::Instant;
 
 /// Default height of the PLE table: 2^21 rows (the real one has 320 001 536).
@@ -203,7 +202,7 @@ pub fn synthesize(
             seconds: start.elapsed().as_secs_f64(),
         });
     };
-    let pools = Mutex::new(fill::Pools::default());
+    let pools = RefCell::new(fill::Pools::default());
     let mut w = GgufWriter::new();
     for (k, v) in metadata(&plan.config, opts, plan.ple.as_ref()) {
         w.add(&k, v);
@@ -224,10 +223,7 @@ pub fn synthesize(
                 let n: usize = t.dims.iter().product();
                 match t.init {
                     Init::Gauss(std) => {
-                        let (pool, ub) = pools
-                            .lock()
-                            .expect("pool lock")
-                            .scaled(ty, t.dims[0], std)?;
+                        let (pool, ub) = pools.borrow_mut().scaled(ty, t.dims[0], std)?;
                         let n_units = tensor_bytes(ty, &t.dims)? as usize / ub;
                         fill::write_pooled(out, &pool, ub, n_units, seed, report)
                     }
@@ -242,23 +238,7 @@ pub fn synthesize(
     }
     let n_tensors = w.tensor_count();
 
-    let partial = {
-        let mut s = out.as_os_str().to_owned();
-        s.push(".partial");
-        std::path::PathBuf::from(s)
-    };
-    let file = File::create(&partial)
-        .map_err(|e| Error::io(format!("creating {}", partial.display()), e))?;
-    if let Err(e) = w.write(file, |_, _, _| {}) {
-        let _ = std::fs::remove_file(&partial);
-        return Err(e);
-    }
-    std::fs::rename(&partial, out).map_err(|e| {
-        Error::io(
-            format!("renaming {} to {}", partial.display(), out.display()),
-            e,
-        )
-    })?;
+    w.write_to_path(out)?;
     let file_bytes = std::fs::metadata(out)
         .map_err(|e| Error::io(format!("reading {}", out.display()), e))?
         .len();
