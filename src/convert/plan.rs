@@ -12,6 +12,7 @@ use super::tensors::{v_head_perm, ElemOp, OutTensor, RowMap};
 use super::{OutType, SkipReason, SkippedTensor};
 use crate::error::{Error, Result};
 use crate::gguf::GgmlType;
+use crate::quant::policy::{ModelShape, TensorTypeOverride, TypePolicy};
 use safetensors::Dtype;
 
 /// The three PLE hash constants, exact (written as UINT64 arrays).
@@ -35,7 +36,8 @@ pub(crate) fn storage_type(name: &str, dims: &[usize], out: OutType) -> GgmlType
         || name.ends_with(".ffn_gate_inp_shexp.weight")
         || name.ends_with(".ssm_conv1d.weight")
         || !name.ends_with(".weight");
-    let ty = out.ggml_type();
+    // A preset is applied to the whole f32 plan afterwards (`apply_policy`).
+    let ty = if matches!(out, OutType::Quant(_)) { GgmlType::F32 } else { out.ggml_type() };
     match () {
         _ if forced_f32 => GgmlType::F32,
         // A row that is not a whole number of blocks (Q8_0 on ple_conv1d) falls back to F16.
@@ -376,7 +378,7 @@ fn skip_reason(name: &str) -> Option<SkipReason> {
 }
 
 /// Maps the whole checkpoint; see the module docs.
-pub(crate) fn plan(cfg: &HfConfig, src: &SourceSet, out: OutType) -> Result<Plan> {
+pub(crate) fn plan(cfg: &HfConfig, src: &SourceSet, out: OutType, overrides: &[TensorTypeOverride]) -> Result<Plan> {
     let mut p = Planner { cfg, src, out, used: vec![false; src.tensors.len()], tensors: Vec::new() };
     p.globals()?;
     for n in 0..cfg.num_layers {
@@ -420,5 +422,24 @@ pub(crate) fn plan(cfg: &HfConfig, src: &SourceSet, out: OutType) -> Result<Plan
             shown.join(", ")
         )));
     }
-    Ok(Plan { tensors: p.tensors, skipped, ple })
+    let mut tensors = p.tensors;
+    apply_policy(cfg, out, overrides, &mut tensors);
+    Ok(Plan { tensors, skipped, ple })
+}
+
+/// Gives every tensor its preset / `--tensor-type` type, in file order.
+fn apply_policy(cfg: &HfConfig, out: OutType, overrides: &[TensorTypeOverride], tensors: &mut [OutTensor]) {
+    let preset = match out {
+        OutType::Quant(p) => Some(p),
+        _ => None,
+    };
+    if preset.is_none() && overrides.is_empty() {
+        return;
+    }
+    let shape = ModelShape { n_layers: cfg.num_layers, gqa: cfg.n_head / cfg.n_head_kv.max(1), n_experts: cfg.n_expert };
+    let names: Vec<String> = tensors.iter().map(|t| t.name.clone()).collect();
+    let mut policy = TypePolicy::new(preset, overrides.to_vec(), names.iter().map(String::as_str), shape);
+    for t in tensors {
+        t.ty = policy.choose(&t.name, &t.dims, t.ty);
+    }
 }
