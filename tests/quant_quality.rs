@@ -139,3 +139,30 @@ fn presets_on_reference_fixtures() {
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// `convert --type q4_k_m --tensor-type ...` writes the same tensors as
+/// converting to F32 and then `quantize --type q4_k_m --tensor-type ...`.
+#[test]
+fn convert_with_preset_equals_quantize_of_f32() {
+    use flashnext::gguf::{GgmlType, GgufFile, Value};
+    let hf = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny_native/hf");
+    let dir = tempdir("convert-preset");
+    let overrides = || vec!["ffn_up_exps=q8_0".parse().unwrap()];
+    let (direct, f32_path, requant) = (dir.join("direct.gguf"), dir.join("f32.gguf"), dir.join("requant.gguf"));
+    let opts = ConvertOptions { out_type: OutType::Quant(Preset::Q4KM), tensor_types: overrides(), progress: None };
+    convert(&hf, &direct, &opts).unwrap();
+    convert(&hf, &f32_path, &ConvertOptions::new(OutType::F32)).unwrap();
+    quantize_file(&f32_path, &requant, &QuantizeOptions { preset: Preset::Q4KM, tensor_types: overrides() }).unwrap();
+    let (a, b) = (GgufFile::open(&direct).unwrap(), GgufFile::open(&requant).unwrap());
+    assert_eq!(a.metadata.get("general.file_type").and_then(Value::as_u64), Some(15));
+    assert_eq!(a.tensors.len(), b.tensors.len());
+    for (x, y) in a.tensors.iter().zip(&b.tensors) {
+        assert_eq!((&x.name, x.ty, &x.dims), (&y.name, y.ty, &y.dims));
+        assert_eq!(a.tensor_data(x), b.tensor_data(y), "{}", x.name);
+    }
+    let ty = |n: &str| a.tensor(n).unwrap().ty;
+    assert_eq!(ty("blk.0.ffn_up_exps.weight"), GgmlType::Q8_0);
+    assert_eq!(ty("blk.0.hc_attn_down.weight"), GgmlType::Q4K); // 256-wide rows
+    assert_eq!(ty("blk.0.ffn_gate_inp.weight"), GgmlType::F32);
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -51,12 +51,15 @@ pub struct Shape {
     pub pool: usize,
 }
 
-/// Qwen3.8-Flash-Next's shapes (hidden 2560, expert width 640, top-10).
-pub const SHAPES: [Shape; 4] = [
+/// Qwen3.8-Flash-Next's shapes (hidden 2560, expert width 640, top-10), and
+/// the matrix-vector shape of llama.cpp's `test-backend-ops perf -o MUL_MAT`
+/// (m=4096, k=14336, n=1) for a side-by-side comparison.
+pub const SHAPES: [Shape; 5] = [
     Shape { name: "expert gate/up 640x2560 top-10", rows: 640, cols: 2560, count: 10, pool: 64 },
     Shape { name: "expert down 2560x640 top-10", rows: 2560, cols: 640, count: 10, pool: 64 },
     Shape { name: "GDN qkv 10240x2560", rows: 10240, cols: 2560, count: 1, pool: 1 },
     Shape { name: "lm_head 248320x2560", rows: 248320, cols: 2560, count: 1, pool: 1 },
+    Shape { name: "test-backend-ops 4096x14336", rows: 4096, cols: 14336, count: 1, pool: 1 },
 ];
 
 /// One measured (type, shape) pair.
