@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Synthesise the two real-shape benchmark models on the GPU machine and
-# benchmark each: a 24-layer q4_k_m model (~40 GB) and the 48-layer 2-bit
-# expert profile (q2_k, ~55 GB). Each model is written to a local work
+# benchmark each: a 24-layer model in the mix of the llama.cpp reference
+# measurements (Q4_K experts with Q5_0 down, Q8_0 dense, Q6_K head; 40 GB)
+# and all 48 layers in llama-quantize's q2_k (2-bit expert gate/up; 55 GB). Each model is written to a local work
 # directory (not $OUT), benchmarked, then deleted, so the 64 GiB disk holds
 # one at a time. Logs and JSON reports go to $OUT.
 #
@@ -39,14 +40,15 @@ fi
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
 } | tee -a "$log"
 
-# run_one NAME LAYERS TYPE: synthesise, benchmark on the CPU (and Vulkan), delete.
+# run_one NAME LAYERS SYNTH-ARGS...: synthesise, benchmark on the CPU (and Vulkan), delete.
 run_one() {
-    local name=$1 layers=$2 type=$3
+    local name=$1 layers=$2
+    shift 2
     local model=$work/$name.gguf
-    say "synth $name: --layers $layers --type $type"
+    say "synth $name: --layers $layers $*"
     local t0 t1
     t0=$(date +%s.%N)
-    if ! timeout "$step_timeout" "$bin" synth -o "$model" --layers "$layers" --type "$type" 2>&1 \
+    if ! timeout "$step_timeout" "$bin" synth -o "$model" --layers "$layers" "$@" 2>&1 \
         | tail -n 3 | tee -a "$log"; then
         say "synth $name failed or timed out"
     fi
@@ -72,8 +74,9 @@ run_one() {
 }
 
 case $which in
-    q4 | all) run_one q4_k_m-${LAYERS_Q4:-24}L "${LAYERS_Q4:-24}" q4_k_m ;;&
-    q2 | all) run_one q2_k-${LAYERS_Q2:-48}L "${LAYERS_Q2:-48}" q2_k ;;
+    q4 | all) run_one q4ref-${LAYERS_Q4:-24}L "${LAYERS_Q4:-24}" --type q8_0 \
+        --tensor-type '_exps=q4_k' --tensor-type '^output\.weight=q6_k' ;;&
+    q2 | all) run_one q2_k-${LAYERS_Q2:-48}L "${LAYERS_Q2:-48}" --type q2_k ;;
     q4) ;;
     *) echo "usage: $0 [q4|q2|all]" >&2; exit 2 ;;
 esac

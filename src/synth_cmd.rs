@@ -1,26 +1,15 @@
 //! `flashnext synth`: writes a synthetic real-shape model, with progress.
 
-use flashnext::synth::{synthesize, Dims, Profile, SynthOptions, SynthProgress};
+use flashnext::synth::{synthesize, Dims, SynthOptions, SynthProgress};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Instant;
 
-pub fn run(
-    out: PathBuf,
-    layers: Option<usize>,
-    profile: &str,
-    ple_rows: u64,
-    seed: u64,
-    dims: &str,
-    quiet: bool,
-) -> flashnext::Result<()> {
+pub fn run(out: PathBuf, opts: SynthOptions, dims: &str, quiet: bool) -> flashnext::Result<()> {
     let opts = SynthOptions {
-        layers,
-        profile: profile.parse::<Profile>()?,
-        ple_rows,
-        seed,
         dims: dims.parse::<Dims>()?,
+        ..opts
     };
     let tty = std::io::stderr().is_terminal();
     // At most one line per second (a log file) or five redraws per second (a terminal).
@@ -60,7 +49,7 @@ pub fn run(
         "wrote {} ({} layers, {}, {} tensors, {:.2} GB, PLE table {} rows) in {:.1} s: {:.2} GB/s [{}]",
         out.display(),
         flashnext::synth::shapes::config_json(opts.dims, opts.layers)?["num_hidden_layers"],
-        opts.profile,
+        opts.out_type,
         report.n_tensors,
         report.file_bytes as f64 / 1e9,
         report.ple_rows,

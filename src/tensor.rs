@@ -7,8 +7,7 @@
 //! summation order differs from PyTorch's BLAS only by rounding, ~1e-7 relative.
 
 use crate::gguf::{GgmlType, Storage, TensorInfo};
-use crate::quant::kernels::dot_row;
-use rayon::prelude::*;
+use crate::quant::kernels::{matvec_batch, MatVec};
 
 /// A tensor in the mapped file. `dims` are in ggml order (`dims[0]` contiguous):
 /// a linear layer `out x in` is `dims = [in, out]`.
@@ -85,13 +84,9 @@ impl Tensor {
     pub fn matvec_rows(&self, first_row: usize, x: &[f32], y: &mut [f32]) {
         assert_eq!(x.len(), self.cols(), "{}: input length", self.name);
         assert!(first_row + y.len() <= self.rows(), "{}: rows out of range", self.name);
-        let work = y.len() * self.cols();
-        let body = |(i, out): (usize, &mut f32)| *out = dot_row(self.ty, self.row(first_row + i), x);
-        if work >= PAR_THRESHOLD {
-            y.par_iter_mut().enumerate().with_min_len(16).for_each(body);
-        } else {
-            y.iter_mut().enumerate().for_each(body);
-        }
+        let rb = self.row_bytes();
+        let rows = &self.bytes()[first_row * rb..(first_row + y.len()) * rb];
+        matvec_batch(&mut [MatVec { ty: self.ty, rows, x, y }]);
     }
 
     /// `y = W · x` over all rows.
@@ -100,7 +95,3 @@ impl Tensor {
         self.matvec_rows(0, x, y);
     }
 }
-
-/// Below this many multiply-adds a matvec runs on the calling thread: rayon's
-/// fork-join costs more than it saves.
-const PAR_THRESHOLD: usize = 1 << 16;

@@ -3,19 +3,21 @@
 //! and a backend this build lacks is refused with its own error.
 
 use flashnext::bench::{self, BenchOptions};
+use flashnext::convert::OutType;
 use flashnext::gguf::GgufFile;
 use flashnext::model::Backend;
-use flashnext::synth::{synthesize, Dims, Profile, SynthOptions};
+use flashnext::synth::{synthesize, Dims, SynthOptions};
 
 #[test]
 fn bench_report_is_consistent() {
     let path = std::env::temp_dir().join(format!("flashnext-bench-{}.gguf", std::process::id()));
     let opts = SynthOptions {
         layers: Some(4),
-        profile: Profile::Q8_0,
+        out_type: OutType::Q8_0,
         ple_rows: 1 << 16,
         seed: 5,
         dims: Dims::Small,
+        ..Default::default()
     };
     synthesize(&path, &opts, &|_| {}).unwrap();
 

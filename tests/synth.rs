@@ -2,20 +2,32 @@
 //! expert, tokenize, are deterministic, and the real-shape profiles have the
 //! sizes the published figures give.
 
+use flashnext::convert::OutType;
 use flashnext::gguf::{GgmlType, GgufFile};
 use flashnext::model::{LoadOptions, Model, State};
-use flashnext::synth::{synthesize, Dims, Profile, SynthOptions, SynthPlan};
+use flashnext::quant::policy::{Preset, TensorTypeOverride};
+use flashnext::synth::{synthesize, Dims, SynthOptions, SynthPlan};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-fn small(profile: Profile, seed: u64) -> SynthOptions {
+fn small(out_type: OutType, seed: u64) -> SynthOptions {
     SynthOptions {
         layers: Some(4),
-        profile,
+        out_type,
+        tensor_types: Vec::new(),
         ple_rows: 1 << 16,
         seed,
         dims: Dims::Small,
     }
+}
+
+/// The mix of the llama.cpp reference measurements: Q4_K experts (down rows
+/// fall back to Q5_0), Q6_K head, Q8_0 elsewhere.
+fn reference_q4_mix() -> Vec<TensorTypeOverride> {
+    ["_exps=q4_k", "^output\\.weight=q6_k"]
+        .iter()
+        .map(|s| s.parse().unwrap())
+        .collect()
 }
 
 /// A synthesised file, removed when dropped.
@@ -50,12 +62,16 @@ fn unit_rms(n: usize, seed: u64) -> Vec<f32> {
 
 #[test]
 fn small_models_load_decode_and_route_over_every_expert() {
-    for profile in [Profile::Q8_0, Profile::Q4KM, Profile::Q2K] {
+    for profile in [
+        OutType::Q8_0,
+        OutType::Quant(Preset::Q4KM),
+        OutType::Quant(Preset::Q2K),
+    ] {
         decodes_and_routes(profile);
     }
 }
 
-fn decodes_and_routes(profile: Profile) {
+fn decodes_and_routes(profile: OutType) {
     let file = write(&small(profile, 1), &format!("{profile}.gguf"));
     let model = load(&file.0);
     let cfg = &model.config;
@@ -108,7 +124,7 @@ fn decodes_and_routes(profile: Profile) {
 
 #[test]
 fn tokenizer_round_trips_and_knows_the_chat_tokens() {
-    let file = write(&small(Profile::F16, 2), "f16.gguf");
+    let file = write(&small(OutType::F16, 2), "f16.gguf");
     let model = load(&file.0);
     let tok = model.tokenizer().unwrap();
     assert_eq!(tok.n_vocab(), 4096);
@@ -127,16 +143,19 @@ fn tokenizer_round_trips_and_knows_the_chat_tokens() {
 
 #[test]
 fn same_seed_same_bytes() {
-    let a = std::fs::read(&write(&small(Profile::BF16, 7), "a.gguf").0).unwrap();
-    let b = std::fs::read(&write(&small(Profile::BF16, 7), "b.gguf").0).unwrap();
-    let c = std::fs::read(&write(&small(Profile::BF16, 8), "c.gguf").0).unwrap();
+    let a = std::fs::read(&write(&small(OutType::BF16, 7), "a.gguf").0).unwrap();
+    let b = std::fs::read(&write(&small(OutType::BF16, 7), "b.gguf").0).unwrap();
+    let c = std::fs::read(&write(&small(OutType::BF16, 8), "c.gguf").0).unwrap();
     assert!(a == b, "same seed, different files");
     assert!(a != c, "the seed changes nothing");
 }
 
 #[test]
 fn small_file_has_the_planned_types_and_every_tensor_llama_cpp_expects() {
-    let opts = small(Profile::Q8_0, 3);
+    let opts = SynthOptions {
+        tensor_types: reference_q4_mix(),
+        ..small(OutType::Q8_0, 3)
+    };
     let plan = SynthPlan::new(&opts).unwrap();
     let tmp = write(&opts, "types.gguf");
     let file = GgufFile::open(&tmp.0).unwrap();
@@ -145,22 +164,26 @@ fn small_file_has_the_planned_types_and_every_tensor_llama_cpp_expects() {
     let ty = |n: &str| file.tensor(n).unwrap().ty;
     assert_eq!(ty("blk.0.ffn_gate_inp.weight"), GgmlType::F32);
     assert_eq!(ty("blk.1.ple_conv1d.weight"), GgmlType::F16);
-    assert_eq!(ty("blk.3.ffn_down_exps.weight"), GgmlType::Q8_0);
+    assert_eq!(ty("blk.3.ffn_down_exps.weight"), GgmlType::Q5_0);
+    assert_eq!(ty("blk.3.ffn_up_exps.weight"), GgmlType::Q4K);
+    assert_eq!(ty("output.weight"), GgmlType::Q6K);
+    assert_eq!(ty("blk.3.attn_q.weight"), GgmlType::Q8_0);
     for t in &file.tensors {
         assert_eq!(plan.tensor_type(&t.name), Some(t.ty), "{}", t.name);
     }
 }
 
 /// File sizes of the real shapes, from the plan (nothing written), against
-/// the published figures: the llama.cpp reference file with this mix is
-/// 37.8 GiB at 24 layers (19.9 GiB at 12), and 2-bit gate/up with 4.5-bit
-/// down experts are 49 GB over 48 layers.
+/// the published figures: the llama.cpp reference file (Q4_K experts, Q8_0
+/// dense, Q6_K head) is 37.8 GiB at 24 layers and 19.9 GiB at 12; 2-bit
+/// gate/up with 4.5-bit down experts are 49 GB over 48 layers.
 #[test]
 fn real_shape_profiles_have_the_published_sizes() {
-    let real = |layers, profile| {
+    let real = |layers, out_type, tensor_types| {
         SynthPlan::new(&SynthOptions {
             layers: Some(layers),
-            profile,
+            out_type,
+            tensor_types,
             ple_rows: 1 << 21,
             seed: 0,
             dims: Dims::Real,
@@ -168,18 +191,27 @@ fn real_shape_profiles_have_the_published_sizes() {
         .unwrap()
     };
     let gib = |p: &SynthPlan| p.data_bytes as f64 / (1u64 << 30) as f64;
-    let (q4_12, q4_24) = (real(12, Profile::Q4KM), real(24, Profile::Q4KM));
+    let q4_12 = real(12, OutType::Q8_0, reference_q4_mix());
+    let q4_24 = real(24, OutType::Q8_0, reference_q4_mix());
     // Twelve more layers add what they add to the reference file (its PLE table size is not known).
     let per_12 = gib(&q4_24) - gib(&q4_12);
     assert!((per_12 - (37.8 - 19.9)).abs() < 0.1, "{per_12}");
     assert!((gib(&q4_24) - 37.8).abs() < 1.0, "{}", gib(&q4_24));
-    let q2 = real(48, Profile::Q2K);
+    assert_eq!(
+        q4_24.tensor_type("blk.5.ffn_down_exps.weight"),
+        Some(GgmlType::Q5_0)
+    );
+    assert_eq!(
+        q4_24.tensor_type("blk.4.attn_qkv.weight"),
+        Some(GgmlType::Q8_0)
+    );
+    assert_eq!(q4_24.config.vocab_size, 248_320);
+
+    // llama-quantize's q2_k on all 48 layers: 2-bit gate/up, Q3_K -> Q4_0 down; fits the GPU machine's disk.
+    let q2 = real(48, OutType::Quant(Preset::Q2K), Vec::new());
     let experts = q2.bytes_where(|n| n.ends_with("_exps.weight")) as f64 / 1e9;
     assert!((48.0..50.5).contains(&experts), "{experts}");
-    assert!(
-        q2.data_bytes < 60_000_000_000,
-        "the 48-layer 2-bit model must fit the GPU machine's disk"
-    );
+    assert!(q2.data_bytes < 56_000_000_000, "{}", q2.data_bytes);
     assert_eq!(
         q2.tensor_type("blk.5.ffn_gate_exps.weight"),
         Some(GgmlType::Q2K)
@@ -188,18 +220,17 @@ fn real_shape_profiles_have_the_published_sizes() {
         q2.tensor_type("blk.5.ffn_down_exps.weight"),
         Some(GgmlType::Q4_0)
     );
+    assert_eq!(q2.tensor_type("output.weight"), Some(GgmlType::Q6K));
+
+    // llama-quantize's q4_k_m: the "more bits" layers' down projections take Q6_K -> Q8_0.
+    let q4km = real(24, OutType::Quant(Preset::Q4KM), Vec::new());
     assert_eq!(
-        q4_24.tensor_type("blk.5.ffn_down_exps.weight"),
-        Some(GgmlType::Q5_0)
-    );
-    assert_eq!(
-        q4_24.tensor_type("blk.5.ffn_up_exps.weight"),
-        Some(GgmlType::Q4K)
-    );
-    assert_eq!(q4_24.tensor_type("output.weight"), Some(GgmlType::Q6K));
-    assert_eq!(
-        q4_24.tensor_type("blk.4.attn_qkv.weight"),
+        q4km.tensor_type("blk.0.ffn_down_exps.weight"),
         Some(GgmlType::Q8_0)
     );
-    assert_eq!(q4_24.config.vocab_size, 248_320);
+    assert_eq!(
+        q4km.tensor_type("blk.4.ffn_down_exps.weight"),
+        Some(GgmlType::Q5_0)
+    );
+    assert!(q4km.data_bytes < 50_000_000_000, "{}", q4km.data_bytes);
 }

@@ -185,13 +185,8 @@ fn dot_isa<U: Unit>(isa: Isa, row: &[u8], x: &[f32]) -> f32 {
     }
 }
 
-/// `row · x` where `row` holds `x.len()` values of `ty`, on the CPU's widest level.
-#[inline]
-pub fn dot_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
-    dot_isa_checked(Isa::detect(), ty, row, x)
-}
-
-/// [`dot_row`] at a given level. Panics if the CPU lacks `isa` or `row` is
+/// `row · x` where `row` holds `x.len()` values of `ty`, at kernel level
+/// `isa` (the same code [`matvec_batch`] runs at [`Isa::detect`]). Panics if the CPU lacks `isa` or `row` is
 /// not one row of `x.len()` values of `ty`.
 pub fn dot_row_with(isa: Isa, ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
     assert!(Isa::available().contains(&isa), "this CPU cannot run {}", isa.name());
@@ -215,5 +210,49 @@ fn dot_isa_checked(isa: Isa, ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
         GgmlType::Q4K => dot_isa::<Q4K>(isa, row, x),
         GgmlType::Q5K => dot_isa::<Q5K>(isa, row, x),
         GgmlType::Q6K => dot_isa::<Q6K>(isa, row, x),
+    }
+}
+
+/// Below this many multiply-adds a matvec runs on the calling thread: rayon's
+/// fork-join costs more than it saves.
+const PAR_THRESHOLD: usize = 1 << 16;
+/// Rows per rayon task: enough bytes per task to amortize scheduling.
+const MIN_ROWS_PER_TASK: usize = 16;
+
+/// One matrix-vector product: `y[r] = rows[r] · x`, where `rows` holds
+/// `y.len()` consecutive rows of `x.len()` values of `ty`.
+pub struct MatVec<'a> {
+    pub ty: GgmlType,
+    pub rows: &'a [u8],
+    pub x: &'a [f32],
+    pub y: &'a mut [f32],
+}
+
+/// Runs `jobs` together: all their rows are spread over the rayon pool in one
+/// parallel region (the routed experts of a layer are one call), on the
+/// CPU's widest kernel level.
+pub fn matvec_batch(jobs: &mut [MatVec<'_>]) {
+    use rayon::prelude::*;
+    let work: usize = jobs.iter().map(|j| j.y.len() * j.x.len()).sum();
+    let isa = Isa::detect();
+    let run = |j: &mut MatVec<'_>| {
+        let rb = j.ty.row_bytes(j.x.len()).expect("row length is a whole number of blocks");
+        assert_eq!(j.rows.len(), rb * j.y.len(), "{} matvec: {} bytes for {} rows", j.ty, j.rows.len(), j.y.len());
+        if work < PAR_THRESHOLD {
+            for (y, row) in j.y.iter_mut().zip(j.rows.chunks_exact(rb)) {
+                *y = dot_isa_checked(isa, j.ty, row, j.x);
+            }
+        } else {
+            let (ty, x) = (j.ty, j.x);
+            j.y.par_iter_mut()
+                .zip(j.rows.par_chunks_exact(rb))
+                .with_min_len(MIN_ROWS_PER_TASK)
+                .for_each(|(y, row)| *y = dot_isa_checked(isa, ty, row, x));
+        }
+    };
+    if work < PAR_THRESHOLD || jobs.len() == 1 {
+        jobs.iter_mut().for_each(run);
+    } else {
+        jobs.par_iter_mut().for_each(run);
     }
 }

@@ -16,9 +16,12 @@
 //! (256-element super-blocks); [`search`] holds the scale searches the
 //! K-quant reference quantizers share.
 
+pub mod bench;
 pub mod kernels;
 pub mod kquants;
 pub mod legacy;
+pub mod policy;
+pub mod requantize;
 mod search;
 
 use crate::convert::encode::{encode_bf16, encode_f16, encode_f32};

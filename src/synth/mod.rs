@@ -5,7 +5,9 @@
 //! llama.cpp load like a converted checkpoint: the published configuration
 //! (`flash-next-text-config.json`, embedded) cut to the first N layers (the
 //! 3 linear : 1 attention pattern is the prefix of the real one), every tensor
-//! the loaders expect, in a storage-type [`Profile`] mirroring llama-quantize,
+//! the loaders expect, stored as `flashnext convert --type T [--tensor-type
+//! REGEX=TYPE]` would store them (the llama-quantize presets of
+//! [`crate::quant::policy`]),
 //! a tokenizer of the real vocabulary size, and deterministic pseudo-random
 //! weights whose scales keep activations O(1) over all layers (see
 //! [`shapes`]). The PLE table may be shortened (`ple_rows`): its hash keeps
@@ -17,16 +19,15 @@
 //! file takes about as long as the disk needs to take it.
 
 mod fill;
-pub mod profile;
 pub mod shapes;
 mod vocab;
 
-pub use profile::Profile;
 pub use shapes::Dims;
 
-use crate::convert::HfConfig;
+use crate::convert::{policy_types, storage_type, HfConfig, OutType};
 use crate::error::{Error, Result};
 use crate::gguf::{GgmlType, GgufWriter, Value};
+use crate::quant::policy::TensorTypeOverride;
 use shapes::{Init, PleHash, TensorPlan};
 use std::cell::RefCell;
 use std::path::Path;
@@ -41,7 +42,10 @@ pub const DEFAULT_PLE_ROWS: u64 = 1 << 21;
 pub struct SynthOptions {
     /// First N decoder layers; `None` = all 48.
     pub layers: Option<usize>,
-    pub profile: Profile,
+    /// Storage type or llama-quantize preset, as for `flashnext convert --type`.
+    pub out_type: OutType,
+    /// `--tensor-type REGEX=TYPE` overrides, first match wins.
+    pub tensor_types: Vec<TensorTypeOverride>,
     /// Approximate rows of the PLE table; 0 = the published 320 001 536.
     pub ple_rows: u64,
     pub seed: u64,
@@ -52,7 +56,8 @@ impl Default for SynthOptions {
     fn default() -> Self {
         SynthOptions {
             layers: None,
-            profile: Profile::Q8_0,
+            out_type: OutType::Q8_0,
+            tensor_types: Vec::new(),
             ple_rows: DEFAULT_PLE_ROWS,
             seed: 0,
             dims: Dims::Real,
@@ -95,12 +100,12 @@ fn metadata(cfg: &HfConfig, opts: &SynthOptions, ple: Option<&PleHash>) -> Vec<(
             "general.name".to_string(),
             Value::String(format!(
                 "flashnext synthetic {layers}-layer {}",
-                opts.profile
+                opts.out_type
             )),
         ),
         (
             "general.file_type".to_string(),
-            Value::U32(opts.profile.file_type()),
+            Value::U32(opts.out_type.file_type()),
         ),
         ("general.quantization_version".to_string(), Value::U32(2)),
     ];
@@ -136,14 +141,19 @@ impl SynthPlan {
         let json = shapes::config_json(opts.dims, opts.layers)?;
         let config = HfConfig::from_json(&json)?;
         let ple = PleHash::for_config(&config, &json, opts.ple_rows);
-        let tensors: Vec<(TensorPlan, GgmlType)> =
-            shapes::inventory(&config, ple.as_ref().map(|p| p.rows))
-                .into_iter()
-                .map(|t| {
-                    let ty = opts.profile.tensor_type(&t.name, &t.dims);
-                    (t, ty)
-                })
-                .collect();
+        let plans = shapes::inventory(&config, ple.as_ref().map(|p| p.rows));
+        let base: Vec<(&str, &[usize], GgmlType)> = plans
+            .iter()
+            .map(|t| {
+                (
+                    t.name.as_str(),
+                    t.dims.as_slice(),
+                    storage_type(&t.name, &t.dims, opts.out_type),
+                )
+            })
+            .collect();
+        let types = policy_types(&config, opts.out_type, &opts.tensor_types, &base);
+        let tensors: Vec<(TensorPlan, GgmlType)> = plans.into_iter().zip(types).collect();
         let mut bytes_by_type: Vec<(GgmlType, u64)> = Vec::new();
         let mut data_bytes = 0u64;
         for (t, ty) in &tensors {
