@@ -5,12 +5,11 @@
 //! llama.cpp load like a converted checkpoint: the published configuration
 //! (`flash-next-text-config.json`, embedded) cut to the first N layers (the
 //! 3 linear : 1 attention pattern is the prefix of the real one), every tensor
-//! the loaders expect, stored as `flashnext convert --type T [--tensor-type
-//! REGEX=TYPE]` would store them (the llama-quantize presets of
-//! [`crate::quant::policy`]),
-//! a tokenizer of the real vocabulary size, and deterministic pseudo-random
-//! weights whose scales keep activations O(1) over all layers (see
-//! [`shapes`]). The PLE table may be shortened (`ple_rows`): its hash keeps
+//! the loaders expect, each stored as `flashnext convert --type T
+//! [--tensor-type REGEX=TYPE]` would store it (the llama-quantize presets of
+//! [`crate::quant::policy`]), a tokenizer of the real vocabulary size, and
+//! deterministic pseudo-random weights whose scales keep activations O(1)
+//! over all layers (see [`shapes`]). The PLE table may be shortened (`ple_rows`): its hash keeps
 //! transformers' rules and constants, with the per-head vocabularies taken
 //! just below `ple_rows / 16` instead of 20 000 000.
 //!
