@@ -88,9 +88,9 @@ macro_rules! units {
 }
 
 units! {
-    F32 = 16, 64, decode_f32;
-    F16 = 16, 32, decode_f16;
-    Bf16 = 16, 32, decode_bf16;
+    F32 = 16, 64, super::decode_f32;
+    F16 = 16, 32, super::decode_f16;
+    Bf16 = 16, 32, super::decode_bf16;
     Q4_0 = 32, 18, super::legacy::dequantize_q4_0;
     Q4_1 = 32, 20, super::legacy::dequantize_q4_1;
     Q5_0 = 32, 22, super::legacy::dequantize_q5_0;
@@ -101,27 +101,6 @@ units! {
     Q4K = 256, 144, super::kquants::dequantize_q4_k;
     Q5K = 256, 176, super::kquants::dequantize_q5_k;
     Q6K = 256, 210, super::kquants::dequantize_q6_k;
-}
-
-#[inline(always)]
-fn decode_f32(b: &[u8], y: &mut [f32]) {
-    for (v, c) in y.iter_mut().zip(b.chunks_exact(4)) {
-        *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-    }
-}
-
-#[inline(always)]
-fn decode_f16(b: &[u8], y: &mut [f32]) {
-    for (v, c) in y.iter_mut().zip(b.chunks_exact(2)) {
-        *v = half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
-    }
-}
-
-#[inline(always)]
-fn decode_bf16(b: &[u8], y: &mut [f32]) {
-    for (v, c) in y.iter_mut().zip(b.chunks_exact(2)) {
-        *v = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
-    }
 }
 
 const LANES: usize = 32;

@@ -115,21 +115,30 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
                 (c.dequantize)(b, y);
             }
         }
-        (GgmlType::F32, None) => {
-            for (y, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
-                *y = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
-        }
-        (GgmlType::F16, None) => {
-            for (y, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                *y = f16_at(b, 0);
-            }
-        }
-        (_, None) => {
-            for (y, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                *y = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
-            }
-        }
+        (GgmlType::F32, None) => decode_f32(src, dst),
+        (GgmlType::F16, None) => decode_f16(src, dst),
+        (_, None) => decode_bf16(src, dst),
+    }
+}
+
+#[inline(always)]
+pub(crate) fn decode_f32(b: &[u8], y: &mut [f32]) {
+    for (v, c) in y.iter_mut().zip(b.chunks_exact(4)) {
+        *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    }
+}
+
+#[inline(always)]
+pub(crate) fn decode_f16(b: &[u8], y: &mut [f32]) {
+    for (v, c) in y.iter_mut().zip(b.chunks_exact(2)) {
+        *v = half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
+    }
+}
+
+#[inline(always)]
+pub(crate) fn decode_bf16(b: &[u8], y: &mut [f32]) {
+    for (v, c) in y.iter_mut().zip(b.chunks_exact(2)) {
+        *v = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
     }
 }
 
