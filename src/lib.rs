@@ -1,23 +1,29 @@
 //! flashnext: an embeddable engine for Qwen3.8-Flash-Next (`qwen4_exp`).
 
-/// cbindgen:ignore
-pub mod error;
 pub mod capi;
 /// cbindgen:ignore
+pub mod chat;
+/// cbindgen:ignore
 pub mod convert;
+/// cbindgen:ignore
+pub mod error;
+/// cbindgen:ignore
+pub mod generate;
 /// cbindgen:ignore
 pub mod gguf;
 /// cbindgen:ignore
 pub mod model;
 /// cbindgen:ignore
-pub mod sampling;
+pub mod quant;
 /// cbindgen:ignore
-pub mod generate;
+pub mod sampling;
 /// cbindgen:ignore
 pub mod tensor;
 /// cbindgen:ignore
 pub mod tokenizer;
 /// cbindgen:ignore
-pub mod chat;
+pub mod synth;
+/// cbindgen:ignore
+pub mod bench;
 
 pub use error::{Error, Result};

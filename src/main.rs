@@ -10,7 +10,10 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+mod bench_cmd;
 mod cli;
+mod quant_cli;
+mod synth_cmd;
 
 #[derive(Parser)]
 #[command(name = "flashnext", version, about = "Qwen3.8-Flash-Next (qwen4_exp) inference engine tools")]
@@ -27,13 +30,44 @@ enum Command {
         hf_dir: PathBuf,
         /// Output GGUF file.
         out: PathBuf,
-        /// Storage type of the weight matrices: f32, f16, bf16 or q8_0
+        /// Storage type of the weight matrices: f32, f16, bf16, q8_0, or a
+        /// llama-quantize preset q6_k, q5_k_m, q4_k_m, q3_k_m, q2_k
         /// (norms, routers, conv kernels and 1-D tensors always stay f32).
         #[arg(long = "type", value_name = "TYPE", default_value = "bf16", value_parser = parse_out_type)]
         out_type: OutType,
+        /// Override the type of tensors whose name matches REGEX (repeatable, first match wins).
+        #[arg(long = "tensor-type", value_name = "REGEX=TYPE", value_parser = quant_cli::parse_tensor_type)]
+        tensor_types: Vec<flashnext::quant::policy::TensorTypeOverride>,
         /// No per-tensor progress on stderr.
         #[arg(long, short)]
         quiet: bool,
+    },
+    /// Re-quantize a GGUF file with a preset (like llama-quantize without an imatrix).
+    Quantize {
+        input: PathBuf,
+        output: PathBuf,
+        /// q8_0, q6_k, q5_k_m, q4_k_m, q3_k_m or q2_k.
+        #[arg(long = "type", value_name = "PRESET", value_parser = quant_cli::parse_preset)]
+        preset: flashnext::quant::policy::Preset,
+        /// Override the type of tensors whose name matches REGEX (repeatable, first match wins).
+        #[arg(long = "tensor-type", value_name = "REGEX=TYPE", value_parser = quant_cli::parse_tensor_type)]
+        tensor_types: Vec<flashnext::quant::policy::TensorTypeOverride>,
+        /// No per-tensor listing on stderr.
+        #[arg(long, short)]
+        quiet: bool,
+    },
+    /// GB/s of the matrix-vector kernels per quantized type on the real
+    /// model's shapes, next to this machine's measured read bandwidth.
+    BenchKernels {
+        /// Seconds timed per (type, shape).
+        #[arg(long, default_value_t = 1.0)]
+        seconds: f64,
+        /// Fraction of the lm_head's rows to use (less on small-memory machines).
+        #[arg(long, default_value_t = 1.0)]
+        lm_head_fraction: f64,
+        /// Worker threads (0 = all cores).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
     },
     /// The main job: one chat turn, text in and text out, on a model (by
     /// default the embedded tiny model), with load time and speed.
@@ -81,6 +115,56 @@ enum Command {
         #[arg(long)]
         no_think: bool,
     },
+    /// Write a synthetic qwen4exp GGUF with the published shapes and
+    /// pseudo-random weights (for benchmarks).
+    Synth {
+        /// Output GGUF file.
+        #[arg(short, long)]
+        out: PathBuf,
+        /// Keep the first N of the 48 layers.
+        #[arg(long)]
+        layers: Option<usize>,
+        /// f32, f16, bf16, q8_0, or a llama-quantize preset (q6_k, q5_k_m, q4_k_m, q3_k_m, q2_k).
+        #[arg(long = "type", value_name = "TYPE", default_value = "q8_0", value_parser = parse_out_type)]
+        out_type: OutType,
+        /// Override the type of tensors whose name matches REGEX (repeatable; first match wins).
+        #[arg(long = "tensor-type", value_name = "REGEX=TYPE", value_parser = quant_cli::parse_tensor_type)]
+        tensor_types: Vec<flashnext::quant::policy::TensorTypeOverride>,
+        /// Approximate rows of the PLE table (0 = the published 320 001 536).
+        #[arg(long, default_value_t = flashnext::synth::DEFAULT_PLE_ROWS)]
+        ple_rows: u64,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// real, or small (shrunken dimensions, for tests).
+        #[arg(long, default_value = "real")]
+        dims: String,
+        /// No progress on stderr.
+        #[arg(long, short)]
+        quiet: bool,
+    },
+    /// Measure decode and prompt speed of a model against its bandwidth bound.
+    Bench {
+        #[arg(long, short)]
+        model: PathBuf,
+        /// cpu, vulkan or auto.
+        #[arg(long, default_value = "auto")]
+        backend: String,
+        /// Prompt text (default: a fixed English paragraph).
+        #[arg(long)]
+        prompt: Option<String>,
+        /// Timed decode tokens.
+        #[arg(long, default_value_t = 32)]
+        gen: usize,
+        /// Untimed decode tokens before the timed ones.
+        #[arg(long, default_value_t = 2)]
+        warmup: usize,
+        /// Worker threads (0 = all cores).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+        /// Also write the report as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
 }
 
 fn parse_out_type(s: &str) -> Result<OutType, String> {
@@ -90,10 +174,25 @@ fn parse_out_type(s: &str) -> Result<OutType, String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Convert { hf_dir, out, out_type, quiet } => run_convert(hf_dir, out, out_type, quiet),
         Command::Demo { model, prompt, tokens, threads } => cli::demo::run(model, &prompt, tokens, threads),
         Command::Run { model, sampling, prompt, chat, no_think } => cli::run(&model, &sampling, &prompt, chat, no_think),
         Command::Chat { model, sampling, system, no_think } => cli::chat(&model, &sampling, system.as_deref(), no_think),
+        Command::Convert { hf_dir, out, out_type, tensor_types, quiet } => {
+            run_convert(hf_dir, out, ConvertOptions { out_type, tensor_types, progress: None }, quiet)
+        }
+        Command::Quantize { input, output, preset, tensor_types, quiet } => {
+            quant_cli::run_quantize(&input, &output, preset, tensor_types, quiet)
+        }
+        Command::BenchKernels { seconds, lm_head_fraction, threads } => {
+            quant_cli::run_bench_kernels(seconds, lm_head_fraction, threads)
+        }
+        Command::Synth { out, layers, out_type, tensor_types, ple_rows, seed, dims, quiet } => {
+            let opts = flashnext::synth::SynthOptions { layers, out_type, tensor_types, ple_rows, seed, dims: Default::default() };
+            synth_cmd::run(out, opts, &dims, quiet)
+        }
+        Command::Bench { model, backend, prompt, gen, warmup, threads, json } => {
+            bench_cmd::run(model, &backend, prompt, gen, warmup, threads, json)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -104,9 +203,9 @@ fn main() -> ExitCode {
     }
 }
 
-fn run_convert(hf_dir: PathBuf, out: PathBuf, out_type: OutType, quiet: bool) -> flashnext::Result<()> {
+fn run_convert(hf_dir: PathBuf, out: PathBuf, mut opts: ConvertOptions, quiet: bool) -> flashnext::Result<()> {
     let tty = std::io::stderr().is_terminal();
-    let mut opts = ConvertOptions::new(out_type);
+    let out_type = opts.out_type;
     if !quiet {
         opts = opts.with_progress(move |p: &Progress<'_>| print_progress(p, tty));
     }

@@ -1,12 +1,13 @@
 //! Weight tensors as zero-copy views into the memory-mapped model file, and
 //! the row-parallel matrix-vector products the CPU forward pass is built on.
 //!
-//! Every kernel dequantizes one row at a time and accumulates in f32 with
-//! eight independent partial sums (vectorizable; the summation order differs
-//! from PyTorch's BLAS only by rounding, ~1e-7 relative).
+//! Each row's dot product is one call into [`crate::quant::kernels`], which
+//! decodes the row block by block (every storage type, bit-exact with ggml's
+//! dequantizers) and accumulates in f32 with SIMD picked at run time; the
+//! summation order differs from PyTorch's BLAS only by rounding, ~1e-7 relative.
 
 use crate::gguf::{GgmlType, Storage, TensorInfo};
-use rayon::prelude::*;
+use crate::quant::kernels::{matvec_batch, MatVec};
 
 /// A tensor in the mapped file. `dims` are in ggml order (`dims[0]` contiguous):
 /// a linear layer `out x in` is `dims = [in, out]`.
@@ -67,7 +68,7 @@ impl Tensor {
 
     /// Dequantizes row `r` into `out` (`out.len() == cols`).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        dequantize(self.ty, self.row(r), out);
+        crate::quant::dequantize_row(self.ty, self.row(r), out);
     }
 
     /// The whole tensor as f32 (for small vectors such as norm weights).
@@ -83,124 +84,14 @@ impl Tensor {
     pub fn matvec_rows(&self, first_row: usize, x: &[f32], y: &mut [f32]) {
         assert_eq!(x.len(), self.cols(), "{}: input length", self.name);
         assert!(first_row + y.len() <= self.rows(), "{}: rows out of range", self.name);
-        let work = y.len() * self.cols();
-        let body = |(i, out): (usize, &mut f32)| *out = dot_row(self.ty, self.row(first_row + i), x);
-        if work >= PAR_THRESHOLD {
-            y.par_iter_mut().enumerate().with_min_len(16).for_each(body);
-        } else {
-            y.iter_mut().enumerate().for_each(body);
-        }
+        let rb = self.row_bytes();
+        let rows = &self.bytes()[first_row * rb..(first_row + y.len()) * rb];
+        matvec_batch(&mut [MatVec { ty: self.ty, rows, x, y }]);
     }
 
     /// `y = W · x` over all rows.
     pub fn matvec(&self, x: &[f32], y: &mut [f32]) {
         assert_eq!(y.len(), self.rows(), "{}: output length", self.name);
         self.matvec_rows(0, x, y);
-    }
-}
-
-/// Below this many multiply-adds a matvec runs on the calling thread: rayon's
-/// fork-join costs more than it saves.
-const PAR_THRESHOLD: usize = 1 << 16;
-
-fn f16_to_f32(b: &[u8]) -> f32 {
-    half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
-}
-
-fn bf16_to_f32(b: &[u8]) -> f32 {
-    f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)
-}
-
-/// Dequantizes one row of `ty` stored in `src` into `out`.
-pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) {
-    match ty {
-        GgmlType::F32 => {
-            for (o, b) in out.iter_mut().zip(src.chunks_exact(4)) {
-                *o = f32::from_le_bytes(b.try_into().unwrap());
-            }
-        }
-        GgmlType::F16 => {
-            for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
-                *o = f16_to_f32(b);
-            }
-        }
-        GgmlType::BF16 => {
-            for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
-                *o = bf16_to_f32(b);
-            }
-        }
-        GgmlType::Q8_0 => {
-            for (o, blk) in out.chunks_exact_mut(32).zip(src.chunks_exact(34)) {
-                let d = f16_to_f32(&blk[0..2]);
-                for (v, &q) in o.iter_mut().zip(&blk[2..34]) {
-                    *v = d * (q as i8) as f32;
-                }
-            }
-        }
-        other => unimplemented!("dequantize {other}: rejected at load time"),
-    }
-}
-
-#[inline]
-fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ac, ar) = a.split_at(a.len() / 8 * 8);
-    let (bc, br) = b.split_at(ac.len());
-    for (x, y) in ac.chunks_exact(8).zip(bc.chunks_exact(8)) {
-        for k in 0..8 {
-            acc[k] += x[k] * y[k];
-        }
-    }
-    let mut s = acc.iter().sum::<f32>();
-    for (x, y) in ar.iter().zip(br) {
-        s += x * y;
-    }
-    s
-}
-
-/// Dot product of one stored row with `x`.
-fn dot_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
-    match ty {
-        GgmlType::F32 => {
-            let mut acc = [0f32; 8];
-            let mut s = 0f32;
-            let n8 = x.len() / 8 * 8;
-            for (i, (b, xv)) in row[..n8 * 4].chunks_exact(32).zip(x[..n8].chunks_exact(8)).enumerate() {
-                let _ = i;
-                for k in 0..8 {
-                    acc[k] += f32::from_le_bytes(b[4 * k..4 * k + 4].try_into().unwrap()) * xv[k];
-                }
-            }
-            for (b, xv) in row[n8 * 4..].chunks_exact(4).zip(&x[n8..]) {
-                s += f32::from_le_bytes(b.try_into().unwrap()) * xv;
-            }
-            acc.iter().sum::<f32>() + s
-        }
-        GgmlType::Q8_0 => {
-            let mut s = 0f32;
-            for (blk, xv) in row.chunks_exact(34).zip(x.chunks_exact(32)) {
-                let d = f16_to_f32(&blk[0..2]);
-                let mut acc = [0f32; 8];
-                for (q, xx) in blk[2..34].chunks_exact(8).zip(xv.chunks_exact(8)) {
-                    for k in 0..8 {
-                        acc[k] += (q[k] as i8) as f32 * xx[k];
-                    }
-                }
-                s += d * acc.iter().sum::<f32>();
-            }
-            s
-        }
-        _ => {
-            let mut buf = [0f32; 256];
-            let mut s = 0f32;
-            let bs = 256 / ty.block_size() * ty.block_size();
-            let chunk_bytes = ty.row_bytes(bs).unwrap();
-            for (src, xv) in row.chunks(chunk_bytes).zip(x.chunks(bs)) {
-                let n = xv.len();
-                dequantize(ty, src, &mut buf[..n]);
-                s += dot_f32(&buf[..n], xv);
-            }
-            s
-        }
     }
 }

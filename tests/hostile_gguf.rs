@@ -1022,24 +1022,19 @@ fn misshaped_tensors() {
 }
 
 #[test]
-fn types_the_cpu_cannot_compute_with() {
+fn every_quantized_type_loads_and_decodes() {
     // 32-wide rows: the 32-element block types.
     for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1] {
         let mut m = TinyModel::new();
         m.set_type("blk.0.attn_qkv.weight", ty);
-        refused_model(&m, &format!("tensor blk.0.attn_qkv.weight has type {ty}, which this build cannot compute with"));
-        // A norm vector too (64 elements).
-        let mut m = TinyModel::new();
-        m.set_type("blk.2.hc_ffn_norm.weight", ty);
-        refused_model(&m, &format!("blk.2.hc_ffn_norm.weight has type {ty}"));
+        loads(&m.to_bytes());
     }
     // K-quants need 256-wide rows: widen the shared expert to 256.
     let c = TinyConfig { shared_ff: 256, ..TinyConfig::default() };
-    loads(&TinyModel::build(&c).to_bytes());
     for ty in [GgmlType::Q2K, GgmlType::Q3K, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
         let mut m = TinyModel::build(&c);
         m.set_type("blk.3.ffn_down_shexp.weight", ty);
-        refused_model(&m, &format!("tensor blk.3.ffn_down_shexp.weight has type {ty}, which this build cannot"));
+        loads(&m.to_bytes());
     }
 }
 

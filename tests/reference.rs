@@ -141,6 +141,7 @@ fn bound(ty: OutType) -> Bound {
         OutType::F16 => (5e-3, 0.4, 0.97),
         OutType::BF16 => (0.08, 0.8, 0.85),
         OutType::Q8_0 => (0.2, 1.0, 0.72),
+        OutType::Quant(p) => unreachable!("{p}: the presets' bounds are in tests/quant_quality.rs"),
     };
     Bound { median_err, max_err, min_top1 }
 }

@@ -215,7 +215,7 @@ pub unsafe extern "C" fn fnx_load(
                 };
                 Arc::new(wrapped) as crate::model::ProgressFn
             });
-            let opts = LoadOptions { n_ctx: p.n_ctx as usize, n_threads: p.n_threads as usize, progress };
+            let opts = LoadOptions { n_ctx: p.n_ctx as usize, n_threads: p.n_threads as usize, progress, ..Default::default() };
             let start = std::time::Instant::now();
             let model = match Model::load(Path::new(path), &opts) {
                 Ok(m) => m,

@@ -82,7 +82,7 @@ pub fn load(args: &ModelArgs) -> Result<Arc<Model>> {
             true
         }) as ProgressFn
     });
-    let opts = LoadOptions { n_ctx: args.ctx, n_threads: args.threads, progress };
+    let opts = LoadOptions { n_ctx: args.ctx, n_threads: args.threads, progress, ..Default::default() };
     let model = Model::load(&args.model, &opts);
     if tty {
         eprint!("\r\x1b[K");

@@ -1,4 +1,5 @@
-//! Encoders from `f32` to the ggml storage types the converter writes.
+//! Encoders from `f32` to the ggml float storage types; the quantized types
+//! live in [`crate::quant`].
 //!
 //! Each function encodes one contiguous run of values (normally one tensor row)
 //! into little-endian bytes laid out exactly as `ggml-common.h` defines them, and
@@ -8,11 +9,6 @@
 
 use crate::error::{Error, Result};
 use crate::gguf::GgmlType;
-
-/// Elements per Q8_0 block.
-pub const QK8_0: usize = 32;
-/// Bytes per Q8_0 block: an f16 scale followed by 32 signed bytes.
-pub const Q8_0_BLOCK_BYTES: usize = 34;
 
 /// Rounds an `f32` to bf16 bits like ggml's `GGML_FP32_TO_BF16` (and gguf-py's
 /// `BF16.quantize_blocks`): round to nearest, ties to even; a NaN keeps its sign
@@ -58,45 +54,12 @@ pub fn encode_bf16(src: &[f32], dst: &mut [u8]) {
     }
 }
 
-/// Quantizes `src` to Q8_0 like ggml's `quantize_row_q8_0_ref` (bit-exact with
-/// gguf-py's `Q8_0.quantize_blocks`): per block of 32, `amax = max|x|`,
-/// `d = amax / 127`, `id = 1/d` (0 when `d == 0`), `q = roundf(x * id)` (halves
-/// away from zero), `d` stored as f16 before the 32 quants.
-///
-/// `src.len()` must be a multiple of 32 and `dst.len() == src.len() / 32 * 34`.
-pub fn quantize_q8_0(src: &[f32], dst: &mut [u8]) {
-    assert_eq!(src.len() % QK8_0, 0, "quantize_q8_0: length not a multiple of 32");
-    assert_eq!(dst.len(), src.len() / QK8_0 * Q8_0_BLOCK_BYTES, "quantize_q8_0: destination size");
-    for (x, out) in src.chunks_exact(QK8_0).zip(dst.chunks_exact_mut(Q8_0_BLOCK_BYTES)) {
-        let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        out[..2].copy_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
-        for (q, v) in out[2..].iter_mut().zip(x) {
-            // f32::round rounds halves away from zero, like C's roundf.
-            *q = ((v * id).round() as i8) as u8;
-        }
-    }
-}
+pub use crate::quant::legacy::quantize_q8_0;
 
 /// Encodes one row of `src` as `ty` into `dst`, which must be exactly
-/// `ty.row_bytes(src.len())` long. Only the types the converter writes (F32, F16,
-/// BF16, Q8_0) are supported; any other type is an error.
+/// `ty.row_bytes(src.len())` long (see [`crate::quant::quantize_row`]).
 pub fn encode_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<()> {
-    let want = ty
-        .row_bytes(src.len())
-        .ok_or_else(|| Error::convert(format!("row of {} values is not a whole number of {ty} blocks", src.len())))?;
-    if dst.len() != want {
-        return Err(Error::convert(format!("{ty} row of {} values needs {want} bytes, got {}", src.len(), dst.len())));
-    }
-    match ty {
-        GgmlType::F32 => encode_f32(src, dst),
-        GgmlType::F16 => encode_f16(src, dst),
-        GgmlType::BF16 => encode_bf16(src, dst),
-        GgmlType::Q8_0 => quantize_q8_0(src, dst),
-        other => return Err(Error::convert(format!("no encoder for {other}"))),
-    }
-    Ok(())
+    crate::quant::quantize_row(ty, src, dst).map_err(|e| Error::convert(e.to_string()))
 }
 
 #[cfg(test)]

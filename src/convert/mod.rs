@@ -37,7 +37,10 @@
 //! buffers written as exact UINT64 KV arrays. Storage types follow §3.9: 1-D
 //! tensors, `*_norm.weight`, routers, `ssm_conv1d` and non-`.weight` tensors stay
 //! F32; the rest gets the requested type, falling back to F16 when a row is not a
-//! whole number of Q8_0 blocks (`ple_conv1d`).
+//! whole number of Q8_0 blocks (`ple_conv1d`). A K-quant preset (`q4_k_m`, ...)
+//! instead plans the file as f32 and then gives each tensor the type
+//! `llama-quantize` would ([`crate::quant::policy`]); `--tensor-type`
+//! overrides apply last.
 //!
 //! # Where our file differs from llama.cpp's converter
 //!
@@ -78,13 +81,14 @@ mod tensors;
 mod tokenizer;
 
 pub use config::{HfConfig, PleConfig};
+pub(crate) use plan::{policy_types, storage_type};
 
 use crate::error::{Error, Result};
 use crate::gguf::{GgmlType, GgufWriter, Value};
+use crate::quant::policy::{Preset, TensorTypeOverride};
 use config::T_UINT64;
 use std::fmt;
-use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// Storage type for the large weight matrices (`--type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -94,16 +98,22 @@ pub enum OutType {
     /// The checkpoint's own precision for the published model.
     #[default]
     BF16,
+    /// Q8_0 wherever a row is whole blocks, as llama.cpp's converter writes it.
     Q8_0,
+    /// A `llama-quantize` preset applied to the f32 values: each tensor's
+    /// type as [`crate::quant::policy`] documents.
+    Quant(Preset),
 }
 
 impl OutType {
+    /// The type of the weight matrices (a preset's base type).
     pub fn ggml_type(self) -> GgmlType {
         match self {
             OutType::F32 => GgmlType::F32,
             OutType::F16 => GgmlType::F16,
             OutType::BF16 => GgmlType::BF16,
             OutType::Q8_0 => GgmlType::Q8_0,
+            OutType::Quant(p) => p.base(),
         }
     }
 
@@ -114,6 +124,7 @@ impl OutType {
             OutType::F16 => 1,
             OutType::Q8_0 => 7,
             OutType::BF16 => 32,
+            OutType::Quant(p) => p.file_type(),
         }
     }
 
@@ -123,6 +134,7 @@ impl OutType {
             OutType::F16 => "f16",
             OutType::BF16 => "bf16",
             OutType::Q8_0 => "q8_0",
+            OutType::Quant(p) => p.name(),
         }
     }
 }
@@ -135,7 +147,11 @@ impl std::str::FromStr for OutType {
             "f16" => OutType::F16,
             "bf16" => OutType::BF16,
             "q8_0" => OutType::Q8_0,
-            _ => return Err(Error::arg(format!("unknown output type {s:?} (expected f32, f16, bf16 or q8_0)"))),
+            other => OutType::Quant(other.parse().map_err(|_| {
+                Error::arg(format!(
+                    "unknown output type {s:?} (expected f32, f16, bf16, q8_0, q6_k, q5_k_m, q4_k_m, q3_k_m or q2_k)"
+                ))
+            })?),
         })
     }
 }
@@ -169,13 +185,15 @@ pub type ProgressFn = Box<dyn Fn(&Progress<'_>) + Send + Sync>;
 #[derive(Default)]
 pub struct ConvertOptions {
     pub out_type: OutType,
+    /// `--tensor-type REGEX=TYPE` overrides (see [`crate::quant::policy`]).
+    pub tensor_types: Vec<TensorTypeOverride>,
     /// Called from the converting thread; see [`Progress`].
     pub progress: Option<ProgressFn>,
 }
 
 impl ConvertOptions {
     pub fn new(out_type: OutType) -> Self {
-        ConvertOptions { out_type, progress: None }
+        ConvertOptions { out_type, tensor_types: Vec::new(), progress: None }
     }
 
     pub fn with_progress(mut self, f: impl Fn(&Progress<'_>) + Send + Sync + 'static) -> Self {
@@ -188,6 +206,7 @@ impl fmt::Debug for ConvertOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ConvertOptions")
             .field("out_type", &self.out_type)
+            .field("tensor_types", &self.tensor_types)
             .field("progress", &self.progress.is_some())
             .finish()
     }
@@ -257,7 +276,7 @@ pub struct ConvertReport {
 pub fn convert(hf_dir: &Path, out: &Path, opts: &ConvertOptions) -> Result<ConvertReport> {
     let cfg = HfConfig::load(hf_dir)?;
     let src = source::SourceSet::open(hf_dir)?;
-    let plan = plan::plan(&cfg, &src, opts.out_type)?;
+    let plan = plan::plan(&cfg, &src, opts.out_type, &opts.tensor_types)?;
     let tok = tokenizer::load(hf_dir, &cfg)?;
 
     let mut report = ConvertReport::default();
@@ -321,22 +340,8 @@ pub fn convert(hf_dir: &Path, out: &Path, opts: &ConvertOptions) -> Result<Conve
     }
     report.skipped = plan.skipped;
 
-    let partial = partial_path(out);
-    let file = File::create(&partial).map_err(|e| Error::io(format!("creating {}", partial.display()), e))?;
-    let result = w.write(file, |_, _, _| {});
-    if let Err(e) = result {
-        let _ = std::fs::remove_file(&partial);
-        return Err(e);
-    }
-    std::fs::rename(&partial, out)
-        .map_err(|e| Error::io(format!("renaming {} to {}", partial.display(), out.display()), e))?;
+    w.write_to_path(out)?;
     Ok(report)
-}
-
-fn partial_path(out: &Path) -> PathBuf {
-    let mut s = out.as_os_str().to_owned();
-    s.push(".partial");
-    PathBuf::from(s)
 }
 
 /// `general.name`: the checkpoint directory's name (as llama.cpp does by default).

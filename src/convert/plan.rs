@@ -12,6 +12,7 @@ use super::tensors::{v_head_perm, ElemOp, OutTensor, RowMap};
 use super::{OutType, SkipReason, SkippedTensor};
 use crate::error::{Error, Result};
 use crate::gguf::GgmlType;
+use crate::quant::policy::{ModelShape, TensorTypeOverride, TypePolicy};
 use safetensors::Dtype;
 
 /// The three PLE hash constants, exact (written as UINT64 arrays).
@@ -27,17 +28,23 @@ pub(crate) struct Plan {
     pub ple: Option<PleArrays>,
 }
 
-/// The type a tensor is stored as (spec §3.9).
-pub(crate) fn storage_type(name: &str, dims: &[usize], out: OutType) -> GgmlType {
-    let forced_f32 = dims.len() <= 1
+/// Tensors always stored as F32 (spec §3.9): 1-D, norms, routers, the GDN
+/// conv kernel and names without `.weight`. llama-quantize keeps them too.
+fn forced_f32(name: &str, dims: &[usize]) -> bool {
+    dims.len() <= 1
         || name.ends_with("_norm.weight")
         || name.ends_with(".ffn_gate_inp.weight")
         || name.ends_with(".ffn_gate_inp_shexp.weight")
         || name.ends_with(".ssm_conv1d.weight")
-        || !name.ends_with(".weight");
-    let ty = out.ggml_type();
+        || !name.ends_with(".weight")
+}
+
+/// The type a tensor is stored as (spec §3.9).
+pub(crate) fn storage_type(name: &str, dims: &[usize], out: OutType) -> GgmlType {
+    // A preset is applied to the whole f32 plan afterwards (`apply_policy`).
+    let ty = if matches!(out, OutType::Quant(_)) { GgmlType::F32 } else { out.ggml_type() };
     match () {
-        _ if forced_f32 => GgmlType::F32,
+        _ if forced_f32(name, dims) => GgmlType::F32,
         // A row that is not a whole number of blocks (Q8_0 on ple_conv1d) falls back to F16.
         _ if ty.row_bytes(dims[0]).is_none() => GgmlType::F16,
         _ => ty,
@@ -376,7 +383,7 @@ fn skip_reason(name: &str) -> Option<SkipReason> {
 }
 
 /// Maps the whole checkpoint; see the module docs.
-pub(crate) fn plan(cfg: &HfConfig, src: &SourceSet, out: OutType) -> Result<Plan> {
+pub(crate) fn plan(cfg: &HfConfig, src: &SourceSet, out: OutType, overrides: &[TensorTypeOverride]) -> Result<Plan> {
     let mut p = Planner { cfg, src, out, used: vec![false; src.tensors.len()], tensors: Vec::new() };
     p.globals()?;
     for n in 0..cfg.num_layers {
@@ -420,5 +427,37 @@ pub(crate) fn plan(cfg: &HfConfig, src: &SourceSet, out: OutType) -> Result<Plan
             shown.join(", ")
         )));
     }
-    Ok(Plan { tensors: p.tensors, skipped, ple })
+    let mut tensors = p.tensors;
+    apply_policy(cfg, out, overrides, &mut tensors);
+    Ok(Plan { tensors, skipped, ple })
+}
+
+/// Gives every tensor its preset / `--tensor-type` type, in file order.
+fn apply_policy(cfg: &HfConfig, out: OutType, overrides: &[TensorTypeOverride], tensors: &mut [OutTensor]) {
+    let current: Vec<(&str, &[usize], GgmlType)> =
+        tensors.iter().map(|t| (t.name.as_str(), t.dims.as_slice(), t.ty)).collect();
+    let types = policy_types(cfg, out, overrides, &current);
+    for (t, ty) in tensors.iter_mut().zip(types) {
+        t.ty = ty;
+    }
+}
+
+/// The types of `tensors` (name, ggml dims, converter type; in file order)
+/// after the preset of `out` and the `--tensor-type` overrides.
+pub(crate) fn policy_types(
+    cfg: &HfConfig,
+    out: OutType,
+    overrides: &[TensorTypeOverride],
+    tensors: &[(&str, &[usize], GgmlType)],
+) -> Vec<GgmlType> {
+    let preset = match out {
+        OutType::Quant(p) => Some(p),
+        _ => None,
+    };
+    if preset.is_none() && overrides.is_empty() {
+        return tensors.iter().map(|t| t.2).collect();
+    }
+    let shape = ModelShape { n_layers: cfg.num_layers, gqa: cfg.n_head / cfg.n_head_kv.max(1), n_experts: cfg.n_expert };
+    let mut policy = TypePolicy::new(preset, overrides.to_vec(), tensors.iter().map(|t| t.0), shape);
+    tensors.iter().map(|&(name, dims, ty)| policy.choose(name, dims, ty)).collect()
 }

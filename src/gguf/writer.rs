@@ -4,7 +4,9 @@
 use super::reader::{align_up, Value};
 use super::{GgmlType, DEFAULT_ALIGNMENT, MAGIC, MAX_NAME_LEN, VERSION};
 use crate::error::{Error, Result};
+use std::fs::File;
 use std::io::{BufWriter, Seek, Write};
+use std::path::{Path, PathBuf};
 
 /// Produces a tensor's bytes into the writer; called once, in file order.
 pub type TensorSource<'a> = Box<dyn FnOnce(&mut dyn Write) -> Result<()> + 'a>;
@@ -49,6 +51,21 @@ impl<'a> GgufWriter<'a> {
 
     pub fn tensor_count(&self) -> usize {
         self.tensors.len()
+    }
+
+    /// Writes the file to `path` through `<path>.partial`, renamed when
+    /// complete and removed on failure, so no reader sees a half-written model.
+    pub fn write_to_path(self, path: &Path) -> Result<()> {
+        let mut partial = path.as_os_str().to_owned();
+        partial.push(".partial");
+        let partial = PathBuf::from(partial);
+        let file = File::create(&partial).map_err(|e| Error::io(format!("creating {}", partial.display()), e))?;
+        if let Err(e) = self.write(file, |_, _, _| {}) {
+            let _ = std::fs::remove_file(&partial);
+            return Err(e);
+        }
+        std::fs::rename(&partial, path)
+            .map_err(|e| Error::io(format!("renaming {} to {}", partial.display(), path.display()), e))
     }
 
     /// Writes the file. `progress(done_tensors, total_tensors, name)` is called before each tensor.

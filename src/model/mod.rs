@@ -37,9 +37,22 @@ pub type ProgressFn = Arc<dyn Fn(f32) -> bool + Send + Sync>;
 /// Message of the error a cancelled load returns (an `Error::InvalidArgument`).
 pub const LOAD_CANCELLED: &str = "loading cancelled by the progress callback";
 
+/// Which compute backend runs the model.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backend {
+    /// The best available (today: the CPU).
+    #[default]
+    Auto,
+    Cpu,
+    /// Not part of this build yet: loading with it fails with [`Error::Backend`].
+    Vulkan,
+}
+
 /// Options for [`Model::load`].
 #[derive(Clone, Default)]
 pub struct LoadOptions {
+    /// Compute backend.
+    pub backend: Backend,
     /// Largest number of positions a state may hold; 0 = the model's `context_length`.
     pub n_ctx: usize,
     /// Worker threads for this model's matrix products; 0 = rayon's global pool (all cores).
@@ -51,6 +64,7 @@ pub struct LoadOptions {
 impl std::fmt::Debug for LoadOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LoadOptions")
+            .field("backend", &self.backend)
             .field("n_ctx", &self.n_ctx)
             .field("n_threads", &self.n_threads)
             .field("progress", &self.progress.as_ref().map(|_| "Fn(f32) -> bool"))
@@ -111,6 +125,9 @@ impl Model {
     }
 
     fn build(file: GgufFile, opts: &LoadOptions) -> Result<Arc<Model>> {
+        if opts.backend == Backend::Vulkan {
+            return Err(Error::Backend("the Vulkan backend is not part of this build; use the CPU backend".into()));
+        }
         let mut config = Config::from_metadata(&file.metadata)?;
         opts.report(0.05)?;
         // One pass over the tensors, layer by layer: the fingerprint and the

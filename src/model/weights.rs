@@ -5,11 +5,8 @@
 
 use super::config::{Config, LayerKind};
 use crate::error::{Error, Result};
-use crate::gguf::{GgmlType, GgufFile};
+use crate::gguf::GgufFile;
 use crate::tensor::Tensor;
-
-/// Types the CPU kernels can read today.
-const SUPPORTED: [GgmlType; 4] = [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0];
 
 /// One hyper-connection module (`Qwen4ExpTextGatedResidual`).
 pub struct HyperConnection {
@@ -157,12 +154,7 @@ impl Loader<'_> {
         if have != dims {
             return Err(Error::model(format!("tensor {name} has shape {:?}, expected {dims:?}", info.dims)));
         }
-        if !SUPPORTED.contains(&info.ty) {
-            return Err(Error::model(format!(
-                "tensor {name} has type {}, which this build cannot compute with (supported: F32, F16, BF16, Q8_0)",
-                info.ty
-            )));
-        }
+        // Every type the parser accepts (float, Q4_0..Q8_0, Q2_K..Q6_K) has a CPU kernel.
         Ok(Tensor::new(self.file.storage().clone(), info))
     }
 

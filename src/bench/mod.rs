@@ -1,0 +1,336 @@
+//! The benchmark harness: the same figures, measured the same way, every
+//! time, so flashnext can be compared with itself over time and with
+//! llama.cpp on the same file.
+//!
+//! A run loads the model, feeds a prompt token by token (prompt-processing
+//! tok/s), then decodes greedily: `warmup` tokens untimed, then `gen` tokens
+//! each timed on its own, reported as median, min and max tok/s. Next to the
+//! speed it reports what bounds it: the bytes of weights one token reads
+//! ([`weight_bytes_per_token`]), the effective bandwidth that implies, and
+//! the bandwidth available — on the CPU a multi-threaded read of a large
+//! buffer measured in the same run, on a GPU the figure its backend reports.
+//!
+//! Figures only a backend can know (GPU stage times, submits and dispatches
+//! per token, VRAM, expert-cache hits) come through [`BackendStats`], a
+//! struct of options the backend fills; absent ones print as "n/a".
+
+mod machine;
+mod weights;
+
+pub use machine::{measure_read_bandwidth, peak_rss_bytes, Machine};
+pub use weights::{weight_bytes_per_token, WeightBytes};
+
+use crate::error::{Error, Result};
+use crate::model::{Backend, LoadOptions, Model, State};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// The prompt when none is given: plain English, about 40 tokens of the real tokenizer.
+pub const DEFAULT_PROMPT: &str = "The quick brown fox jumps over the lazy dog. \
+Benchmarks should measure the same thing every time, on the same file, with the same prompt.";
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    pub model: PathBuf,
+    pub backend: Backend,
+    pub prompt: String,
+    /// Timed decode tokens.
+    pub gen: usize,
+    /// Untimed decode tokens before them.
+    pub warmup: usize,
+    /// Worker threads (0 = all cores).
+    pub threads: usize,
+}
+
+impl BenchOptions {
+    pub fn new(model: impl Into<PathBuf>) -> Self {
+        BenchOptions {
+            model: model.into(),
+            backend: Backend::Auto,
+            prompt: DEFAULT_PROMPT.to_string(),
+            gen: 32,
+            warmup: 2,
+            threads: 0,
+        }
+    }
+}
+
+/// Hit/miss counts of a backend's expert cache over the timed tokens.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ExpertCacheStats {
+    pub hits: u64,
+    pub misses: u64,
+    pub resident_experts: u64,
+    pub capacity_experts: u64,
+}
+
+/// Figures only the backend can measure; each `None` where it has none (the
+/// CPU backend has none of them today).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct BackendStats {
+    /// The accelerator, e.g. "NVIDIA H200".
+    pub device: Option<String>,
+    pub driver: Option<String>,
+    /// The device's streaming read bandwidth (GB/s), the bound for decode.
+    pub bandwidth_gbs: Option<f64>,
+    /// Milliseconds per decode token spent in each stage (GPU timestamps).
+    pub stage_ms: Option<Vec<(String, f64)>>,
+    pub submits_per_token: Option<f64>,
+    pub dispatches_per_token: Option<f64>,
+    pub peak_vram_bytes: Option<u64>,
+    pub expert_cache: Option<ExpertCacheStats>,
+}
+
+/// Statistics of per-token rates.
+#[derive(Clone, Debug, Serialize)]
+pub struct Rates {
+    pub tokens: usize,
+    pub median_tok_s: f64,
+    pub min_tok_s: f64,
+    pub max_tok_s: f64,
+    pub median_ms: f64,
+}
+
+impl Rates {
+    /// From per-token seconds (at least one).
+    fn from_seconds(secs: &[f64]) -> Self {
+        let mut s = secs.to_vec();
+        s.sort_by(f64::total_cmp);
+        let n = s.len();
+        let median = if n % 2 == 1 {
+            s[n / 2]
+        } else {
+            0.5 * (s[n / 2 - 1] + s[n / 2])
+        };
+        Rates {
+            tokens: n,
+            median_tok_s: 1.0 / median,
+            min_tok_s: 1.0 / s[n - 1],
+            max_tok_s: 1.0 / s[0],
+            median_ms: median * 1e3,
+        }
+    }
+}
+
+/// The bandwidth a decode token is compared against.
+#[derive(Clone, Debug, Serialize)]
+pub struct Bound {
+    pub what: String,
+    pub bandwidth_gbs: f64,
+    /// `bandwidth / bytes per token`: the decode speed if only weight reads counted.
+    pub decode_tok_s: f64,
+}
+
+/// Everything a run measured (the `--json` document).
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchReport {
+    pub machine: Machine,
+    pub model: String,
+    pub model_name: Option<String>,
+    pub file_bytes: u64,
+    pub layers: usize,
+    pub tensor_types: Vec<(String, usize)>,
+    pub backend: String,
+    pub threads: usize,
+    pub load_seconds: f64,
+    pub prompt_tokens: usize,
+    pub prompt_tok_s: f64,
+    pub warmup_tokens: usize,
+    pub decode: Rates,
+    pub weight_bytes_per_token: WeightBytes,
+    /// `bytes per token x median tok/s`.
+    pub effective_bandwidth_gbs: f64,
+    pub bound: Bound,
+    /// Effective over bound bandwidth.
+    pub fraction_of_bound: f64,
+    pub peak_rss_bytes: Option<u64>,
+    pub backend_stats: BackendStats,
+}
+
+/// What the backend of `model` can tell (nothing, for the CPU).
+fn backend_stats(_model: &Model) -> BackendStats {
+    BackendStats::default()
+}
+
+fn backend_name(b: Backend) -> &'static str {
+    match b {
+        Backend::Auto | Backend::Cpu => "cpu",
+        Backend::Vulkan => "vulkan",
+    }
+}
+
+/// Loads `opts.model` and measures it.
+pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
+    if opts.gen == 0 {
+        return Err(Error::arg("bench: --gen must be at least 1"));
+    }
+    let load_opts = LoadOptions {
+        backend: opts.backend,
+        n_threads: opts.threads,
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    let model = Model::load(&opts.model, &load_opts)?;
+    let load_seconds = t0.elapsed().as_secs_f64();
+    let bytes = weight_bytes_per_token(&opts.model, &model)?;
+
+    let prompt = prompt_tokens(&model, &opts.prompt)?;
+    let mut state = State::new(model.clone())?;
+    let t1 = Instant::now();
+    state.decode_tokens(&prompt)?;
+    let prompt_seconds = t1.elapsed().as_secs_f64();
+
+    let mut per_token = Vec::with_capacity(opts.gen);
+    for i in 0..opts.warmup + opts.gen {
+        let next =
+            crate::sampling::argmax(state.logits().expect("the prompt was decoded")).unwrap_or(0);
+        let t = Instant::now();
+        state.decode(next)?;
+        if i >= opts.warmup {
+            per_token.push(t.elapsed().as_secs_f64());
+        }
+    }
+    let decode = Rates::from_seconds(&per_token);
+    // Before the bandwidth measurement, whose buffer would dominate it.
+    let peak_rss = peak_rss_bytes();
+    let stats = backend_stats(&model);
+    let threads = if opts.threads == 0 {
+        rayon::current_num_threads()
+    } else {
+        opts.threads
+    };
+    let bound = match stats.bandwidth_gbs {
+        Some(gbs) => Bound {
+            what: "device read bandwidth (backend)".into(),
+            bandwidth_gbs: gbs,
+            decode_tok_s: 0.0,
+        },
+        None => Bound {
+            what: format!("host read bandwidth, measured ({threads} threads)"),
+            bandwidth_gbs: model.install(measure_read_bandwidth),
+            decode_tok_s: 0.0,
+        },
+    };
+    let bound = Bound {
+        decode_tok_s: bound.bandwidth_gbs * 1e9 / bytes.total as f64,
+        ..bound
+    };
+    let effective = bytes.total as f64 * decode.median_tok_s / 1e9;
+    Ok(BenchReport {
+        machine: Machine::describe(),
+        model: opts.model.display().to_string(),
+        model_name: model
+            .metadata
+            .get("general.name")
+            .and_then(|v| v.as_str())
+            .map(str::to_string),
+        file_bytes: model.file_size(),
+        layers: model.config.n_layers,
+        tensor_types: model
+            .tensor_types()
+            .iter()
+            .map(|(t, n)| (t.name().to_string(), *n))
+            .collect(),
+        backend: backend_name(opts.backend).into(),
+        threads,
+        load_seconds,
+        prompt_tokens: prompt.len(),
+        prompt_tok_s: prompt.len() as f64 / prompt_seconds,
+        warmup_tokens: opts.warmup,
+        decode,
+        weight_bytes_per_token: bytes,
+        effective_bandwidth_gbs: effective,
+        fraction_of_bound: effective / bound.bandwidth_gbs,
+        bound,
+        peak_rss_bytes: peak_rss,
+        backend_stats: stats,
+    })
+}
+
+/// The prompt as tokens: through the model's tokenizer, or, for a model
+/// without one, the UTF-8 bytes modulo the vocabulary.
+fn prompt_tokens(model: &Model, text: &str) -> Result<Vec<u32>> {
+    let tokens = match model.tokenizer() {
+        Ok(t) => t.encode(text, false, false)?,
+        Err(_) => text
+            .bytes()
+            .map(|b| b as u32 % model.vocab_size() as u32)
+            .collect(),
+    };
+    if tokens.is_empty() {
+        return Err(Error::arg("bench: the prompt is empty"));
+    }
+    Ok(tokens)
+}
+
+fn opt<T: std::fmt::Display>(v: &Option<T>) -> String {
+    v.as_ref().map_or("n/a".to_string(), |x| x.to_string())
+}
+
+impl BenchReport {
+    /// A human-readable summary.
+    pub fn summary(&self) -> String {
+        let gb = |b: u64| b as f64 / 1e9;
+        let b = &self.weight_bytes_per_token;
+        let s = &self.backend_stats;
+        let stages = s.stage_ms.as_ref().map(|v| {
+            v.iter()
+                .map(|(k, ms)| format!("{k} {ms:.3} ms"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        });
+        let cache = s
+            .expert_cache
+            .as_ref()
+            .map(|c| format!("{} hits, {} misses", c.hits, c.misses));
+        let lines = [
+            format!("machine: {} ({} threads), {:.0} GiB RAM", self.machine.cpu, self.machine.logical_cpus, self.machine.mem_total_bytes as f64 / (1u64 << 30) as f64),
+            format!("model: {} ({:.2} GB, {} layers), backend {}, {} threads, loaded in {:.2} s", self.model, gb(self.file_bytes), self.layers, self.backend, self.threads, self.load_seconds),
+            format!("prompt: {} tokens at {:.2} tok/s", self.prompt_tokens, self.prompt_tok_s),
+            format!(
+                "decode: {:.3} tok/s median ({:.1} ms), min {:.3}, max {:.3} over {} tokens after {} warm-up",
+                self.decode.median_tok_s, self.decode.median_ms, self.decode.min_tok_s, self.decode.max_tok_s, self.decode.tokens, self.warmup_tokens
+            ),
+            format!(
+                "weights per token: {:.3} GB (dense {:.3}, routed experts {:.3}, embedding + PLE rows {:.6})",
+                gb(b.total), gb(b.dense), gb(b.routed_experts), gb(b.embedding_rows)
+            ),
+            format!(
+                "effective bandwidth {:.2} GB/s = {:.1}% of {} {:.2} GB/s (bound {:.2} tok/s)",
+                self.effective_bandwidth_gbs, 100.0 * self.fraction_of_bound, self.bound.what, self.bound.bandwidth_gbs, self.bound.decode_tok_s
+            ),
+            format!("peak RSS {}, peak VRAM {}", opt(&self.peak_rss_bytes.map(|b| format!("{:.2} GB", gb(b)))), opt(&s.peak_vram_bytes.map(|b| format!("{:.2} GB", gb(b))))),
+            format!(
+                "per token: submits {}, dispatches {}; stages: {}; expert cache: {}",
+                opt(&s.submits_per_token),
+                opt(&s.dispatches_per_token),
+                opt(&stages),
+                opt(&cache)
+            ),
+        ];
+        lines.join("\n")
+    }
+
+    /// Writes the report as pretty JSON to `path`.
+    pub fn write_json(&self, path: &Path) -> Result<()> {
+        let text = serde_json::to_string_pretty(self).expect("the report serializes");
+        std::fs::write(path, text + "\n")
+            .map_err(|e| Error::io(format!("writing {}", path.display()), e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_take_the_median_of_per_token_times() {
+        let r = Rates::from_seconds(&[0.5, 0.1, 0.2, 0.25]);
+        assert_eq!(r.tokens, 4);
+        assert!((r.median_ms - 225.0).abs() < 1e-9);
+        assert!((r.max_tok_s - 10.0).abs() < 1e-9);
+        assert!((r.min_tok_s - 2.0).abs() < 1e-9);
+    }
+}

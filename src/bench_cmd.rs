@@ -1,0 +1,42 @@
+//! `flashnext bench`: runs the benchmark harness and prints (and optionally
+//! saves) its report.
+
+use flashnext::bench::{self, BenchOptions, DEFAULT_PROMPT};
+use flashnext::model::Backend;
+use std::path::PathBuf;
+
+fn parse_backend(s: &str) -> flashnext::Result<Backend> {
+    match s {
+        "auto" => Ok(Backend::Auto),
+        "cpu" => Ok(Backend::Cpu),
+        "vulkan" => Ok(Backend::Vulkan),
+        _ => Err(flashnext::Error::arg(format!(
+            "unknown backend {s:?}: expected auto, cpu or vulkan"
+        ))),
+    }
+}
+
+pub fn run(
+    model: PathBuf,
+    backend: &str,
+    prompt: Option<String>,
+    gen: usize,
+    warmup: usize,
+    threads: usize,
+    json: Option<PathBuf>,
+) -> flashnext::Result<()> {
+    let opts = BenchOptions {
+        model,
+        backend: parse_backend(backend)?,
+        prompt: prompt.unwrap_or_else(|| DEFAULT_PROMPT.to_string()),
+        gen,
+        warmup,
+        threads,
+    };
+    let report = bench::run(&opts)?;
+    println!("{}", report.summary());
+    if let Some(path) = json {
+        report.write_json(&path)?;
+    }
+    Ok(())
+}

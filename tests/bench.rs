@@ -1,0 +1,86 @@
+//! The benchmark harness on a small synthetic model: the report is complete
+//! and consistent, the weight bytes per token follow from the tensor table,
+//! and a backend this build lacks is refused with its own error.
+
+use flashnext::bench::{self, BenchOptions};
+use flashnext::convert::OutType;
+use flashnext::gguf::GgufFile;
+use flashnext::model::Backend;
+use flashnext::synth::{synthesize, Dims, SynthOptions};
+
+#[test]
+fn bench_report_is_consistent() {
+    let path = std::env::temp_dir().join(format!("flashnext-bench-{}.gguf", std::process::id()));
+    let opts = SynthOptions {
+        layers: Some(4),
+        out_type: OutType::Q8_0,
+        ple_rows: 1 << 16,
+        seed: 5,
+        dims: Dims::Small,
+        ..Default::default()
+    };
+    synthesize(&path, &opts, &|_| {}).unwrap();
+
+    let vulkan = BenchOptions {
+        backend: Backend::Vulkan,
+        ..BenchOptions::new(&path)
+    };
+    assert!(matches!(
+        bench::run(&vulkan),
+        Err(flashnext::Error::Backend(_))
+    ));
+
+    let run = BenchOptions {
+        gen: 4,
+        warmup: 1,
+        threads: 1,
+        ..BenchOptions::new(&path)
+    };
+    let r = bench::run(&run).unwrap();
+    assert_eq!(
+        (r.decode.tokens, r.warmup_tokens, r.layers, r.threads),
+        (4, 1, 4, 1)
+    );
+    assert!(r.prompt_tokens > 5 && r.prompt_tok_s > 0.0);
+    assert!(
+        r.decode.min_tok_s <= r.decode.median_tok_s && r.decode.median_tok_s <= r.decode.max_tok_s
+    );
+
+    // Weight bytes: routed experts are k/E of the three stacks, the rest as the file holds it.
+    let file = GgufFile::open(&path).unwrap();
+    let size = |n: &str| file.tensor(n).unwrap().nbytes as u64;
+    let b = &r.weight_bytes_per_token;
+    let stacks: u64 = file
+        .tensors
+        .iter()
+        .filter(|t| t.name.ends_with("_exps.weight"))
+        .map(|t| t.nbytes as u64)
+        .sum();
+    assert_eq!(b.routed_experts, stacks / 64 * 4);
+    let embd_row = size("token_embd.weight") / 4096;
+    let ple_row = size("per_layer_token_embd.weight")
+        / file.tensor("per_layer_token_embd.weight").unwrap().dims[1] as u64;
+    assert_eq!(b.embedding_rows, embd_row + 16 * ple_row);
+    let all: u64 = file.tensors.iter().map(|t| t.nbytes as u64).sum();
+    assert_eq!(
+        b.dense,
+        all - stacks - size("token_embd.weight") - size("per_layer_token_embd.weight")
+    );
+    assert_eq!(b.total, b.dense + b.routed_experts + b.embedding_rows);
+
+    let eff = b.total as f64 * r.decode.median_tok_s / 1e9;
+    assert!((r.effective_bandwidth_gbs - eff).abs() < 1e-9 * eff.max(1.0));
+    assert!(r.bound.bandwidth_gbs > 0.1, "{:?}", r.bound);
+    assert!(r.peak_rss_bytes.unwrap_or(0) > 0);
+    assert!(r.backend_stats.dispatches_per_token.is_none());
+    assert!(r.summary().contains("dispatches n/a"));
+
+    let json_path = path.with_extension("json");
+    r.write_json(&json_path).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
+    assert_eq!(v["decode"]["tokens"], 4);
+    assert!(v["machine"]["cpu"].is_string());
+    let _ = std::fs::remove_file(&json_path);
+    let _ = std::fs::remove_file(&path);
+}
