@@ -19,5 +19,7 @@ pub mod tensor;
 pub mod tokenizer;
 /// cbindgen:ignore
 pub mod chat;
+/// cbindgen:ignore
+pub mod vulkan;
 
 pub use error::{Error, Result};

@@ -1,0 +1,108 @@
+//! The expert arena: routed experts live in fixed-size slots, each holding
+//! one expert's gate rows, up rows and down rows (`[F][H] | [F][H] | [H][F]`
+//! in the file's format). Slots are carved from slabs (buffers of at most one
+//! storage-buffer binding, up to `MAX_SLABS` of them, all bound at once in
+//! one descriptor set written here). A slot table in the model parameters
+//! maps (layer, expert) to a slot; the expert matvecs read the chosen ids
+//! from GPU memory and index the arena through it, so a token's top-k
+//! experts cost one dispatch for gate/up and one for down.
+//!
+//! Today every expert is resident (slot = layer * E + expert). A budget
+//! smaller than the model keeps the same shaders: fewer slots than experts,
+//! the slot table rewritten as experts are paged in from the mmap (the
+//! router's choice read back, missing experts uploaded into evicted slots,
+//! then the expert dispatches run), and the shared expert, which every token
+//! uses, kept outside the arena as ordinary resident weights.
+
+use super::buffer::{Buffer, Commands};
+use super::device::Context;
+use super::matrix::{max_binding_bytes, row_bytes};
+use super::pipelines::{Pipelines, MAX_SLABS};
+use super::record::DescriptorPool;
+use crate::error::{Error, Result};
+use crate::gguf::GgmlType;
+use crate::model::weights::{ExpertGateUp, Moe};
+use crate::model::Config;
+use gpu_allocator::MemoryLocation;
+use std::sync::Arc;
+
+pub(crate) struct ExpertArena {
+    /// Types of the gate/up rows and of the down rows (a converter may keep
+    /// rows whose length is not a multiple of the block size unquantized).
+    pub gate_ty: GgmlType,
+    pub down_ty: GgmlType,
+    pub slot_bytes: usize,
+    pub slots_per_slab: usize,
+    /// Row bytes of gate/up rows (`H` long) and of down rows (`F` long).
+    pub gate_row_bytes: usize,
+    pub down_row_bytes: usize,
+    pub set: ash::vk::DescriptorSet,
+    _slabs: Vec<Buffer>,
+    _pool: DescriptorPool,
+}
+
+impl ExpertArena {
+    /// Uploads every layer's routed experts; returns the arena and the slot
+    /// table (layer-major, `E` entries per layer).
+    pub fn new(ctx: &Arc<Context>, pipes: &Pipelines, cmds: &Commands, cfg: &Config, moes: &[&Moe]) -> Result<(Self, Vec<u32>)> {
+        let (h, f, e) = (cfg.hidden, cfg.expert_ff, cfg.n_experts);
+        let gate_ty = match &moes[0].gate_up {
+            ExpertGateUp::Separate { gate, .. } => gate.ty,
+            ExpertGateUp::Fused(t) => t.ty,
+        };
+        let down_ty = moes[0].down.ty;
+        let gate_row_bytes = row_bytes("routed expert gate/up", gate_ty, h)?;
+        let down_row_bytes = row_bytes("routed expert down", down_ty, f)?;
+        let slot_bytes = (2 * f * gate_row_bytes + h * down_row_bytes).div_ceil(16) * 16;
+        let slots_per_slab = max_binding_bytes(ctx) / slot_bytes;
+        let n_slots = moes.len() * e;
+        if slots_per_slab == 0 {
+            return Err(Error::Backend(format!("one expert ({slot_bytes} bytes) exceeds a storage-buffer binding")));
+        }
+        let n_slabs = n_slots.div_ceil(slots_per_slab).max(1);
+        if n_slabs > MAX_SLABS as usize {
+            return Err(Error::OutOfMemory(format!(
+                "the routed experts need {n_slabs} arena slabs of {} MiB; the arena binds at most {MAX_SLABS}",
+                (slots_per_slab * slot_bytes) >> 20
+            )));
+        }
+        let mut slabs = Vec::with_capacity(n_slabs);
+        for s in 0..n_slabs {
+            let n = slots_per_slab.min(n_slots - s * slots_per_slab);
+            slabs.push(Buffer::new(ctx, "expert arena slab", (n * slot_bytes) as u64, MemoryLocation::GpuOnly)?);
+        }
+        let mut table = Vec::with_capacity(n_slots);
+        for (l, moe) in moes.iter().enumerate() {
+            let gate_up_types: Vec<_> = match &moe.gate_up {
+                ExpertGateUp::Separate { gate, up } => vec![gate.ty, up.ty],
+                ExpertGateUp::Fused(t) => vec![t.ty],
+            };
+            if gate_up_types.iter().any(|&t| t != gate_ty) || moe.down.ty != down_ty {
+                return Err(Error::Backend(format!("layer {l}: routed expert types differ from layer 0's")));
+            }
+            for x in 0..e {
+                let slot = l * e + x;
+                let (slab, base) = (&slabs[slot / slots_per_slab], ((slot % slots_per_slab) * slot_bytes) as u64);
+                let gate_up = f * gate_row_bytes;
+                match &moe.gate_up {
+                    ExpertGateUp::Separate { gate, up } => {
+                        cmds.upload(slab, base, &gate.bytes()[x * gate_up..(x + 1) * gate_up])?;
+                        cmds.upload(slab, base + gate_up as u64, &up.bytes()[x * gate_up..(x + 1) * gate_up])?;
+                    }
+                    ExpertGateUp::Fused(t) => cmds.upload(slab, base, &t.bytes()[x * 2 * gate_up..(x + 1) * 2 * gate_up])?,
+                }
+                let down = h * down_row_bytes;
+                cmds.upload(slab, base + 2 * gate_up as u64, &moe.down.bytes()[x * down..(x + 1) * down])?;
+                table.push(slot as u32);
+            }
+        }
+        let pool = DescriptorPool::new(ctx, 1, MAX_SLABS)?;
+        // Unused bindings repeat the last slab: every array element must be valid.
+        let infos: Vec<_> = (0..MAX_SLABS as usize).map(|i| slabs[i.min(n_slabs - 1)].info()).collect();
+        let set = pool.set(pipes.arena_layout, &[&infos])?;
+        Ok((
+            ExpertArena { gate_ty, down_ty, slot_bytes, slots_per_slab, gate_row_bytes, down_row_bytes, set, _slabs: slabs, _pool: pool },
+            table,
+        ))
+    }
+}

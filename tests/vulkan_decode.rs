@@ -1,0 +1,171 @@
+//! The Vulkan backend against its CPU twin and the transformers reference:
+//! every reference fixture, converted to F32, F16, BF16 and Q8_0, decoded
+//! token by token on the GPU and on the CPU; logits compared at every
+//! position. Runs with the Khronos validation layer; any error-severity
+//! validation message fails the test.
+//!
+//! Bounds (error = max|delta| / max|ref| per position):
+//! - GPU vs CPU, same file: 1e-4 at every position for every type
+//!   (measured at most 3.2e-5: only summation order and the GPU's exp
+//!   differ; no expert or QSA choice flipped on these fixtures).
+//! - GPU vs transformers: F32 1e-4 at every position, as the CPU; F16, BF16
+//!   and Q8_0 the CPU's median / max bounds of tests/reference.rs.
+//!
+//! Without any Vulkan device the tests print why and pass, unless
+//! `FNX_REQUIRE_VULKAN=1` (scripts/test.sh sets it), which makes them fail.
+
+use flashnext::convert::{convert, ConvertOptions, OutType};
+use flashnext::model::{Backend, LoadOptions, Model, State};
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(Deserialize)]
+struct Manifest {
+    vocab_size: usize,
+    sequences: Vec<Sequence>,
+}
+
+#[derive(Deserialize)]
+struct Sequence {
+    name: String,
+    tokens: Vec<u32>,
+    logits_file: String,
+    #[serde(default)]
+    tie_positions: Vec<usize>,
+}
+
+/// `FNX_REPO_DIR` lets a test binary built elsewhere find the fixtures (scripts/h200-vulkan.sh).
+fn fixture_dir(name: &str) -> PathBuf {
+    let root = std::env::var("FNX_REPO_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").into());
+    Path::new(&root).join("tests/fixtures").join(name)
+}
+
+fn read_f32(path: &Path) -> Vec<f32> {
+    std::fs::read(path).unwrap().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+}
+
+/// The GPU model, or `None` (after saying why) when no Vulkan device exists
+/// and none is required.
+fn load_gpu(path: &Path) -> Option<Arc<Model>> {
+    std::env::set_var("FNX_VULKAN_VALIDATION", "1");
+    let opts = LoadOptions { backend: Backend::Vulkan, ..Default::default() };
+    match Model::load(path, &opts) {
+        Ok(m) => Some(m),
+        Err(flashnext::Error::Backend(why)) if std::env::var("FNX_REQUIRE_VULKAN").as_deref() != Ok("1") => {
+            println!("SKIPPED: no usable Vulkan device ({why}); set FNX_REQUIRE_VULKAN=1 to make this a failure");
+            None
+        }
+        Err(e) => panic!("loading for Vulkan: {e}"),
+    }
+}
+
+fn converted(fixture: &str, ty: OutType) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("flashnext-vk-{}-{fixture}-{ty:?}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let gguf = dir.join("model.gguf");
+    convert(&fixture_dir(fixture).join("hf"), &gguf, &ConvertOptions { out_type: ty, ..Default::default() }).unwrap();
+    gguf
+}
+
+#[derive(Default, Debug)]
+struct Errors {
+    vs_cpu: Vec<f32>,
+    vs_ref: Vec<f32>,
+}
+
+fn worst(v: &[f32]) -> f32 {
+    v.iter().copied().fold(0.0, f32::max)
+}
+
+fn median(v: &[f32]) -> f32 {
+    let mut e = v.to_vec();
+    e.sort_by(f32::total_cmp);
+    e[e.len() / 2]
+}
+
+/// Decodes every sequence on both backends; errors of every position before a flagged tie.
+fn compare(fixture: &str, ty: OutType) -> Option<Errors> {
+    let path = converted(fixture, ty);
+    let gpu_model = load_gpu(&path)?;
+    let cpu_model = Model::load(&path, &LoadOptions { backend: Backend::Cpu, ..Default::default() }).unwrap();
+    let dir = fixture_dir(fixture);
+    let manifest: Manifest = serde_json::from_slice(&std::fs::read(dir.join("expected/manifest.json")).unwrap()).unwrap();
+    let (mut gpu, mut cpu) = (State::new(gpu_model.clone()).unwrap(), State::new(cpu_model).unwrap());
+    let mut errors = Errors::default();
+    let v = manifest.vocab_size;
+    for seq in &manifest.sequences {
+        let expected = read_f32(&dir.join("expected").join(&seq.logits_file));
+        let first_tie = seq.tie_positions.iter().copied().min().unwrap_or(usize::MAX);
+        gpu.reset();
+        cpu.reset();
+        for (pos, &tok) in seq.tokens.iter().enumerate().take_while(|(p, _)| *p < first_tie) {
+            gpu.decode(tok).unwrap();
+            cpu.decode(tok).unwrap();
+            let g = gpu.logits().unwrap();
+            assert!(g.iter().all(|x| x.is_finite()), "{fixture} {ty:?} {}: non-finite logits at {pos}", seq.name);
+            errors.vs_cpu.push(rel_err(g, cpu.logits().unwrap()));
+            errors.vs_ref.push(rel_err(g, &expected[pos * v..(pos + 1) * v]));
+        }
+    }
+    let stats = gpu.gpu_stats().unwrap();
+    assert_eq!(stats.submits, 1, "one submission per token");
+    println!(
+        "{fixture} {ty:?}: GPU vs CPU max {:.3e} median {:.3e}; GPU vs transformers max {:.3e} median {:.3e}; \
+         {} positions; {} dispatches, {} submit per token",
+        worst(&errors.vs_cpu),
+        median(&errors.vs_cpu),
+        worst(&errors.vs_ref),
+        median(&errors.vs_ref),
+        errors.vs_cpu.len(),
+        stats.dispatches,
+        stats.submits
+    );
+    assert_eq!(flashnext::vulkan::validation_errors(), 0, "Vulkan validation errors (printed above)");
+    std::fs::remove_dir_all(path.parent().unwrap()).ok();
+    Some(errors)
+}
+
+const GPU_VS_CPU: f32 = 1e-4;
+
+const FIXTURES: [&str; 3] = ["tiny_flat", "tiny_native", "tiny_nested"];
+
+#[test]
+fn f32_matches_cpu_and_transformers() {
+    for f in FIXTURES {
+        let Some(e) = compare(f, OutType::F32) else { return };
+        assert!(worst(&e.vs_cpu) <= GPU_VS_CPU, "{f}: GPU vs CPU {}", worst(&e.vs_cpu));
+        assert!(worst(&e.vs_ref) <= 1e-4, "{f}: GPU vs transformers {}", worst(&e.vs_ref));
+    }
+}
+
+/// The reduced types: the CPU twin's bound, and against the reference the
+/// median / max bounds tests/reference.rs states for the CPU.
+fn reduced(ty: OutType, median_bound: f32, max_bound: f32) {
+    for f in FIXTURES {
+        let Some(e) = compare(f, ty) else { return };
+        assert!(worst(&e.vs_cpu) <= GPU_VS_CPU, "{f} {ty:?}: GPU vs CPU {}", worst(&e.vs_cpu));
+        assert!(median(&e.vs_ref) <= median_bound, "{f} {ty:?}: median vs transformers {}", median(&e.vs_ref));
+        assert!(worst(&e.vs_ref) <= max_bound, "{f} {ty:?}: max vs transformers {}", worst(&e.vs_ref));
+    }
+}
+
+#[test]
+fn f16_within_bound() {
+    reduced(OutType::F16, 5e-3, 0.4);
+}
+
+#[test]
+fn bf16_within_bound() {
+    reduced(OutType::BF16, 0.08, 0.8);
+}
+
+#[test]
+fn q8_0_within_bound() {
+    reduced(OutType::Q8_0, 0.2, 1.0);
+}
