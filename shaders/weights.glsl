@@ -3,7 +3,8 @@
 // ARENA the words come from the expert-arena slab `g_slab`.
 
 #ifdef ARENA
-#define MAX_SLABS 16
+// As many slabs as the device lets one stage bind (set at pipeline creation).
+layout(constant_id = 0) const uint MAX_SLABS = 16;
 layout(set = 1, binding = 0) readonly buffer Slab { uint w[]; } slabs[MAX_SLABS];
 uint g_slab;
 #define WORD(i) slabs[g_slab].w[i]

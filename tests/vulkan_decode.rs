@@ -14,11 +14,13 @@
 //! Without any Vulkan device the tests print why and pass, unless
 //! `FNX_REQUIRE_VULKAN=1` (scripts/test.sh sets it), which makes them fail.
 
-use flashnext::convert::{convert, ConvertOptions, OutType};
+mod vulkan_util;
+
+use flashnext::convert::OutType;
 use flashnext::model::{Backend, LoadOptions, Model, State};
 use serde::Deserialize;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::Path;
+use vulkan_util::{converted, fixture_dir, load_gpu, read_f32, rel_err};
 
 #[derive(Deserialize)]
 struct Manifest {
@@ -33,44 +35,6 @@ struct Sequence {
     logits_file: String,
     #[serde(default)]
     tie_positions: Vec<usize>,
-}
-
-/// `FNX_REPO_DIR` lets a test binary built elsewhere find the fixtures (scripts/h200-vulkan.sh).
-fn fixture_dir(name: &str) -> PathBuf {
-    let root = std::env::var("FNX_REPO_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").into());
-    Path::new(&root).join("tests/fixtures").join(name)
-}
-
-fn read_f32(path: &Path) -> Vec<f32> {
-    std::fs::read(path).unwrap().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
-}
-
-fn rel_err(got: &[f32], want: &[f32]) -> f32 {
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
-}
-
-/// The GPU model, or `None` (after saying why) when no Vulkan device exists
-/// and none is required.
-fn load_gpu(path: &Path) -> Option<Arc<Model>> {
-    std::env::set_var("FNX_VULKAN_VALIDATION", "1");
-    let opts = LoadOptions { backend: Backend::Vulkan, ..Default::default() };
-    match Model::load(path, &opts) {
-        Ok(m) => Some(m),
-        Err(flashnext::Error::Backend(why)) if std::env::var("FNX_REQUIRE_VULKAN").as_deref() != Ok("1") => {
-            println!("SKIPPED: no usable Vulkan device ({why}); set FNX_REQUIRE_VULKAN=1 to make this a failure");
-            None
-        }
-        Err(e) => panic!("loading for Vulkan: {e}"),
-    }
-}
-
-fn converted(fixture: &str, ty: OutType) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("flashnext-vk-{}-{fixture}-{ty:?}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let gguf = dir.join("model.gguf");
-    convert(&fixture_dir(fixture).join("hf"), &gguf, &ConvertOptions { out_type: ty, ..Default::default() }).unwrap();
-    gguf
 }
 
 #[derive(Default, Debug)]

@@ -194,6 +194,55 @@ impl State {
         Ok(())
     }
 
+    /// For a GPU state: a host state with the same contents (the GPU buffers
+    /// read back into the CPU layout), for snapshots.
+    pub(crate) fn host_copy(&self) -> Result<Option<State>> {
+        let Some(g) = &self.gpu else { return Ok(None) };
+        let cfg = &self.model.config;
+        let (parts, ple_conv) = g.export(cfg, self.pos)?;
+        let layers = cfg
+            .layers
+            .iter()
+            .zip(parts)
+            .map(|(kind, mut p)| match kind {
+                LayerKind::Linear => {
+                    let recurrent = p.pop().unwrap_or_default();
+                    LayerState::Gdn(GdnState { conv: p.pop().unwrap_or_default(), recurrent })
+                }
+                LayerKind::Attention { .. } => {
+                    let mut next = || if p.is_empty() { Vec::new() } else { p.remove(0) };
+                    LayerState::Attention(AttnState { keys: next(), values: next(), index_keys: next(), block_keys: next() })
+                }
+            })
+            .collect();
+        let ple = match (&self.ple, ple_conv) {
+            (Some(p), Some(conv)) => Some(PleState { tokens: p.tokens.clone(), conv }),
+            _ => None,
+        };
+        Ok(Some(State { model: self.model.clone(), pos: self.pos, layers, ple, logits: self.logits.clone(), gpu: None }))
+    }
+
+    /// Moves the contents of a host-layout state (a parsed snapshot) into
+    /// this state: onto the GPU for GPU states.
+    pub(crate) fn take_contents(&mut self, pos: usize, layers: Vec<LayerState>, ple: Option<PleState>, logits: Vec<f32>) -> Result<()> {
+        if let Some(g) = self.gpu.as_mut() {
+            let parts: Vec<Vec<Vec<f32>>> = layers
+                .into_iter()
+                .map(|l| match l {
+                    LayerState::Gdn(s) => vec![s.conv, s.recurrent],
+                    LayerState::Attention(a) => vec![a.keys, a.values, a.index_keys, a.block_keys],
+                })
+                .collect();
+            g.import(&self.model.config, pos, &parts, ple.as_ref().map(|p| &p.conv[..]))?;
+        } else {
+            self.layers = layers;
+        }
+        self.pos = pos;
+        self.ple = ple;
+        self.logits = logits;
+        Ok(())
+    }
+
     /// A deep copy, or an out-of-memory error instead of an allocation abort.
     pub fn try_clone(&self) -> Result<State> {
         let layers = self

@@ -1,8 +1,9 @@
 //! The expert arena: routed experts live in fixed-size slots, each holding
 //! one expert's gate rows, up rows and down rows (`[F][H] | [F][H] | [H][F]`
 //! in the file's format). Slots are carved from slabs (buffers of at most one
-//! storage-buffer binding, up to `MAX_SLABS` of them, all bound at once in
-//! one descriptor set written here). A slot table in the model parameters
+//! storage-buffer binding, as many as the device lets a stage bind: 28 on
+//! lavapipe, 256 elsewhere; all bound at once in one descriptor set written
+//! here). A slot table in the model parameters
 //! maps (layer, expert) to a slot; the expert matvecs read the chosen ids
 //! from GPU memory and index the arena through it, so a token's top-k
 //! experts cost one dispatch for gate/up and one for down.
@@ -17,7 +18,7 @@
 use super::buffer::{Buffer, Commands};
 use super::device::Context;
 use super::matrix::{max_binding_bytes, row_bytes};
-use super::pipelines::{Pipelines, MAX_SLABS};
+use super::pipelines::Pipelines;
 use super::record::DescriptorPool;
 use crate::error::{Error, Result};
 use crate::gguf::GgmlType;
@@ -60,9 +61,10 @@ impl ExpertArena {
             return Err(Error::Backend(format!("one expert ({slot_bytes} bytes) exceeds a storage-buffer binding")));
         }
         let n_slabs = n_slots.div_ceil(slots_per_slab).max(1);
-        if n_slabs > MAX_SLABS as usize {
+        let max_slabs = pipes.max_slabs as usize;
+        if n_slabs > max_slabs {
             return Err(Error::OutOfMemory(format!(
-                "the routed experts need {n_slabs} arena slabs of {} MiB; the arena binds at most {MAX_SLABS}",
+                "the routed experts need {n_slabs} arena slabs of {} MiB; this device binds at most {max_slabs}",
                 (slots_per_slab * slot_bytes) >> 20
             )));
         }
@@ -96,9 +98,9 @@ impl ExpertArena {
                 table.push(slot as u32);
             }
         }
-        let pool = DescriptorPool::new(ctx, 1, MAX_SLABS)?;
+        let pool = DescriptorPool::new(ctx, 1, max_slabs as u32)?;
         // Unused bindings repeat the last slab: every array element must be valid.
-        let infos: Vec<_> = (0..MAX_SLABS as usize).map(|i| slabs[i.min(n_slabs - 1)].info()).collect();
+        let infos: Vec<_> = (0..max_slabs).map(|i| slabs[i.min(n_slabs - 1)].info()).collect();
         let set = pool.set(pipes.arena_layout, &[&infos])?;
         Ok((
             ExpertArena { gate_ty, down_ty, slot_bytes, slots_per_slab, gate_row_bytes, down_row_bytes, set, _slabs: slabs, _pool: pool },

@@ -13,8 +13,13 @@ use crate::gguf::GgmlType;
 use ash::vk;
 use std::sync::Arc;
 
-/// Slab bindings of the expert arena (`MAX_SLABS` in shaders/weights.glsl).
-pub(crate) const MAX_SLABS: u32 = 16;
+/// Slab bindings of the expert arena (the `MAX_SLABS` specialization
+/// constant of shaders/weights.glsl): what one stage may bind besides set 0,
+/// at most 256 (lavapipe allows 28, NVIDIA 256).
+fn max_slabs(ctx: &Context) -> u32 {
+    let l = &ctx.limits;
+    l.max_per_stage_descriptor_storage_buffers.min(l.max_descriptor_set_storage_buffers).min(l.max_per_stage_resources).saturating_sub(4).clamp(1, 256)
+}
 
 /// Which descriptor sets a pipeline takes.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -166,6 +171,8 @@ pub(crate) struct Pipelines {
     pub state_layout: vk::DescriptorSetLayout,
     pub weight_layout: vk::DescriptorSetLayout,
     pub arena_layout: vk::DescriptorSetLayout,
+    /// Slab bindings of `arena_layout`.
+    pub max_slabs: u32,
     pub layouts: Vec<vk::PipelineLayout>,
     pub pipelines: Vec<vk::Pipeline>,
     ctx: Arc<Context>,
@@ -194,12 +201,13 @@ impl Pipelines {
             state_layout: set_layout(ctx, &[1, 1, 1])?,
             weight_layout: vk::DescriptorSetLayout::null(),
             arena_layout: vk::DescriptorSetLayout::null(),
+            max_slabs: max_slabs(ctx),
             layouts: Vec::new(),
             pipelines: Vec::new(),
             ctx: ctx.clone(),
         };
         p.weight_layout = set_layout(ctx, &[1])?;
-        p.arena_layout = set_layout(ctx, &[MAX_SLABS])?;
+        p.arena_layout = set_layout(ctx, &[p.max_slabs])?;
         for spec in TABLE {
             p.create(spec)?;
         }
@@ -222,7 +230,14 @@ impl Pipelines {
                 .map_err(err(spec.name))?;
             self.layouts.push(layout);
             let module = d.create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&words), None).map_err(err(spec.name))?;
-            let stage = vk::PipelineShaderStageCreateInfo::default().stage(vk::ShaderStageFlags::COMPUTE).module(module).name(c"main");
+            let slabs = self.max_slabs.to_le_bytes();
+            let entries = [vk::SpecializationMapEntry { constant_id: 0, offset: 0, size: 4 }];
+            let special = vk::SpecializationInfo::default().map_entries(&entries).data(&slabs);
+            let mut stage =
+                vk::PipelineShaderStageCreateInfo::default().stage(vk::ShaderStageFlags::COMPUTE).module(module).name(c"main");
+            if spec.sets == Sets::StateArena {
+                stage = stage.specialization_info(&special);
+            }
             let info = [vk::ComputePipelineCreateInfo::default().stage(stage).layout(layout)];
             let made = d.create_compute_pipelines(vk::PipelineCache::null(), &info, None);
             d.destroy_shader_module(module, None);

@@ -587,3 +587,68 @@ impl GpuState {
         rec.dispatch(Pipe::MoeCombine, &[set], &combine, [1, 1, 1]);
     }
 }
+
+/// One layer's state in the CPU's layout: GDN `[conv, recurrent]`, attention
+/// `[keys, values, index_keys, block_keys]` (only the `pos` filled positions).
+pub type HostLayer = Vec<Vec<f32>>;
+
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+}
+
+/// Float ranges of a layer's state buffer, in the CPU layout's order.
+fn segments(cfg: &Config, kind: &LayerKind, a: &AttnLayout, pos: usize) -> Vec<std::ops::Range<usize>> {
+    match kind {
+        LayerKind::Linear => {
+            let conv = (cfg.ssm_conv - 1) * cfg.ssm_conv_dim();
+            vec![0..conv, conv..layer_state_len(cfg, kind, 0)]
+        }
+        LayerKind::Attention { compress_ratio } => {
+            let kv = cfg.n_kv_heads * cfg.head_dim;
+            let id = match (&cfg.qsa, compress_ratio) {
+                (Some(q), r) if *r > 0 => q.head_dim,
+                _ => 0,
+            };
+            let blocks = if id > 0 { pos / compress_ratio } else { 0 };
+            let at = |o: u32, n: usize| o as usize..o as usize + n;
+            vec![at(a.keys, pos * kv), at(a.values, pos * kv), at(a.raw_keys, pos * id), at(a.block_keys, blocks * id)]
+        }
+    }
+}
+
+impl GpuState {
+    /// The state buffers in the CPU's layout after `pos` tokens, and the PLE conv history.
+    pub fn export(&self, cfg: &Config, pos: usize) -> Result<(Vec<HostLayer>, Option<Vec<f32>>)> {
+        let saved = self.save()?;
+        let layers = cfg
+            .layers
+            .iter()
+            .zip(&saved)
+            .map(|(kind, bytes)| {
+                let all = floats(bytes);
+                segments(cfg, kind, &self.attn, pos).into_iter().map(|r| all[r].to_vec()).collect()
+            })
+            .collect();
+        let ple = saved.get(cfg.n_layers).map(|b| floats(b));
+        Ok((layers, ple))
+    }
+
+    /// Loads state in the CPU's layout (as [`GpuState::export`] returns it).
+    pub fn import(&mut self, cfg: &Config, pos: usize, layers: &[HostLayer], ple: Option<&[f32]>) -> Result<()> {
+        let mut saved = Vec::with_capacity(self.layer_state.len());
+        for ((kind, parts), buffer) in cfg.layers.iter().zip(layers).zip(&self.layer_state) {
+            let mut all = vec![0f32; buffer.size as usize / 4];
+            for (range, part) in segments(cfg, kind, &self.attn, pos).into_iter().zip(parts) {
+                if range.len() != part.len() || range.end > all.len() {
+                    return Err(Error::arg("state does not fit this GPU state's layout"));
+                }
+                all[range].copy_from_slice(part);
+            }
+            saved.push(all.iter().flat_map(|v| v.to_le_bytes()).collect());
+        }
+        if let Some(p) = ple {
+            saved.push(p.iter().flat_map(|v| v.to_le_bytes()).collect());
+        }
+        self.restore(&saved)
+    }
+}
