@@ -14,7 +14,7 @@ layout(push_constant) uniform Push {
     uint row_base;    // output index of the first row (split tensors)
     uint x_off;
     uint y_off;
-    uint mode;        // 0 store, 1 silu(v*scale), 2 2*sigmoid(v*scale), 3 residual post, 4 swiglu
+    uint mode;        // 0 store, 1 hyper-connection down|inject, 3 residual post, 4 swiglu
     float scale;
     uint aux_off;     // mode 3: scratch offset of the per-stream weights
     uint aux_n;       // mode 3: number of streams
@@ -26,6 +26,7 @@ layout(push_constant) uniform Push {
     uint slots_per_slab;
     uint slot_bytes;
     uint part_off;    // ARENA: byte offset of this matrix inside a slot
+    uint split_row;   // mode 1: rows below get silu(v*scale), the rest 2*sigmoid(v*scale)
 } pc;
 
 void main() {
@@ -48,9 +49,7 @@ void main() {
     if (pc.mode == 0u) {
         s[y] = v;
     } else if (pc.mode == 1u) {
-        s[y] = silu(v * pc.scale);
-    } else if (pc.mode == 2u) {
-        s[y] = 2.0 * sigmoid(v * pc.scale);
+        s[y] = pc.row_base + r < pc.split_row ? silu(v * pc.scale) : 2.0 * sigmoid(v * pc.scale);
     } else if (pc.mode == 3u) {
         for (uint c = 0u; c < pc.aux_n; c++) s[y + c * pc.total_rows] += s[pc.aux_off + c] * v;
     } else {

@@ -19,7 +19,6 @@ mod vulkan_util;
 use flashnext::convert::OutType;
 use flashnext::model::{Backend, LoadOptions, Model, State};
 use serde::Deserialize;
-use std::path::Path;
 use vulkan_util::{converted, fixture_dir, load_gpu, read_f32, rel_err};
 
 #[derive(Deserialize)]

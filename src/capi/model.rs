@@ -10,7 +10,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// Let flashnext choose: Vulkan when a GPU is present, else the CPU.
+/// Let flashnext choose (today: the CPU).
 pub const FNX_BACKEND_AUTO: i32 = 0;
 /// The CPU backend.
 pub const FNX_BACKEND_CPU: i32 = 1;

@@ -47,8 +47,18 @@ pub struct DeviceChoice {
     pub budget: u64,
 }
 
+/// The Vulkan loader, loaded once and kept for the life of the process
+/// (unloading it would orphan the loader's own allocations).
+fn entry() -> Result<&'static ash::Entry> {
+    static ENTRY: std::sync::OnceLock<std::result::Result<ash::Entry, String>> = std::sync::OnceLock::new();
+    // SAFETY: loading the system Vulkan loader; its initialisation has no preconditions.
+    ENTRY
+        .get_or_init(|| unsafe { ash::Entry::load() }.map_err(|e| e.to_string()))
+        .as_ref()
+        .map_err(|e| Error::Backend(format!("cannot load the Vulkan loader (libvulkan.so.1): {e}; install libvulkan1 and a driver")))
+}
+
 pub(crate) struct Context {
-    _entry: ash::Entry,
     pub instance: ash::Instance,
     debug: Option<(ash::ext::debug_utils::Instance, vk::DebugUtilsMessengerEXT)>,
     pub limits: vk::PhysicalDeviceLimits,
@@ -72,10 +82,7 @@ pub(crate) fn err(what: &str) -> impl Fn(vk::Result) -> Error + '_ {
 
 impl Context {
     pub fn new(choice: &DeviceChoice) -> Result<Self> {
-        // SAFETY: loading the system Vulkan loader; its initialisation has no preconditions.
-        let entry = unsafe { ash::Entry::load() }.map_err(|e| {
-            Error::Backend(format!("cannot load the Vulkan loader (libvulkan.so.1): {e}; install libvulkan1 and a driver"))
-        })?;
+        let entry = entry()?;
         let validate = std::env::var("FNX_VULKAN_VALIDATION").is_ok_and(|v| v == "1");
         // SAFETY: plain queries and creation calls on a loaded entry with valid create infos.
         unsafe {
@@ -96,7 +103,7 @@ impl Context {
                 vk::InstanceCreateInfo::default().application_info(&app).enabled_layer_names(&layers).enabled_extension_names(&extensions);
             let instance = entry.create_instance(&info, None).map_err(err("creating the instance"))?;
             let debug = if validate {
-                let du = ash::ext::debug_utils::Instance::new(&entry, &instance);
+                let du = ash::ext::debug_utils::Instance::new(entry, &instance);
                 let info = vk::DebugUtilsMessengerCreateInfoEXT::default()
                     .message_severity(
                         vk::DebugUtilsMessageSeverityFlagsEXT::ERROR | vk::DebugUtilsMessageSeverityFlagsEXT::WARNING,
@@ -112,9 +119,8 @@ impl Context {
             } else {
                 None
             };
-            match Self::open_device(entry.clone(), instance.clone(), choice) {
+            match Self::open_device(instance.clone(), choice) {
                 Ok((limits, name, device, queue_family, queue, allocator)) => Ok(Context {
-                    _entry: entry,
                     instance,
                     debug,
                     limits,
@@ -139,7 +145,6 @@ impl Context {
 
     #[allow(clippy::type_complexity)]
     unsafe fn open_device(
-        _entry: ash::Entry,
         instance: ash::Instance,
         choice: &DeviceChoice,
     ) -> Result<(vk::PhysicalDeviceLimits, String, ash::Device, u32, vk::Queue, Allocator)> {
@@ -238,21 +243,3 @@ impl Drop for Context {
     }
 }
 
-/// True when the loader loads and some physical device is a discrete,
-/// integrated or virtual GPU.
-pub(crate) fn probe_gpu() -> bool {
-    // SAFETY: loading the loader and querying devices with a minimal instance, destroyed before returning.
-    unsafe {
-        let Ok(entry) = ash::Entry::load() else { return false };
-        let app = vk::ApplicationInfo::default().api_version(vk::API_VERSION_1_1);
-        let Ok(instance) = entry.create_instance(&vk::InstanceCreateInfo::default().application_info(&app), None) else {
-            return false;
-        };
-        let gpu = instance.enumerate_physical_devices().unwrap_or_default().into_iter().any(|p| {
-            let t = instance.get_physical_device_properties(p).device_type;
-            matches!(t, vk::PhysicalDeviceType::DISCRETE_GPU | vk::PhysicalDeviceType::INTEGRATED_GPU | vk::PhysicalDeviceType::VIRTUAL_GPU)
-        });
-        instance.destroy_instance(None);
-        gpu
-    }
-}

@@ -38,9 +38,3 @@ pub use model::GpuModel;
 pub use record::TokenStats;
 pub use state::GpuState;
 
-/// Whether a Vulkan device that is a real GPU (not a CPU implementation
-/// such as lavapipe) is present; probed once per process.
-pub fn has_gpu() -> bool {
-    static PROBE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *PROBE.get_or_init(device::probe_gpu)
-}

@@ -12,6 +12,7 @@ use super::pipelines::{Pipelines, MAX_ATTN_HEAD_DIM, MAX_GDN_HEAD_DIM, MAX_INDEX
 use crate::error::{Error, Result};
 use crate::model::weights::{HyperConnection, Mixer, Weights};
 use crate::model::Config;
+use crate::tensor::Tensor;
 use gpu_allocator::MemoryLocation;
 use std::sync::Arc;
 
@@ -29,16 +30,15 @@ impl ParamsBuilder {
 
 pub(crate) struct GpuHyper {
     pub norm: u32,
-    pub down: GpuMatrix,
+    /// Down rows then injection rows (absent on the output mixer): [R (+C), C*H]
+    pub down_inject: Vec<GpuMatrix>,
+    pub rank: usize,
     pub up: GpuMatrix,
-    pub inject: Option<GpuMatrix>,
 }
 
 pub(crate) struct GpuGdn {
-    pub qkv: GpuMatrix,
-    pub z: GpuMatrix,
-    pub beta: GpuMatrix,
-    pub alpha: GpuMatrix,
+    /// The input projections fused: [qkv | z | beta | alpha] rows.
+    pub input: Vec<GpuMatrix>,
     pub out: GpuMatrix,
     pub conv: u32,
     pub dt_bias: u32,
@@ -47,16 +47,13 @@ pub(crate) struct GpuGdn {
 }
 
 pub(crate) struct GpuIndexer {
-    pub q_proj: GpuMatrix,
-    pub k_proj: GpuMatrix,
     pub q_norm: u32,
     pub k_norm: u32,
 }
 
 pub(crate) struct GpuAttention {
-    pub q: GpuMatrix,
-    pub k: GpuMatrix,
-    pub v: GpuMatrix,
+    /// The input projections fused: [q+gate | k | v | indexer k | indexer q] rows.
+    pub input: Vec<GpuMatrix>,
     pub o: GpuMatrix,
     pub q_norm: u32,
     pub k_norm: u32,
@@ -136,49 +133,52 @@ struct Uploader<'a> {
 }
 
 impl Uploader<'_> {
-    fn matrix(&self, parts: &[&crate::tensor::Tensor]) -> Result<GpuMatrix> {
+    fn matrix(&self, parts: &[&Tensor]) -> Result<GpuMatrix> {
         GpuMatrix::upload(self.ctx, self.pipes, self.cmds, parts)
     }
 
+    /// Matrices with the same input, fused into one per run of equal type.
+    fn fused(&self, parts: &[&Tensor]) -> Result<Vec<GpuMatrix>> {
+        parts.chunk_by(|a, b| a.ty == b.ty).map(|run| self.matrix(run)).collect()
+    }
+
     fn hyper(&mut self, hc: &HyperConnection) -> Result<GpuHyper> {
+        let mut down_inject = vec![&hc.down];
+        down_inject.extend(hc.inject.as_ref());
         Ok(GpuHyper {
             norm: self.params.add(&hc.norm),
-            down: self.matrix(&[&hc.down])?,
+            down_inject: self.fused(&down_inject)?,
+            rank: hc.down.rows(),
             up: self.matrix(&[&hc.up])?,
-            inject: hc.inject.as_ref().map(|t| self.matrix(&[t])).transpose()?,
         })
     }
 
     fn mixer(&mut self, m: &Mixer) -> Result<GpuMixer> {
         Ok(match m {
             Mixer::Gdn(g) => GpuMixer::Gdn(GpuGdn {
-                qkv: self.matrix(&[&g.qkv])?,
-                z: self.matrix(&[&g.z])?,
-                beta: self.matrix(&[&g.beta])?,
-                alpha: self.matrix(&[&g.alpha])?,
+                input: self.fused(&[&g.qkv, &g.z, &g.beta, &g.alpha])?,
                 out: self.matrix(&[&g.out])?,
                 conv: self.params.add(&g.conv),
                 dt_bias: self.params.add(&g.dt_bias),
                 decay_a: self.params.add(&g.a),
                 norm: self.params.add(&g.norm),
             }),
-            Mixer::Attention(a) => GpuMixer::Attention(GpuAttention {
-                q: self.matrix(&[&a.q])?,
-                k: self.matrix(&[&a.k])?,
-                v: self.matrix(&[&a.v])?,
-                o: self.matrix(&[&a.o])?,
-                q_norm: self.params.add(&a.q_norm),
-                k_norm: self.params.add(&a.k_norm),
-                indexer: match &a.indexer {
-                    None => None,
-                    Some(ix) => Some(GpuIndexer {
-                        q_proj: self.matrix(&[&ix.q_proj])?,
-                        k_proj: self.matrix(&[&ix.k_proj])?,
+            Mixer::Attention(a) => {
+                let mut input = vec![&a.q, &a.k, &a.v];
+                if let Some(ix) = &a.indexer {
+                    input.extend([&ix.k_proj, &ix.q_proj]);
+                }
+                GpuMixer::Attention(GpuAttention {
+                    input: self.fused(&input)?,
+                    o: self.matrix(&[&a.o])?,
+                    q_norm: self.params.add(&a.q_norm),
+                    k_norm: self.params.add(&a.k_norm),
+                    indexer: a.indexer.as_ref().map(|ix| GpuIndexer {
                         q_norm: self.params.add(&ix.q_norm),
                         k_norm: self.params.add(&ix.k_norm),
                     }),
-                },
-            }),
+                })
+            }
         })
     }
 }

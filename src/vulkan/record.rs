@@ -92,6 +92,17 @@ impl<'a> Recorder<'a> {
         self.stats.weight_bytes += (m.rows * m.row_bytes) as u64;
     }
 
+    /// Matvecs of matrices whose rows are consecutive outputs (one fused
+    /// projection, split where the parts' types differ).
+    pub fn matvecs(&mut self, ms: &[GpuMatrix], state_set: vk::DescriptorSet, push: MatvecPush) {
+        let mut rows = 0;
+        for m in ms {
+            let p = MatvecPush { y_off: push.y_off + rows, split_row: push.split_row.saturating_sub(rows), ..push };
+            self.matvec(m, state_set, p);
+            rows += m.rows as u32;
+        }
+    }
+
     /// A matvec over `experts` arena slots (ids in scratch at `push.expert_off`).
     pub fn expert_matvec(&mut self, pipe: Pipe, sets: [vk::DescriptorSet; 2], push: MatvecPush, experts: usize, bytes: u64) {
         let g = grid(self.ctx, push.rows as usize, experts as u32);

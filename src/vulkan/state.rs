@@ -84,27 +84,28 @@ impl ScratchLayout {
         };
         l.input_len = next(0);
         l.xn = next(c * h);
-        l.low = next(cfg.hc_rank);
+        // Outputs of fused projections are contiguous.
+        l.low = next(cfg.hc_rank + c);
+        l.inject = l.low + cfg.hc_rank as u32;
         l.mix = next(c * h);
         l.input = next(h);
-        l.inject = next(c);
         l.ple_key = next(c * h);
         l.ple_value = next(h);
         l.ple_tmp = next(c * h);
         let dv = cfg.ssm_v_heads * cfg.ssm_head_dim;
-        l.qkv = next(cfg.ssm_conv_dim());
-        l.z = next(dv);
-        l.beta = next(cfg.ssm_v_heads);
-        l.alpha = next(cfg.ssm_v_heads);
+        l.qkv = next(cfg.ssm_conv_dim() + dv + 2 * cfg.ssm_v_heads);
+        l.z = l.qkv + cfg.ssm_conv_dim() as u32;
+        l.beta = l.z + dv as u32;
+        l.alpha = l.beta + cfg.ssm_v_heads as u32;
         l.conv_out = next(cfg.ssm_conv_dim());
         l.gdn_out = next(dv);
         let (nh, kv) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
-        l.qg = next(2 * nh);
-        l.k = next(kv);
-        l.v = next(kv);
+        l.qg = next(2 * nh + 2 * kv + id + ih * id);
+        l.k = l.qg + 2 * nh as u32;
+        l.v = l.k + kv as u32;
+        l.ik = l.v + kv as u32;
+        l.iq = l.ik + id as u32;
         l.q = next(nh);
-        l.iq = next(ih * id);
-        l.ik = next(id);
         l.scores = next(n_ctx);
         l.sel = next(n_ctx);
         l.att_tmp = next(cfg.n_heads * n_ctx);
@@ -381,14 +382,12 @@ impl GpuState {
         let (h, c) = (cfg.hidden as u32, cfg.hc as u32);
         let norm = HcNormPush { x_off: l.residual, gamma: hc.norm, y_off: l.xn, n: h, eps: cfg.eps };
         rec.dispatch(Pipe::HcNorm, &[set], &norm, [c, 1, 1]);
-        let scale = 1.0 / c as f32;
-        rec.matvec(&hc.down, set, MatvecPush { x_off: l.xn, y_off: l.low, mode: 1, scale, ..Default::default() });
+        // Down rows get silu(v/C), injection rows 2*sigmoid(v/C).
+        let down = MatvecPush { x_off: l.xn, y_off: l.low, mode: 1, scale: 1.0 / c as f32, split_row: hc.rank as u32, ..Default::default() };
+        rec.matvecs(&hc.down_inject, set, down);
         rec.matvec(&hc.up, set, MatvecPush { x_off: l.low, y_off: l.mix, ..Default::default() });
         let combine = HcCombinePush { mix_off: l.mix, xn_off: l.xn, y_off: l.input, n: h, streams: c };
         rec.dispatch(Pipe::HcCombine, &[set], &combine, rec.threads(Pipe::HcCombine, cfg.hidden));
-        if let Some(inject) = &hc.inject {
-            rec.matvec(inject, set, MatvecPush { x_off: l.xn, y_off: l.inject, mode: 2, scale, ..Default::default() });
-        }
     }
 
     /// `X_c += inject_c * (W x)`: the block output written back to the streams.
@@ -399,9 +398,7 @@ impl GpuState {
 
     fn gdn(&self, rec: &mut Recorder, cfg: &Config, set: vk::DescriptorSet, w: &super::model::GpuGdn) {
         let l = &self.layout;
-        for (m, y) in [(&w.qkv, l.qkv), (&w.z, l.z), (&w.beta, l.beta), (&w.alpha, l.alpha)] {
-            rec.matvec(m, set, MatvecPush { x_off: l.input, y_off: y, ..Default::default() });
-        }
+        rec.matvecs(&w.input, set, MatvecPush { x_off: l.input, y_off: l.qkv, ..Default::default() });
         let dc = cfg.ssm_conv_dim();
         let conv = GdnConvPush { x_off: l.qkv, y_off: l.conv_out, taps: w.conv, dc: dc as u32, kc: cfg.ssm_conv as u32 };
         rec.dispatch(Pipe::GdnConv, &[set], &conv, rec.threads(Pipe::GdnConv, dc));
@@ -437,9 +434,7 @@ impl GpuState {
         pos: usize,
     ) {
         let (l, a) = (&self.layout, &self.attn);
-        for (m, y) in [(&w.q, l.qg), (&w.k, l.k), (&w.v, l.v)] {
-            rec.matvec(m, set, MatvecPush { x_off: l.input, y_off: y, ..Default::default() });
-        }
+        rec.matvecs(&w.input, set, MatvecPush { x_off: l.input, y_off: l.qg, ..Default::default() });
         let (nh, nkv, hd) = (cfg.n_heads as u32, cfg.n_kv_heads as u32, cfg.head_dim as u32);
         let prep = AttnPrepPush {
             qg_off: l.qg,
@@ -463,11 +458,7 @@ impl GpuState {
         // Dense attention reads every token as the "tail".
         let (mut keep, mut ratio_used, mut tail_start) = (0usize, 1usize, 0usize);
         if let (Some(ix), Some(q)) = (&w.indexer, &cfg.qsa) {
-            rec.matvec(&ix.k_proj, set, MatvecPush { x_off: l.input, y_off: l.ik, ..Default::default() });
             let n_complete = n_tokens / ratio;
-            if n_complete > 0 {
-                rec.matvec(&ix.q_proj, set, MatvecPush { x_off: l.input, y_off: l.iq, ..Default::default() });
-            }
             let index = QsaIndexPush {
                 key_off: l.ik,
                 query_off: l.iq,
