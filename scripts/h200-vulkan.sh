@@ -18,7 +18,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 prepare() {
-    grep -qx '/.vk/' .git/info/exclude 2>/dev/null || echo /.vk/ >> "$(git rev-parse --git-path info/exclude)"
+    local exclude
+    exclude=$(git rev-parse --git-path info/exclude)
+    mkdir -p "$(dirname "$exclude")"
+    grep -qx '/.vk/' "$exclude" 2>/dev/null || echo /.vk/ >> "$exclude"
     mkdir -p .vk/bin .vk/debs
     cargo build --release --example vulkan_bench
     cp target/release/examples/vulkan_bench .vk/bin/

@@ -6,6 +6,8 @@
 // set 0, binding 1: this layer's recurrent state / caches (a dummy elsewhere)
 // set 0, binding 2: the model's small f32 parameters (norms, conv taps, ...)
 
+#extension GL_KHR_shader_subgroup_arithmetic : require
+
 layout(local_size_x = WG) in;
 
 layout(set = 0, binding = 0) buffer Scratch { float s[]; };
@@ -17,32 +19,28 @@ float silu(float x) { return x * sigmoid(x); }
 // PyTorch's softplus (threshold 20).
 float softplus(float x) { return x > 20.0 ? x : log(1.0 + exp(x)); }
 
-shared float red[WG];
+// Workgroup reductions: subgroup arithmetic, then one slot per subgroup in
+// shared memory (subgroups are at least 4 wide, so WG/4 slots suffice).
+shared float red[WG / 4];
 
 // Sum of `v` over the workgroup; every invocation must call it.
 float wg_sum(float v) {
-    uint i = gl_LocalInvocationIndex;
-    red[i] = v;
+    float p = subgroupAdd(v);
+    if (subgroupElect()) red[gl_SubgroupID] = p;
     barrier();
-    for (uint o = WG / 2; o > 0; o >>= 1) {
-        if (i < o) red[i] += red[i + o];
-        barrier();
-    }
-    float r = red[0];
+    float r = 0.0;
+    for (uint i = 0u; i < gl_NumSubgroups; i++) r += red[i];
     barrier();
     return r;
 }
 
 // Maximum of `v` over the workgroup; every invocation must call it.
 float wg_max(float v) {
-    uint i = gl_LocalInvocationIndex;
-    red[i] = v;
+    float p = subgroupMax(v);
+    if (subgroupElect()) red[gl_SubgroupID] = p;
     barrier();
-    for (uint o = WG / 2; o > 0; o >>= 1) {
-        if (i < o) red[i] = max(red[i], red[i + o]);
-        barrier();
-    }
     float r = red[0];
+    for (uint i = 1u; i < gl_NumSubgroups; i++) r = max(r, red[i]);
     barrier();
     return r;
 }

@@ -167,6 +167,16 @@ impl Context {
         if features.shader_storage_buffer_array_dynamic_indexing == vk::FALSE {
             return Err(Error::Backend(format!("Vulkan device {name} lacks shaderStorageBufferArrayDynamicIndexing")));
         }
+        let mut subgroup = vk::PhysicalDeviceSubgroupProperties::default();
+        let mut props2 = vk::PhysicalDeviceProperties2::default().push_next(&mut subgroup);
+        unsafe { instance.get_physical_device_properties2(physical, &mut props2) };
+        let needed = vk::SubgroupFeatureFlags::BASIC | vk::SubgroupFeatureFlags::ARITHMETIC;
+        if !subgroup.supported_operations.contains(needed)
+            || !subgroup.supported_stages.contains(vk::ShaderStageFlags::COMPUTE)
+            || subgroup.subgroup_size < 4
+        {
+            return Err(Error::Backend(format!("Vulkan device {name} lacks subgroup arithmetic in compute shaders")));
+        }
         let enabled = vk::PhysicalDeviceFeatures::default().shader_storage_buffer_array_dynamic_indexing(true);
         let priorities = [1.0f32];
         let queues = [vk::DeviceQueueCreateInfo::default().queue_family_index(queue_family).queue_priorities(&priorities)];
