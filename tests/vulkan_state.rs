@@ -1,11 +1,12 @@
 //! The Vulkan backend's plumbing, one test run in sequence (it sets
 //! process-wide environment variables): matrices and expert slabs split to
 //! fit small bindings, checkpoints/rollback/copies/snapshots of GPU states
-//! (also moved between the GPU and the CPU), the VRAM budget, and the
-//! environment overrides. Validation errors fail it.
+//! (also moved between the GPU and the CPU), the VRAM budget, the
+//! environment overrides and the C ABI's statuses. Validation errors fail it.
 
 mod vulkan_util;
 
+use flashnext::capi::*;
 use flashnext::convert::OutType;
 use flashnext::model::{Backend, LoadOptions, Model, State};
 use std::path::Path;
@@ -59,6 +60,34 @@ fn split_and_copies(path: &Path, gpu_model: std::sync::Arc<Model>) {
     assert!(rel_err(&logits(&gpu), &logits(&cpu)) <= 1e-4, "decode_tokens after a rollback");
 }
 
+/// `fnx_load` with `FNX_BACKEND_VULKAN`: decodes, and reports a missing
+/// device and an exhausted budget with their statuses.
+fn c_abi_statuses(path: &Path) {
+    let c_path = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+    let load = |device_index: i32, vram_budget_mb: u64| {
+        let mut p = fnx_load_params_default();
+        p.backend = FNX_BACKEND_VULKAN;
+        p.device_index = device_index;
+        p.vram_budget_mb = vram_budget_mb;
+        let mut model: *mut fnx_model = std::ptr::null_mut();
+        // SAFETY: valid C string, params and out pointer.
+        let status = unsafe { fnx_load(c_path.as_ptr(), &p, &mut model) };
+        (status, model)
+    };
+    assert_eq!(load(99, 0).0, FNX_ERR_BACKEND_UNAVAILABLE);
+    assert_eq!(load(0, 1).0, FNX_ERR_OUT_OF_MEMORY);
+    let (status, model) = load(0, 0);
+    assert_eq!(status, FNX_OK);
+    let mut state: *mut fnx_state = std::ptr::null_mut();
+    // SAFETY: live handles from fnx_load / fnx_new_state, freed once.
+    unsafe {
+        assert_eq!(fnx_new_state(model, &mut state), FNX_OK);
+        assert_eq!(fnx_decode_token(state, 5), FNX_OK);
+        fnx_free_state(state);
+        fnx_free_model(model);
+    }
+}
+
 #[test]
 fn split_copies_budget_and_overrides() {
     // 40000-byte bindings: two matrices split, the experts take 16 slabs.
@@ -97,6 +126,7 @@ fn split_copies_budget_and_overrides() {
     for v in ["FNX_VRAM_BUDGET_MB", "FNX_BACKEND", "FNX_DEVICE"] {
         std::env::remove_var(v);
     }
+    c_abi_statuses(&path);
     assert_eq!(flashnext::vulkan::validation_errors(), 0, "Vulkan validation errors (printed above)");
     std::fs::remove_dir_all(path.parent().unwrap()).ok();
 }
