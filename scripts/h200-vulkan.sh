@@ -4,7 +4,7 @@
 #
 #   On the build machine, from the repo root:
 #     bash scripts/h200-vulkan.sh prepare
-#   builds the release test binary and the benchmark into .vk/bin and
+#   builds the release Vulkan test binaries and the benchmark into .vk/bin and
 #   downloads the loader and validation-layer .debs into .vk/debs
 #   (.vk is excluded from git). Carry `.vk` with the checkout.
 #
@@ -16,6 +16,7 @@
 #   and submits per token). Results are also written to $OUT when set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+TESTS="vulkan_decode vulkan_state vulkan_shapes"
 
 prepare() {
     local exclude
@@ -25,10 +26,12 @@ prepare() {
     mkdir -p .vk/bin .vk/debs
     cargo build --release --example vulkan_bench
     cp target/release/examples/vulkan_bench .vk/bin/
-    local test_bin
-    test_bin=$(cargo test --release --test vulkan_decode --no-run --message-format=json 2>/dev/null \
-        | grep -o '"executable":"[^"]*vulkan_decode[^"]*"' | tail -1 | cut -d'"' -f4)
-    cp "$test_bin" .vk/bin/vulkan_decode
+    local t bin
+    for t in $TESTS; do
+        bin=$(cargo test --release --test "$t" --no-run --message-format=json 2>/dev/null \
+            | grep -o "\"executable\":\"[^\"]*$t[^\"]*\"" | tail -1 | cut -d'"' -f4)
+        cp "$bin" ".vk/bin/$t"
+    done
     local lists
     lists=$(mktemp -d)
     mkdir -p "$lists/partial"
@@ -37,7 +40,10 @@ prepare() {
     apt-get $o update -qq
     # shellcheck disable=SC2086
     (cd .vk/debs && apt-get $o download libvulkan1 vulkan-validationlayers)
+    # The device tool carries at most 64 MiB with the checkout.
+    strip --strip-debug .vk/bin/*
     ls -la .vk/bin .vk/debs
+    du -sh .vk
 }
 
 run() {
@@ -47,7 +53,11 @@ run() {
     ldconfig
     export VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json}
     export FNX_REQUIRE_VULKAN=1 FNX_REPO_DIR=$PWD
-    .vk/bin/vulkan_decode --test-threads=1 --nocapture 2>&1 | tee "$out/vulkan-tests.txt"
+    : > "$out/vulkan-tests.txt"
+    local t
+    for t in $TESTS; do
+        ".vk/bin/$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/vulkan-tests.txt"
+    done
     .vk/bin/vulkan_bench "$model" "$tokens" | tee "$out/vulkan-bench.json"
 }
 
