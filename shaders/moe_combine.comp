@@ -1,6 +1,7 @@
 #version 450
 // MoE output and residual write-back, one workgroup:
-// out = sum_k w_k y_k + sigmoid(shared_gate . x) * shared; X_c += inject_c * out.
+// out = sum_k w_k y_k (+ sigmoid(shared_gate . x) * shared when the shared
+// expert ran outside the arena); X_c += inject_c * out.
 #define WG 256
 #include "common.glsl"
 
@@ -15,17 +16,19 @@ layout(push_constant) uniform Push {
     uint h;
     uint k;
     uint streams;
+    uint shared_separate;
 } pc;
 
 void main() {
     uint t = gl_LocalInvocationIndex, h = pc.h;
     float g = 0.0;
-    for (uint i = t; i < h; i += WG) g += prm[pc.shared_gate + i] * s[pc.x_off + i];
+    if (pc.shared_separate == 1u)
+        for (uint i = t; i < h; i += WG) g += prm[pc.shared_gate + i] * s[pc.x_off + i];
     float sg = sigmoid(wg_sum(g));
     for (uint d = t; d < h; d += WG) {
         float out_d = 0.0;
         for (uint e = 0u; e < pc.k; e++) out_d += s[pc.y_off + e * h + d] * s[pc.w_off + e];
-        out_d += sg * s[pc.shared_off + d];
+        if (pc.shared_separate == 1u) out_d += sg * s[pc.shared_off + d];
         for (uint c = 0u; c < pc.streams; c++) s[pc.res_off + c * h + d] += s[pc.inject_off + c] * out_d;
     }
 }

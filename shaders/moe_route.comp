@@ -1,7 +1,9 @@
 #version 450
 // MoE router after its matvec, one workgroup: softmax over the expert
 // logits (in place), top-k by probability (ties to the lower expert id),
-// weights renormalised over the chosen k. Writes ids (as float bits) and weights.
+// weights renormalised over the chosen k. Writes ids (as float bits) and
+// weights. With `shared_in_arena` the shared expert follows as expert k:
+// id n_experts (its slot-table entry), weight sigmoid(shared_gate . x).
 #define WG 256
 #define MAX_K 64
 #include "common.glsl"
@@ -12,6 +14,10 @@ layout(push_constant) uniform Push {
     uint w_off;
     uint n_experts;
     uint k;
+    uint shared_in_arena;
+    uint x_off;        // [h] MoE input
+    uint shared_gate;  // params [h]
+    uint h;
 } pc;
 
 shared float best_v[WG];
@@ -57,6 +63,15 @@ void main() {
         barrier();
         if (win % WG == t) s[l + win] = -1.0;  // taken; only its owner reads it again
         barrier();
+    }
+    if (pc.shared_in_arena == 1u) {
+        float g = 0.0;
+        for (uint i = t; i < pc.h; i += WG) g += prm[pc.shared_gate + i] * s[pc.x_off + i];
+        g = wg_sum(g);
+        if (t == 0u) {
+            s[pc.ids_off + pc.k] = uintBitsToFloat(pc.n_experts);
+            s[pc.w_off + pc.k] = sigmoid(g);
+        }
     }
     if (t != 0u) return;
     float total = 0.0;

@@ -65,13 +65,19 @@ pub(crate) enum GpuMixer {
     Attention(GpuAttention),
 }
 
+/// A shared expert kept outside the arena (its shape differs from the routed experts').
+pub(crate) struct SharedExpert {
+    /// Gate rows then up rows: [2*Fs, H]
+    pub gate_up: GpuMatrix,
+    pub down: GpuMatrix,
+}
+
 pub(crate) struct GpuMoe {
     pub router: GpuMatrix,
-    /// Shared expert gate rows then up rows: [2*Fs, H]
-    pub shared_gate_up: GpuMatrix,
-    pub shared_down: GpuMatrix,
+    /// `None` when the shared expert lives in the arena.
+    pub shared: Option<SharedExpert>,
     pub shared_gate: u32,
-    /// Params offset of this layer's slot table: [E]
+    /// Params offset of this layer's slot table: [E] or [E + 1]
     pub slot_table: u32,
 }
 
@@ -207,16 +213,24 @@ impl GpuModel {
                     conv: up.params.add(&p.conv),
                 }),
             };
+            let per_layer = slot_table.len() / w.layers.len();
             let table: Vec<f32> =
-                slot_table[l * cfg.n_experts..(l + 1) * cfg.n_experts].iter().map(|&s| f32::from_bits(s)).collect();
+                slot_table[l * per_layer..(l + 1) * per_layer].iter().map(|&s| f32::from_bits(s)).collect();
+            let shared = if arena.shared_in_arena {
+                None
+            } else {
+                Some(SharedExpert {
+                    gate_up: up.matrix(&[&moe.shared_gate_proj, &moe.shared_up])?,
+                    down: up.matrix(&[&moe.shared_down])?,
+                })
+            };
             layers.push(GpuLayer {
                 attn_hc: up.hyper(&layer.attn_hc)?,
                 ffn_hc: up.hyper(&layer.ffn_hc)?,
                 mixer: up.mixer(&layer.mixer)?,
                 moe: GpuMoe {
                     router: up.matrix(&[&moe.router])?,
-                    shared_gate_up: up.matrix(&[&moe.shared_gate_proj, &moe.shared_up])?,
-                    shared_down: up.matrix(&[&moe.shared_down])?,
+                    shared,
                     shared_gate: up.params.add(&moe.shared_gate),
                     slot_table: up.params.add(&table),
                 },

@@ -83,10 +83,11 @@ push_block!(/// shaders/attention.comp
 AttentionPush { q_off: u32, qg_off: u32, keys_off: u32, values_off: u32, sel_off: u32, tmp_off: u32, tmp_stride: u32,
     y_off: u32, keep: u32, ratio: u32, tail_start: u32, n_tail: u32, hd: u32, nh: u32, nkv: u32, scale: f32 });
 push_block!(/// shaders/moe_route.comp
-MoeRoutePush { logits_off: u32, ids_off: u32, w_off: u32, n_experts: u32, k: u32 });
+MoeRoutePush { logits_off: u32, ids_off: u32, w_off: u32, n_experts: u32, k: u32, shared_in_arena: u32, x_off: u32,
+    shared_gate: u32, h: u32 });
 push_block!(/// shaders/moe_combine.comp
 MoeCombinePush { y_off: u32, w_off: u32, shared_off: u32, x_off: u32, shared_gate: u32, res_off: u32, inject_off: u32,
-    h: u32, k: u32, streams: u32 });
+    h: u32, k: u32, streams: u32, shared_separate: u32 });
 
 /// Largest `k` moe_route.comp handles (`MAX_K`).
 pub(crate) const MAX_TOP_K: usize = 64;

@@ -111,10 +111,12 @@ impl ScratchLayout {
         l.att_tmp = next(cfg.n_heads * n_ctx);
         l.att_out = next(nh);
         l.router = next(cfg.n_experts);
-        l.ids = next(cfg.n_experts_used);
-        l.weights = next(cfg.n_experts_used);
-        l.exp_h = next(cfg.n_experts_used * cfg.expert_ff);
-        l.exp_y = next(cfg.n_experts_used * h);
+        // The chosen experts, and the shared one when it runs in the arena.
+        let k = cfg.n_experts_used + 1;
+        l.ids = next(k);
+        l.weights = next(k);
+        l.exp_h = next(k * cfg.expert_ff);
+        l.exp_y = next(k * h);
         l.sh_h = next(cfg.shared_ff);
         l.sh_y = next(h);
         l.logits = next(cfg.vocab);
@@ -523,10 +525,20 @@ impl GpuState {
         let w = &g.layers[layer].moe;
         let (h, f, k) = (cfg.hidden, cfg.expert_ff, cfg.n_experts_used);
         rec.matvec(&w.router, set, MatvecPush { x_off: l.input, y_off: l.router, ..Default::default() });
-        let route =
-            MoeRoutePush { logits_off: l.router, ids_off: l.ids, w_off: l.weights, n_experts: cfg.n_experts as u32, k: k as u32 };
-        rec.dispatch(Pipe::MoeRoute, &[set], &route, [1, 1, 1]);
         let ar = &g.arena;
+        let route = MoeRoutePush {
+            logits_off: l.router,
+            ids_off: l.ids,
+            w_off: l.weights,
+            n_experts: cfg.n_experts as u32,
+            k: k as u32,
+            shared_in_arena: ar.shared_in_arena as u32,
+            x_off: l.input,
+            shared_gate: w.shared_gate,
+            h: h as u32,
+        };
+        rec.dispatch(Pipe::MoeRoute, &[set], &route, [1, 1, 1]);
+        let experts = k + ar.shared_in_arena as usize;
         let gate_pipe = Pipe::matvec(ar.gate_ty, true).expect("arena types checked at load");
         let down_pipe = Pipe::matvec(ar.down_ty, true).expect("arena types checked at load");
         let base = MatvecPush {
@@ -548,7 +560,7 @@ impl GpuState {
             ..base
         };
         let sets = [set, ar.set];
-        rec.expert_matvec(gate_pipe, sets, gate_up, k, (k * 2 * f * ar.gate_row_bytes) as u64);
+        rec.expert_matvec(gate_pipe, sets, gate_up, experts, (experts * 2 * f * ar.gate_row_bytes) as u64);
         let down = MatvecPush {
             rows: h as u32,
             cols: f as u32,
@@ -560,9 +572,11 @@ impl GpuState {
             part_off: (2 * f * ar.gate_row_bytes) as u32,
             ..base
         };
-        rec.expert_matvec(down_pipe, sets, down, k, (k * h * ar.down_row_bytes) as u64);
-        rec.matvec(&w.shared_gate_up, set, MatvecPush { x_off: l.input, y_off: l.sh_h, mode: 4, ..Default::default() });
-        rec.matvec(&w.shared_down, set, MatvecPush { x_off: l.sh_h, y_off: l.sh_y, ..Default::default() });
+        rec.expert_matvec(down_pipe, sets, down, experts, (experts * h * ar.down_row_bytes) as u64);
+        if let Some(sh) = &w.shared {
+            rec.matvec(&sh.gate_up, set, MatvecPush { x_off: l.input, y_off: l.sh_h, mode: 4, ..Default::default() });
+            rec.matvec(&sh.down, set, MatvecPush { x_off: l.sh_h, y_off: l.sh_y, ..Default::default() });
+        }
         let combine = MoeCombinePush {
             y_off: l.exp_y,
             w_off: l.weights,
@@ -572,8 +586,9 @@ impl GpuState {
             res_off: l.residual,
             inject_off: l.inject,
             h: h as u32,
-            k: k as u32,
+            k: experts as u32,
             streams: cfg.hc as u32,
+            shared_separate: w.shared.is_some() as u32,
         };
         rec.dispatch(Pipe::MoeCombine, &[set], &combine, [1, 1, 1]);
     }
