@@ -18,22 +18,34 @@ mod vulkan_util;
 
 use flashnext::convert::OutType;
 use flashnext::model::{Backend, LoadOptions, Model, State};
-use serde::Deserialize;
+use std::path::Path;
 use vulkan_util::{converted, fixture_dir, load_gpu, read_f32, rel_err};
 
-#[derive(Deserialize)]
-struct Manifest {
-    vocab_size: usize,
-    sequences: Vec<Sequence>,
-}
-
-#[derive(Deserialize)]
+/// One reference sequence of a fixture's `expected/manifest.json`.
 struct Sequence {
     name: String,
     tokens: Vec<u32>,
-    logits_file: String,
-    #[serde(default)]
-    tie_positions: Vec<usize>,
+    /// Expected logits: [tokens][vocab]
+    logits: Vec<f32>,
+    /// Positions from the first QSA tie on are not compared (see tests/reference.rs).
+    first_tie: usize,
+}
+
+/// The fixture's vocabulary size and sequences.
+fn sequences(dir: &Path) -> (usize, Vec<Sequence>) {
+    let m: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("expected/manifest.json")).unwrap()).unwrap();
+    let seqs = m["sequences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| Sequence {
+            name: q["name"].as_str().unwrap().to_string(),
+            tokens: q["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect(),
+            logits: read_f32(&dir.join("expected").join(q["logits_file"].as_str().unwrap())),
+            first_tie: q["tie_positions"].as_array().and_then(|t| t.iter().filter_map(|p| p.as_u64()).min()).map_or(usize::MAX, |p| p as usize),
+        })
+        .collect();
+    (m["vocab_size"].as_u64().unwrap() as usize, seqs)
 }
 
 #[derive(Default, Debug)]
@@ -58,13 +70,11 @@ fn compare(fixture: &str, ty: OutType) -> Option<Errors> {
     let gpu_model = load_gpu(&path)?;
     let cpu_model = Model::load(&path, &LoadOptions { backend: Backend::Cpu, ..Default::default() }).unwrap();
     let dir = fixture_dir(fixture);
-    let manifest: Manifest = serde_json::from_slice(&std::fs::read(dir.join("expected/manifest.json")).unwrap()).unwrap();
+    let (v, seqs) = sequences(&dir);
     let (mut gpu, mut cpu) = (State::new(gpu_model.clone()).unwrap(), State::new(cpu_model).unwrap());
     let mut errors = Errors::default();
-    let v = manifest.vocab_size;
-    for seq in &manifest.sequences {
-        let expected = read_f32(&dir.join("expected").join(&seq.logits_file));
-        let first_tie = seq.tie_positions.iter().copied().min().unwrap_or(usize::MAX);
+    for seq in &seqs {
+        let (expected, first_tie) = (&seq.logits, seq.first_tie);
         gpu.reset();
         cpu.reset();
         for (pos, &tok) in seq.tokens.iter().enumerate().take_while(|(p, _)| *p < first_tie) {
