@@ -32,6 +32,8 @@ mod model;
 mod pipelines;
 mod record;
 mod state;
+#[cfg(test)]
+mod twins;
 
 pub use device::{validation_errors, DeviceChoice};
 pub use model::GpuModel;
