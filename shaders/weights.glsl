@@ -6,12 +6,19 @@
 // As many slabs as the device lets one stage bind (set at pipeline creation).
 layout(constant_id = 0) const uint MAX_SLABS = 16;
 layout(set = 1, binding = 0) readonly buffer Slab { uint w[]; } slabs[MAX_SLABS];
+layout(set = 1, binding = 0) readonly buffer Slab4 { uvec4 w[]; } slabs4[MAX_SLABS];
 uint g_slab;
 #define WORD(i) slabs[g_slab].w[i]
+#define WORD4(i) slabs4[g_slab].w[i]
 #else
+// The same buffer as words and as 16-byte vectors (for aligned rows).
 layout(set = 1, binding = 0) readonly buffer Weight { uint w[]; } weight;
+layout(set = 1, binding = 0) readonly buffer Weight4 { uvec4 w[]; } weight4;
 #define WORD(i) weight.w[i]
+#define WORD4(i) weight4.w[i]
 #endif
+
+vec4 x4(uint i) { return vec4(s[i], s[i + 1u], s[i + 2u], s[i + 3u]); }
 
 #ifdef WEIGHT_Q8_0
 // Four bytes at any byte address (buffers are padded to whole words).
@@ -28,9 +35,27 @@ float row_dot(uint row_byte, uint x, uint cols) {
     uint t = gl_LocalInvocationIndex;
 #if defined(WEIGHT_F32)
     uint base = row_byte >> 2;
+    if ((row_byte & 15u) == 0u && (cols & 3u) == 0u) {
+        for (uint i = t; i < cols / 4u; i += WG) acc += dot(uintBitsToFloat(WORD4((row_byte >> 4) + i)), x4(x + 4u * i));
+        return acc;
+    }
     for (uint i = t; i < cols; i += WG) acc += uintBitsToFloat(WORD(base + i)) * s[x + i];
 #elif defined(WEIGHT_F16) || defined(WEIGHT_BF16)
     uint base = row_byte >> 2;
+    if ((row_byte & 15u) == 0u && (cols & 7u) == 0u) {
+        for (uint i = t; i < cols / 8u; i += WG) {
+            uvec4 u = WORD4((row_byte >> 4) + i);
+#ifdef WEIGHT_F16
+            vec4 lo = vec4(unpackHalf2x16(u.x), unpackHalf2x16(u.y));
+            vec4 hi = vec4(unpackHalf2x16(u.z), unpackHalf2x16(u.w));
+#else
+            vec4 lo = uintBitsToFloat(uvec4(u.x << 16, u.x & 0xffff0000u, u.y << 16, u.y & 0xffff0000u));
+            vec4 hi = uintBitsToFloat(uvec4(u.z << 16, u.z & 0xffff0000u, u.w << 16, u.w & 0xffff0000u));
+#endif
+            acc += dot(lo, x4(x + 8u * i)) + dot(hi, x4(x + 8u * i + 4u));
+        }
+        return acc;
+    }
     for (uint p = t; p < cols / 2u; p += WG) {
         uint u = WORD(base + p);
 #ifdef WEIGHT_F16

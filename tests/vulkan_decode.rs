@@ -5,9 +5,10 @@
 //! validation message fails the test.
 //!
 //! Bounds (error = max|delta| / max|ref| per position):
-//! - GPU vs CPU, same file: 1e-4 at every position for every type
-//!   (measured at most 3.2e-5: only summation order and the GPU's exp
-//!   differ; no expert or QSA choice flipped on these fixtures).
+//! - GPU vs CPU, same file: 2e-4 at every position for every type
+//!   (measured at most 6.2e-5 on lavapipe: only summation order, which
+//!   depends on the device's subgroup width, and the GPU's exp differ; no
+//!   expert or QSA choice flipped on these fixtures).
 //! - GPU vs transformers: F32 1e-4 at every position, as the CPU; F16, BF16
 //!   and Q8_0 the CPU's median / max bounds of tests/reference.rs.
 //!
@@ -104,7 +105,7 @@ fn compare(fixture: &str, ty: OutType) -> Option<Errors> {
     Some(errors)
 }
 
-const GPU_VS_CPU: f32 = 1e-4;
+const GPU_VS_CPU: f32 = 2e-4;
 
 const FIXTURES: [&str; 3] = ["tiny_flat", "tiny_native", "tiny_nested"];
 
