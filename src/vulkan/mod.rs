@@ -19,6 +19,11 @@
 //! top-k on the GPU, expert matvecs reading the chosen ids from GPU memory),
 //! the output mixer and the LM head.
 //!
+//! Snapshots, checkpoints and copies of a GPU state read its buffers back
+//! (snapshots in the CPU layout, so they move between backends).
+//! [`TokenStats`] counts each token's dispatches, barriers, submissions and
+//! weight bytes.
+//!
 //! Limits today: attention caches are reserved for `n_ctx` positions at
 //! state creation (one layer's caches must fit one binding); the QSA top-k
 //! is quadratic in the number of blocks; every routed expert must be
