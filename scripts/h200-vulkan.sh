@@ -6,7 +6,8 @@
 #     bash scripts/h200-vulkan.sh prepare
 #   builds the release Vulkan test binaries and the benchmark into .vk/bin and
 #   downloads the loader and validation-layer .debs into .vk/debs
-#   (.vk is excluded from git). Carry `.vk` with the checkout.
+#   (.vk is excluded from git). Carry `.vk` with the checkout (it prints
+#   its size: tree + .vk must stay under 64 MiB; TESTS="..." picks fewer).
 #
 #   On the GPU machine, from the repo root:
 #     bash scripts/h200-vulkan.sh run MODEL.gguf [TOKENS]
@@ -16,7 +17,7 @@
 #   and submits per token). Results are also written to $OUT when set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-TESTS="vulkan_decode vulkan_state vulkan_shapes"
+TESTS=${TESTS:-"vulkan_decode vulkan_state vulkan_shapes"}
 
 prepare() {
     local exclude
