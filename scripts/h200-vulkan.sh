@@ -55,11 +55,12 @@ run() {
     export VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json}
     export FNX_REQUIRE_VULKAN=1 FNX_REPO_DIR=$PWD
     : > "$out/vulkan-tests.txt"
-    local t
+    local t failed=0
     for t in $TESTS; do
-        ".vk/bin/$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/vulkan-tests.txt"
+        ".vk/bin/$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/vulkan-tests.txt" || failed=1
     done
     .vk/bin/vulkan_bench "$model" "$tokens" | tee "$out/vulkan-bench.json"
+    [ "$failed" = 0 ] || { echo "some Vulkan tests failed (see $out/vulkan-tests.txt)" >&2; exit 1; }
 }
 
 case "${1:-}" in
