@@ -24,6 +24,7 @@ pub fn run(
     warmup: usize,
     threads: usize,
     json: Option<PathBuf>,
+    device_gbs: Option<f64>,
 ) -> flashnext::Result<()> {
     let opts = BenchOptions {
         model,
@@ -32,6 +33,7 @@ pub fn run(
         gen,
         warmup,
         threads,
+        device_bandwidth_gbs: device_gbs,
     };
     let report = bench::run(&opts)?;
     println!("{}", report.summary());

@@ -25,5 +25,7 @@ pub mod tokenizer;
 pub mod synth;
 /// cbindgen:ignore
 pub mod bench;
+/// cbindgen:ignore
+pub mod vulkan;
 
 pub use error::{Error, Result};

@@ -164,6 +164,10 @@ enum Command {
         /// Also write the report as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// The GPU's streaming read bandwidth in GB/s, the bound on a GPU
+        /// backend (default: an H200's 4400, measured through Vulkan).
+        #[arg(long)]
+        device_gbs: Option<f64>,
     },
 }
 
@@ -190,8 +194,8 @@ fn main() -> ExitCode {
             let opts = flashnext::synth::SynthOptions { layers, out_type, tensor_types, ple_rows, seed, dims: Default::default() };
             synth_cmd::run(out, opts, &dims, quiet)
         }
-        Command::Bench { model, backend, prompt, gen, warmup, threads, json } => {
-            bench_cmd::run(model, &backend, prompt, gen, warmup, threads, json)
+        Command::Bench { model, backend, prompt, gen, warmup, threads, json, device_gbs } => {
+            bench_cmd::run(model, &backend, prompt, gen, warmup, threads, json, device_gbs)
         }
     };
     match result {

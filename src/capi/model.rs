@@ -1,10 +1,10 @@
 //! `fnx_model`: loading a GGUF file and the facts a caller needs about it.
 
 use super::{
-    fail, guard, non_null, fnx_status, Failure, FNX_ERR_BACKEND_UNAVAILABLE, FNX_ERR_CANCELLED, FNX_ERR_INVALID_ARGUMENT,
+    fail, guard, non_null, fnx_status, Failure, FNX_ERR_CANCELLED, FNX_ERR_INVALID_ARGUMENT,
     FNX_ERR_INVALID_HANDLE,
 };
-use crate::model::{LayerKind, LoadOptions, Model};
+use crate::model::{Backend, LayerKind, LoadOptions, Model};
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -155,23 +155,13 @@ unsafe fn read_params(params: *const fnx_load_params) -> Result<fnx_load_params,
     Ok(p)
 }
 
-fn backend_choice(params: &fnx_load_params) -> Result<i32, Failure> {
-    // The environment wins over the params so any program can be switched without a rebuild.
-    let backend = match std::env::var("FNX_BACKEND").ok().as_deref() {
-        None | Some("") => params.backend,
-        Some("auto") => FNX_BACKEND_AUTO,
-        Some("cpu") => FNX_BACKEND_CPU,
-        Some("vulkan") => FNX_BACKEND_VULKAN,
-        Some(other) => {
-            return Err(fail(FNX_ERR_INVALID_ARGUMENT, format!("FNX_BACKEND={other:?}: expected auto, cpu or vulkan")))
-        }
-    };
-    match backend {
-        FNX_BACKEND_AUTO | FNX_BACKEND_CPU => Ok(FNX_BACKEND_CPU),
-        FNX_BACKEND_VULKAN => Err(fail(
-            FNX_ERR_BACKEND_UNAVAILABLE,
-            "the Vulkan backend is not part of this build; use FNX_BACKEND_CPU or FNX_BACKEND_AUTO",
-        )),
+/// The backend the params ask for (`Model::load` applies the environment's
+/// `FNX_BACKEND`, `FNX_DEVICE` and `FNX_VRAM_BUDGET_MB`, which win).
+fn backend_choice(params: &fnx_load_params) -> Result<Backend, Failure> {
+    match params.backend {
+        FNX_BACKEND_AUTO => Ok(Backend::Auto),
+        FNX_BACKEND_CPU => Ok(Backend::Cpu),
+        FNX_BACKEND_VULKAN => Ok(Backend::Vulkan),
         other => Err(fail(FNX_ERR_INVALID_ARGUMENT, format!("fnx_load: unknown backend {other}"))),
     }
 }
@@ -197,7 +187,9 @@ pub unsafe extern "C" fn fnx_load(
             non_null!(out_model, "fnx_load", "out_model");
             // SAFETY: non-NULL, and the caller promises a valid struct.
             let p = if params.is_null() { fnx_load_params_default() } else { unsafe { read_params(params) }? };
-            backend_choice(&p)?;
+            let backend = backend_choice(&p)?;
+            let device_index = usize::try_from(p.device_index)
+                .map_err(|_| fail(FNX_ERR_INVALID_ARGUMENT, format!("fnx_load: device_index {} is negative", p.device_index)))?;
             // SAFETY: non-NULL and NUL-terminated per the contract.
             let path = unsafe { CStr::from_ptr(path) }
                 .to_str()
@@ -215,7 +207,14 @@ pub unsafe extern "C" fn fnx_load(
                 };
                 Arc::new(wrapped) as crate::model::ProgressFn
             });
-            let opts = LoadOptions { n_ctx: p.n_ctx as usize, n_threads: p.n_threads as usize, progress, ..Default::default() };
+            let opts = LoadOptions {
+                n_ctx: p.n_ctx as usize,
+                n_threads: p.n_threads as usize,
+                progress,
+                backend,
+                device_index,
+                vram_budget_mb: p.vram_budget_mb,
+            };
             let start = std::time::Instant::now();
             let model = match Model::load(Path::new(path), &opts) {
                 Ok(m) => m,

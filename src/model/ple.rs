@@ -58,13 +58,19 @@ pub fn hash_rows(p: &PleConfig, history: &[u32], token: u32) -> Vec<u64> {
     rows
 }
 
+/// The table rows of every head for `token`, concatenated: [H].
+pub fn gather_rows(table: &Tensor, p: &PleConfig, hidden: usize, history: &[u32], token: u32) -> Vec<f32> {
+    let mut e = vec![0f32; hidden];
+    for (row, dst) in hash_rows(p, history, token).into_iter().zip(e.chunks_mut(p.row_dim)) {
+        table.dequantize_row(row as usize, dst);
+    }
+    e
+}
+
 pub fn forward(w: &Ple, table: &Tensor, p: &PleConfig, cfg: &Config, st: &mut PleState, residual: &mut [f32], token: u32) {
     let (h, c) = (cfg.hidden, cfg.hc);
     let ch = h * c;
-    let mut e = vec![0f32; h];
-    for (row, dst) in hash_rows(p, &st.tokens, token).into_iter().zip(e.chunks_mut(p.row_dim)) {
-        table.dequantize_row(row as usize, dst);
-    }
+    let e = gather_rows(table, p, h, &st.tokens, token);
     let mut key = vec![0f32; ch];
     w.key.matvec(&e, &mut key);
     let mut kn = vec![0f32; ch];

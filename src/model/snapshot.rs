@@ -331,6 +331,9 @@ fn buf_len(n: usize) -> usize {
 impl State {
     /// Exact length of [`State::save`]'s output.
     pub fn save_size(&self) -> usize {
+        if let Ok(Some(host)) = self.host_copy() {
+            return host.save_size();
+        }
         let mut n = HEADER_LEN + TRAILER_LEN;
         for l in &self.layers {
             n += 4;
@@ -361,6 +364,10 @@ impl State {
     /// Writes the snapshot into the front of `out` and returns its length,
     /// or `None` (nothing written) when `out` is shorter than [`State::save_size`].
     pub fn save_into(&self, out: &mut [u8]) -> Option<usize> {
+        // A GPU state is read back into the CPU layout (None if that fails).
+        if self.gpu.is_some() {
+            return self.host_copy().ok().flatten()?.save_into(out);
+        }
         let size = self.save_size();
         if out.len() < size {
             return None;
@@ -406,11 +413,7 @@ impl State {
     /// from a state of the same model. On any error the state is unchanged.
     pub fn restore(&mut self, bytes: &[u8]) -> std::result::Result<(), SnapshotError> {
         let parsed = parse(&self.model, bytes)?;
-        self.pos = parsed.pos;
-        self.layers = parsed.layers;
-        self.ple = parsed.ple;
-        self.logits = parsed.logits;
-        Ok(())
+        self.take_contents(parsed.pos, parsed.layers, parsed.ple, parsed.logits).map_err(|e| SnapshotError::OutOfMemory(format!("loading the snapshot onto the GPU: {e}")))
     }
 }
 

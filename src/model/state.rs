@@ -3,6 +3,11 @@
 //!
 //! A state belongs to one model and is used by one thread at a time; any
 //! number of states may decode in parallel against the same shared model.
+//!
+//! When the model was loaded for Vulkan the recurrent states and caches live
+//! on the GPU ([`crate::vulkan::GpuState`]) and `layers` stays empty; the
+//! host keeps the position, the PLE token history and the logits.
+//! Checkpoints, rollback and copies read and write the GPU buffers.
 
 use super::config::LayerKind;
 use super::gdn::GdnState;
@@ -18,7 +23,6 @@ pub(crate) enum LayerState {
     Attention(AttnState),
 }
 
-#[derive(Clone)]
 pub struct State {
     pub(crate) model: Arc<Model>,
     pub(crate) pos: usize,
@@ -26,6 +30,8 @@ pub struct State {
     pub(crate) ple: Option<PleState>,
     /// Logits of the last decoded token: [V]; empty before the first token.
     pub(crate) logits: Vec<f32>,
+    /// The GPU buffers, for models loaded for Vulkan.
+    pub(crate) gpu: Option<Box<crate::vulkan::GpuState>>,
 }
 
 /// A zeroed buffer of `n` floats, or an error instead of an allocation abort
@@ -43,8 +49,12 @@ impl State {
     /// An empty state; fails only when its recurrent buffers cannot be allocated.
     pub fn new(model: Arc<Model>) -> Result<Self> {
         let cfg = &model.config;
-        let layers = cfg
-            .layers
+        let gpu = match &model.gpu {
+            Some(_) => Some(Box::new(crate::vulkan::GpuState::new(&model)?)),
+            None => None,
+        };
+        let host_layers = if gpu.is_some() { &[][..] } else { &cfg.layers[..] };
+        let layers = host_layers
             .iter()
             .map(|k| {
                 Ok(match k {
@@ -54,7 +64,7 @@ impl State {
             })
             .collect::<Result<_>>()?;
         let ple = cfg.ple.as_ref().map(|p| PleState::new(cfg, p)).transpose()?;
-        Ok(State { model, pos: 0, layers, ple, logits: Vec::new() })
+        Ok(State { model, pos: 0, layers, ple, logits: Vec::new(), gpu })
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -71,8 +81,17 @@ impl State {
         (!self.logits.is_empty()).then_some(&self.logits[..])
     }
 
+    /// GPU work of the last decoded token, for states of a Vulkan model.
+    pub fn gpu_stats(&self) -> Option<crate::vulkan::TokenStats> {
+        self.gpu.as_ref().map(|g| g.stats())
+    }
+
     /// Forgets the sequence: zeroes the recurrent states, empties the caches.
     pub fn reset(&mut self) {
+        if let Some(g) = self.gpu.as_mut() {
+            // A failed fill leaves stale state that the next decode's error reports.
+            let _ = g.reset();
+        }
         for l in &mut self.layers {
             match l {
                 LayerState::Gdn(g) => {
@@ -115,7 +134,23 @@ impl State {
             }
         }
         let model = self.model.clone();
-        let logits = model.install(|| super::forward::token(&model, self, token));
+        let logits = match self.gpu.as_mut() {
+            Some(g) => {
+                let rows = match (&self.ple, model.config.ple.as_ref(), model.weights.ple_table.as_ref()) {
+                    (Some(ps), Some(pc), Some(table)) => {
+                        Some(super::ple::gather_rows(table, pc, model.config.hidden, &ps.tokens, token))
+                    }
+                    _ => None,
+                };
+                let logits = g.decode(&model, token, self.pos, rows.as_deref())?;
+                if let Some(ps) = self.ple.as_mut() {
+                    ps.tokens.remove(0);
+                    ps.tokens.push(token);
+                }
+                logits
+            }
+            None => model.install(|| super::forward::token(&model, self, token)),
+        };
         self.logits = logits;
         self.pos += 1;
         Ok(())
@@ -159,6 +194,55 @@ impl State {
         Ok(())
     }
 
+    /// For a GPU state: a host state with the same contents (the GPU buffers
+    /// read back into the CPU layout), for snapshots.
+    pub(crate) fn host_copy(&self) -> Result<Option<State>> {
+        let Some(g) = &self.gpu else { return Ok(None) };
+        let cfg = &self.model.config;
+        let (parts, ple_conv) = g.export(cfg, self.pos)?;
+        let layers = cfg
+            .layers
+            .iter()
+            .zip(parts)
+            .map(|(kind, mut p)| match kind {
+                LayerKind::Linear => {
+                    let recurrent = p.pop().unwrap_or_default();
+                    LayerState::Gdn(GdnState { conv: p.pop().unwrap_or_default(), recurrent })
+                }
+                LayerKind::Attention { .. } => {
+                    let mut next = || if p.is_empty() { Vec::new() } else { p.remove(0) };
+                    LayerState::Attention(AttnState { keys: next(), values: next(), index_keys: next(), block_keys: next() })
+                }
+            })
+            .collect();
+        let ple = match (&self.ple, ple_conv) {
+            (Some(p), Some(conv)) => Some(PleState { tokens: p.tokens.clone(), conv }),
+            _ => None,
+        };
+        Ok(Some(State { model: self.model.clone(), pos: self.pos, layers, ple, logits: self.logits.clone(), gpu: None }))
+    }
+
+    /// Moves the contents of a host-layout state (a parsed snapshot) into
+    /// this state: onto the GPU for GPU states.
+    pub(crate) fn take_contents(&mut self, pos: usize, layers: Vec<LayerState>, ple: Option<PleState>, logits: Vec<f32>) -> Result<()> {
+        if let Some(g) = self.gpu.as_mut() {
+            let parts: Vec<Vec<Vec<f32>>> = layers
+                .into_iter()
+                .map(|l| match l {
+                    LayerState::Gdn(s) => vec![s.conv, s.recurrent],
+                    LayerState::Attention(a) => vec![a.keys, a.values, a.index_keys, a.block_keys],
+                })
+                .collect();
+            g.import(&self.model.config, pos, &parts, ple.as_ref().map(|p| &p.conv[..]))?;
+        } else {
+            self.layers = layers;
+        }
+        self.pos = pos;
+        self.ple = ple;
+        self.logits = logits;
+        Ok(())
+    }
+
     /// A deep copy, or an out-of-memory error instead of an allocation abort.
     pub fn try_clone(&self) -> Result<State> {
         let layers = self
@@ -183,7 +267,15 @@ impl State {
             None => None,
             Some(p) => Some(PleState { tokens: p.tokens.clone(), conv: copy_of(&p.conv, "PLE conv history")? }),
         };
-        Ok(State { model: self.model.clone(), pos: self.pos, layers, ple, logits: copy_of(&self.logits, "logits")? })
+        let gpu = match &self.gpu {
+            None => None,
+            Some(g) => {
+                let mut copy = crate::vulkan::GpuState::new(&self.model)?;
+                copy.restore(&g.save()?)?;
+                Some(Box::new(copy))
+            }
+        };
+        Ok(State { model: self.model.clone(), pos: self.pos, layers, ple, logits: copy_of(&self.logits, "logits")?, gpu })
     }
 
     /// What [`State::rollback`] needs to undo any number of decode steps:
@@ -212,7 +304,10 @@ impl State {
             None => None,
             Some(p) => Some(PleState { tokens: p.tokens.clone(), conv: copy_of(&p.conv, "PLE checkpoint")? }),
         };
-        Ok(Checkpoint { pos: self.pos, logits: copy_of(&self.logits, "logits checkpoint")?, layers, ple })
+        // Attention caches past the position are overwritten later, so the
+        // GPU buffers' contents at the checkpoint suffice to undo.
+        let gpu = self.gpu.as_ref().map(|g| g.save()).transpose()?;
+        Ok(Checkpoint { pos: self.pos, logits: copy_of(&self.logits, "logits checkpoint")?, layers, ple, gpu })
     }
 
     /// Returns to `checkpoint`, taken from this state: everything decoded
@@ -230,6 +325,11 @@ impl State {
                 _ => unreachable!("a checkpoint is taken from the same state"),
             }
         }
+        if let (Some(g), Some(saved)) = (self.gpu.as_mut(), checkpoint.gpu) {
+            // Rollback cannot fail for host states; a failed GPU upload leaves
+            // this state unusable, which its next decode reports.
+            let _ = g.restore(&saved);
+        }
         self.ple = checkpoint.ple;
         self.logits = checkpoint.logits;
         self.pos = checkpoint.pos;
@@ -243,6 +343,8 @@ pub(crate) struct Checkpoint {
     logits: Vec<f32>,
     layers: Vec<LayerCheckpoint>,
     ple: Option<PleState>,
+    /// The GPU state buffers ([`crate::vulkan::GpuState::save`]).
+    gpu: Option<Vec<Vec<u8>>>,
 }
 
 enum LayerCheckpoint {

@@ -122,14 +122,18 @@ class TestBasics(unittest.TestCase):
         self.assertEqual(cm.exception.status, flashnext.ERR_INVALID_FILE)
 
     def test_unavailable_backend(self):
-        old = os.environ.pop("FNX_BACKEND", None)
+        # No machine has a Vulkan device 99 (FNX_DEVICE wins over the params).
+        old = {k: os.environ.pop(k, None) for k in ("FNX_BACKEND", "FNX_DEVICE")}
+        os.environ["FNX_DEVICE"] = "99"
         try:
             with self.assertRaises(FlashnextError) as cm:
                 flashnext.Model(MODEL, backend=flashnext.BACKEND_VULKAN)
             self.assertIn(cm.exception.status, (flashnext.ERR_BACKEND_UNAVAILABLE,))
         finally:
-            if old is not None:
-                os.environ["FNX_BACKEND"] = old
+            for k, v in old.items():
+                os.environ.pop(k, None)
+                if v is not None:
+                    os.environ[k] = v
 
 
 class TestModel(unittest.TestCase):

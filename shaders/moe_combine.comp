@@ -1,0 +1,34 @@
+#version 450
+// MoE output and residual write-back, one workgroup:
+// out = sum_k w_k y_k (+ sigmoid(shared_gate . x) * shared when the shared
+// expert ran outside the arena); X_c += inject_c * out.
+#define WG 256
+#include "common.glsl"
+
+layout(push_constant) uniform Push {
+    uint y_off;       // [k][h] routed expert outputs
+    uint w_off;       // [k]
+    uint shared_off;  // [h]
+    uint x_off;       // [h] MoE input
+    uint shared_gate; // params [h]
+    uint res_off;
+    uint inject_off;  // [streams]
+    uint h;
+    uint k;
+    uint streams;
+    uint shared_separate;
+} pc;
+
+void main() {
+    uint t = gl_LocalInvocationIndex, h = pc.h;
+    float g = 0.0;
+    if (pc.shared_separate == 1u)
+        for (uint i = t; i < h; i += WG) g += prm[pc.shared_gate + i] * s[pc.x_off + i];
+    float sg = sigmoid(wg_sum(g));
+    for (uint d = t; d < h; d += WG) {
+        float out_d = 0.0;
+        for (uint e = 0u; e < pc.k; e++) out_d += s[pc.y_off + e * h + d] * s[pc.w_off + e];
+        if (pc.shared_separate == 1u) out_d += sg * s[pc.shared_off + d];
+        for (uint c = 0u; c < pc.streams; c++) s[pc.res_off + c * h + d] += s[pc.inject_off + c] * out_d;
+    }
+}

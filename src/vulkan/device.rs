@@ -1,0 +1,255 @@
+//! The Vulkan instance, device, compute queue and memory allocator, loaded
+//! at run time (`libvulkan.so.1` through `ash::Entry::load`), so a build
+//! with this backend still loads and runs on the CPU where Vulkan is absent.
+//!
+//! With `FNX_VULKAN_VALIDATION=1` the Khronos validation layer is enabled and
+//! its messages are routed through a debug-utils messenger; error-severity
+//! messages are printed and counted ([`validation_errors`]), and the tests
+//! fail on any.
+
+use crate::error::{Error, Result};
+use ash::vk;
+use gpu_allocator::vulkan::{Allocator, AllocatorCreateDesc};
+use std::ffi::{c_void, CStr};
+use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+static VALIDATION_ERRORS: AtomicUsize = AtomicUsize::new(0);
+
+/// Error-severity validation messages seen by this process so far.
+pub fn validation_errors() -> usize {
+    VALIDATION_ERRORS.load(Ordering::SeqCst)
+}
+
+const VALIDATION_LAYER: &CStr = c"VK_LAYER_KHRONOS_validation";
+
+unsafe extern "system" fn on_message(
+    severity: vk::DebugUtilsMessageSeverityFlagsEXT,
+    _types: vk::DebugUtilsMessageTypeFlagsEXT,
+    data: *const vk::DebugUtilsMessengerCallbackDataEXT<'_>,
+    _user: *mut c_void,
+) -> vk::Bool32 {
+    if severity.contains(vk::DebugUtilsMessageSeverityFlagsEXT::ERROR) {
+        VALIDATION_ERRORS.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: the layer passes a valid callback data struct whose message is NUL-terminated.
+        let msg = unsafe { data.as_ref().and_then(|d| d.message_as_c_str()) };
+        eprintln!("vulkan validation error: {}", msg.map(|m| m.to_string_lossy()).unwrap_or_default());
+    }
+    vk::FALSE
+}
+
+/// Which device to open and how much of its memory to use.
+#[derive(Clone, Debug, Default)]
+pub struct DeviceChoice {
+    pub index: usize,
+    /// Bytes of device memory flashnext may allocate; 0 = no limit.
+    pub budget: u64,
+}
+
+/// The Vulkan loader, loaded once and kept for the life of the process
+/// (unloading it would orphan the loader's own allocations).
+fn entry() -> Result<&'static ash::Entry> {
+    static ENTRY: std::sync::OnceLock<std::result::Result<ash::Entry, String>> = std::sync::OnceLock::new();
+    // SAFETY: loading the system Vulkan loader; its initialisation has no preconditions.
+    ENTRY
+        .get_or_init(|| unsafe { ash::Entry::load() }.map_err(|e| e.to_string()))
+        .as_ref()
+        .map_err(|e| Error::Backend(format!("cannot load the Vulkan loader (libvulkan.so.1): {e}; install libvulkan1 and a driver")))
+}
+
+pub(crate) struct Context {
+    pub instance: ash::Instance,
+    debug: Option<(ash::ext::debug_utils::Instance, vk::DebugUtilsMessengerEXT)>,
+    pub limits: vk::PhysicalDeviceLimits,
+    pub name: String,
+    pub device: ash::Device,
+    pub queue_family: u32,
+    queue: Mutex<vk::Queue>,
+    pub allocator: ManuallyDrop<Mutex<Allocator>>,
+    budget: u64,
+    used: AtomicU64,
+}
+
+pub(crate) fn err(what: &str) -> impl Fn(vk::Result) -> Error + '_ {
+    move |e| match e {
+        vk::Result::ERROR_OUT_OF_DEVICE_MEMORY | vk::Result::ERROR_OUT_OF_HOST_MEMORY => {
+            Error::OutOfMemory(format!("Vulkan: {what}: {e}"))
+        }
+        _ => Error::Backend(format!("Vulkan: {what}: {e}")),
+    }
+}
+
+impl Context {
+    pub fn new(choice: &DeviceChoice) -> Result<Self> {
+        let entry = entry()?;
+        let validate = std::env::var("FNX_VULKAN_VALIDATION").is_ok_and(|v| v == "1");
+        // SAFETY: plain queries and creation calls on a loaded entry with valid create infos.
+        unsafe {
+            let mut layers = Vec::new();
+            let mut extensions = Vec::new();
+            if validate {
+                let have = entry.enumerate_instance_layer_properties().map_err(err("listing layers"))?;
+                if !have.iter().any(|l| l.layer_name_as_c_str() == Ok(VALIDATION_LAYER)) {
+                    return Err(Error::Backend(
+                        "FNX_VULKAN_VALIDATION=1 but VK_LAYER_KHRONOS_validation is not installed (package vulkan-validationlayers)".into(),
+                    ));
+                }
+                layers.push(VALIDATION_LAYER.as_ptr());
+                extensions.push(ash::ext::debug_utils::NAME.as_ptr());
+            }
+            let app = vk::ApplicationInfo::default().application_name(c"flashnext").api_version(vk::API_VERSION_1_1);
+            let info =
+                vk::InstanceCreateInfo::default().application_info(&app).enabled_layer_names(&layers).enabled_extension_names(&extensions);
+            let instance = entry.create_instance(&info, None).map_err(err("creating the instance"))?;
+            let debug = if validate {
+                let du = ash::ext::debug_utils::Instance::new(entry, &instance);
+                let info = vk::DebugUtilsMessengerCreateInfoEXT::default()
+                    .message_severity(
+                        vk::DebugUtilsMessageSeverityFlagsEXT::ERROR | vk::DebugUtilsMessageSeverityFlagsEXT::WARNING,
+                    )
+                    .message_type(
+                        vk::DebugUtilsMessageTypeFlagsEXT::GENERAL
+                            | vk::DebugUtilsMessageTypeFlagsEXT::VALIDATION
+                            | vk::DebugUtilsMessageTypeFlagsEXT::PERFORMANCE,
+                    )
+                    .pfn_user_callback(Some(on_message));
+                let m = du.create_debug_utils_messenger(&info, None).map_err(err("creating the debug messenger"))?;
+                Some((du, m))
+            } else {
+                None
+            };
+            match Self::open_device(instance.clone(), choice) {
+                Ok((limits, name, device, queue_family, queue, allocator)) => Ok(Context {
+                    instance,
+                    debug,
+                    limits,
+                    name,
+                    device,
+                    queue_family,
+                    queue: Mutex::new(queue),
+                    allocator: ManuallyDrop::new(Mutex::new(allocator)),
+                    budget: choice.budget,
+                    used: AtomicU64::new(0),
+                }),
+                Err(e) => {
+                    if let Some((du, m)) = debug {
+                        du.destroy_debug_utils_messenger(m, None);
+                    }
+                    instance.destroy_instance(None);
+                    Err(e)
+                }
+            }
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    unsafe fn open_device(
+        instance: ash::Instance,
+        choice: &DeviceChoice,
+    ) -> Result<(vk::PhysicalDeviceLimits, String, ash::Device, u32, vk::Queue, Allocator)> {
+        // SAFETY (whole body): valid instance; create infos outlive the calls.
+        let devices = unsafe { instance.enumerate_physical_devices() }.map_err(err("listing devices"))?;
+        if devices.is_empty() {
+            return Err(Error::Backend("no Vulkan device found (install a driver, e.g. mesa-vulkan-drivers)".into()));
+        }
+        let physical = *devices.get(choice.index).ok_or_else(|| {
+            Error::Backend(format!("Vulkan device {} requested, but only {} exist", choice.index, devices.len()))
+        })?;
+        let props = unsafe { instance.get_physical_device_properties(physical) };
+        let name = props.device_name_as_c_str().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let families = unsafe { instance.get_physical_device_queue_family_properties(physical) };
+        let queue_family = families
+            .iter()
+            .position(|f| f.queue_flags.contains(vk::QueueFlags::COMPUTE))
+            .ok_or_else(|| Error::Backend(format!("Vulkan device {name} has no compute queue")))? as u32;
+        let features = unsafe { instance.get_physical_device_features(physical) };
+        if features.shader_storage_buffer_array_dynamic_indexing == vk::FALSE {
+            return Err(Error::Backend(format!("Vulkan device {name} lacks shaderStorageBufferArrayDynamicIndexing")));
+        }
+        let mut subgroup = vk::PhysicalDeviceSubgroupProperties::default();
+        let mut props2 = vk::PhysicalDeviceProperties2::default().push_next(&mut subgroup);
+        unsafe { instance.get_physical_device_properties2(physical, &mut props2) };
+        let needed = vk::SubgroupFeatureFlags::BASIC | vk::SubgroupFeatureFlags::ARITHMETIC;
+        if !subgroup.supported_operations.contains(needed)
+            || !subgroup.supported_stages.contains(vk::ShaderStageFlags::COMPUTE)
+            || subgroup.subgroup_size < 4
+        {
+            return Err(Error::Backend(format!("Vulkan device {name} lacks subgroup arithmetic in compute shaders")));
+        }
+        let enabled = vk::PhysicalDeviceFeatures::default().shader_storage_buffer_array_dynamic_indexing(true);
+        let priorities = [1.0f32];
+        let queues = [vk::DeviceQueueCreateInfo::default().queue_family_index(queue_family).queue_priorities(&priorities)];
+        let info = vk::DeviceCreateInfo::default().queue_create_infos(&queues).enabled_features(&enabled);
+        let device = unsafe { instance.create_device(physical, &info, None) }.map_err(err("creating the device"))?;
+        let queue = unsafe { device.get_device_queue(queue_family, 0) };
+        let allocator = Allocator::new(&AllocatorCreateDesc {
+            instance: instance.clone(),
+            device: device.clone(),
+            physical_device: physical,
+            debug_settings: Default::default(),
+            buffer_device_address: false,
+            allocation_sizes: Default::default(),
+        })
+        .map_err(|e| {
+            unsafe { device.destroy_device(None) };
+            Error::Backend(format!("Vulkan memory allocator: {e}"))
+        })?;
+        Ok((props.limits, name, device, queue_family, queue, allocator))
+    }
+
+    /// Counts `bytes` of device memory against the budget.
+    pub fn reserve(&self, bytes: u64, what: &str) -> Result<()> {
+        let used = self.used.fetch_add(bytes, Ordering::SeqCst) + bytes;
+        if self.budget > 0 && used > self.budget {
+            self.used.fetch_sub(bytes, Ordering::SeqCst);
+            return Err(Error::OutOfMemory(format!(
+                "{what} ({bytes} bytes) does not fit the VRAM budget of {} MiB ({} MiB in use)",
+                self.budget >> 20,
+                (used - bytes) >> 20
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn release(&self, bytes: u64) {
+        self.used.fetch_sub(bytes, Ordering::SeqCst);
+    }
+
+    /// Bytes of device memory in use.
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::SeqCst)
+    }
+
+    /// Submits `cmd` and waits on `fence` (which is reset first).
+    pub fn submit_and_wait(&self, cmd: vk::CommandBuffer, fence: vk::Fence) -> Result<()> {
+        let cmds = [cmd];
+        let submit = [vk::SubmitInfo::default().command_buffers(&cmds)];
+        // SAFETY: the command buffer is recorded and the fence is unsignalled after the
+        // reset; the queue is externally synchronised by its mutex.
+        unsafe {
+            self.device.reset_fences(&[fence]).map_err(err("resetting a fence"))?;
+            let queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+            self.device.queue_submit(*queue, &submit, fence).map_err(err("submitting"))?;
+            drop(queue);
+            self.device.wait_for_fences(&[fence], true, u64::MAX).map_err(err("waiting for the GPU"))
+        }
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: every object created from this device has been destroyed by its
+        // owner (they hold an Arc of this context); the allocator goes before the device.
+        unsafe {
+            let _ = self.device.device_wait_idle();
+            ManuallyDrop::drop(&mut self.allocator);
+            self.device.destroy_device(None);
+            if let Some((du, m)) = self.debug.take() {
+                du.destroy_debug_utils_messenger(m, None);
+            }
+            self.instance.destroy_instance(None);
+        }
+    }
+}
+

@@ -1,0 +1,47 @@
+//! The Vulkan backend: the whole decode token on the GPU, from the
+//! embedding row to the logits, in one command buffer, one submission and
+//! one fence wait.
+//!
+//! Layers (one module each): [`device`] (instance, device, queue, allocator,
+//! validation), [`buffer`] (storage buffers and command buffers),
+//! [`pipelines`] (the table of compute pipelines and their push-constant
+//! blocks), [`matrix`] (weights split to fit a binding), [`arena`] (routed
+//! experts in slots), [`model`] (a model's weights on the device), [`state`]
+//! (a sequence's buffers and the recording of one token), [`record`] (the
+//! checked dispatch).
+//!
+//! Per token the host gathers the embedding row and the PLE rows from the
+//! mmap (hashing stays on the host), computes the RoPE cos/sin of the
+//! position, and uploads them; everything else runs on the GPU:
+//! hyper-connection mixing, PLE projections/gate/conv, Gated DeltaNet (conv
+//! and recurrent state in VRAM), QSA (indexer keys, block scoring, top-k,
+//! sparse gated attention over caches in VRAM), MoE (router, softmax and
+//! top-k on the GPU, expert matvecs reading the chosen ids from GPU memory),
+//! the output mixer and the LM head.
+//!
+//! Snapshots, checkpoints and copies of a GPU state read its buffers back
+//! (snapshots in the CPU layout, so they move between backends).
+//! [`TokenStats`] counts each token's dispatches, barriers, submissions and
+//! weight bytes.
+//!
+//! Limits today: attention caches are reserved for `n_ctx` positions at
+//! state creation (one layer's caches must fit one binding); the QSA top-k
+//! is quadratic in the number of blocks; every routed expert must be
+//! resident (see [`arena`] for how a smaller budget fits the design).
+
+mod arena;
+mod buffer;
+mod device;
+mod matrix;
+mod model;
+mod pipelines;
+mod record;
+mod state;
+#[cfg(test)]
+mod twins;
+
+pub use device::{validation_errors, DeviceChoice};
+pub use model::GpuModel;
+pub use record::TokenStats;
+pub use state::GpuState;
+

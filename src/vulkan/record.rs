@@ -1,0 +1,157 @@
+//! Recording one token: every dispatch goes through [`Recorder::dispatch`],
+//! which checks the pipeline table (descriptor sets, push-constant size,
+//! workgroup count limits), binds, pushes, dispatches and puts a
+//! compute-to-compute barrier after it; the counts are the token's stats.
+
+use super::device::{err, Context};
+use super::matrix::GpuMatrix;
+use super::pipelines::{MatvecPush, Pipe, Pipelines, Push};
+use crate::error::Result;
+use ash::vk;
+
+/// GPU work of one decoded token.
+#[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
+pub struct TokenStats {
+    pub dispatches: u32,
+    pub barriers: u32,
+    pub submits: u32,
+    /// Bytes of weights the token's dispatches read (each matrix once).
+    pub weight_bytes: u64,
+}
+
+pub(crate) struct Recorder<'a> {
+    ctx: &'a Context,
+    pipes: &'a Pipelines,
+    pub cmd: vk::CommandBuffer,
+    pub stats: TokenStats,
+}
+
+/// Workgroups along x that cover `n` rows; beyond the device limit the
+/// rest go to z (the shaders index row = x + z * num_x).
+fn grid(ctx: &Context, n: usize, y: u32) -> [u32; 3] {
+    let max_x = ctx.limits.max_compute_work_group_count[0].min(65535) as usize;
+    [n.min(max_x).max(1) as u32, y, n.div_ceil(max_x).max(1) as u32]
+}
+
+impl<'a> Recorder<'a> {
+    pub fn new(ctx: &'a Context, pipes: &'a Pipelines, cmd: vk::CommandBuffer) -> Self {
+        Recorder { ctx, pipes, cmd, stats: TokenStats::default() }
+    }
+
+    pub fn dispatch<P: Push>(&mut self, pipe: Pipe, sets: &[vk::DescriptorSet], push: &P, groups: [u32; 3]) {
+        let spec = pipe.spec();
+        assert_eq!(sets.len(), spec.sets.count(), "{}: descriptor sets", spec.name);
+        assert_eq!(std::mem::size_of::<P>(), spec.push_size, "{}: push-constant block size", spec.name);
+        let max = self.ctx.limits.max_compute_work_group_count;
+        assert!(groups.iter().zip(max).all(|(g, m)| *g >= 1 && *g <= m), "{}: workgroup count {groups:?}", spec.name);
+        let (layout, pipeline) = (self.pipes.layouts[pipe as usize], self.pipes.pipelines[pipe as usize]);
+        let d = &self.ctx.device;
+        // SAFETY: the command buffer is recording; sets and push size match the layout (checked above).
+        unsafe {
+            d.cmd_bind_pipeline(self.cmd, vk::PipelineBindPoint::COMPUTE, pipeline);
+            d.cmd_bind_descriptor_sets(self.cmd, vk::PipelineBindPoint::COMPUTE, layout, 0, sets, &[]);
+            d.cmd_push_constants(self.cmd, layout, vk::ShaderStageFlags::COMPUTE, 0, push.bytes());
+            d.cmd_dispatch(self.cmd, groups[0], groups[1], groups[2]);
+        }
+        self.stats.dispatches += 1;
+        self.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
+    }
+
+    /// One workgroup per `n` items of `pipe`'s workgroup size.
+    pub fn threads(&self, pipe: Pipe, n: usize) -> [u32; 3] {
+        grid(self.ctx, n.div_ceil(pipe.spec().workgroup as usize), 1)
+    }
+
+    pub fn barrier(&mut self, src: vk::PipelineStageFlags, access: vk::AccessFlags, dst: vk::PipelineStageFlags) {
+        let dst_access = if dst == vk::PipelineStageFlags::TRANSFER {
+            vk::AccessFlags::TRANSFER_READ
+        } else {
+            vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE
+        };
+        let mb = [vk::MemoryBarrier::default().src_access_mask(access).dst_access_mask(dst_access)];
+        // SAFETY: recording command buffer.
+        unsafe { self.ctx.device.cmd_pipeline_barrier(self.cmd, src, dst, vk::DependencyFlags::empty(), &mb, &[], &[]) };
+        self.stats.barriers += 1;
+    }
+
+    /// `y = W x` over every chunk of `m`, `experts` times (arena matvecs pass
+    /// their own set 1 and `experts > 1`). The caller fills the offsets and epilogue of `push`.
+    pub fn matvec(&mut self, m: &GpuMatrix, state_set: vk::DescriptorSet, mut push: MatvecPush) {
+        let swiglu = push.mode == 4;
+        assert!(!swiglu || m.chunks.len() == 1, "{}: a SwiGLU matrix is never split", m.name);
+        let pipe = Pipe::matvec(m.ty, false).expect("type checked at upload");
+        push.cols = m.cols as u32;
+        push.row_bytes = m.row_bytes as u32;
+        push.total_rows = m.rows as u32;
+        push.scale = if push.scale == 0.0 { 1.0 } else { push.scale };
+        for c in &m.chunks {
+            push.rows = if swiglu { c.rows / 2 } else { c.rows } as u32;
+            push.row_base = c.first_row as u32;
+            self.dispatch(pipe, &[state_set, c.set], &push, grid(self.ctx, push.rows as usize, 1));
+        }
+        self.stats.weight_bytes += (m.rows * m.row_bytes) as u64;
+    }
+
+    /// Matvecs of matrices whose rows are consecutive outputs (one fused
+    /// projection, split where the parts' types differ).
+    pub fn matvecs(&mut self, ms: &[GpuMatrix], state_set: vk::DescriptorSet, push: MatvecPush) {
+        let mut rows = 0;
+        for m in ms {
+            let p = MatvecPush { y_off: push.y_off + rows, split_row: push.split_row.saturating_sub(rows), ..push };
+            self.matvec(m, state_set, p);
+            rows += m.rows as u32;
+        }
+    }
+
+    /// A matvec over `experts` arena slots (ids in scratch at `push.expert_off`).
+    pub fn expert_matvec(&mut self, pipe: Pipe, sets: [vk::DescriptorSet; 2], push: MatvecPush, experts: usize, bytes: u64) {
+        let g = grid(self.ctx, push.rows as usize, experts as u32);
+        self.dispatch(pipe, &sets, &push, g);
+        self.stats.weight_bytes += bytes;
+    }
+}
+
+/// A descriptor pool for a known number of storage-buffer sets.
+pub(crate) struct DescriptorPool {
+    pub raw: vk::DescriptorPool,
+    device: ash::Device,
+}
+
+impl DescriptorPool {
+    pub fn new(ctx: &Context, sets: u32, buffers: u32) -> Result<Self> {
+        let sizes = [vk::DescriptorPoolSize { ty: vk::DescriptorType::STORAGE_BUFFER, descriptor_count: buffers.max(1) }];
+        let info = vk::DescriptorPoolCreateInfo::default().max_sets(sets.max(1)).pool_sizes(&sizes);
+        // SAFETY: valid device and create info.
+        let raw = unsafe { ctx.device.create_descriptor_pool(&info, None) }.map_err(err("creating a descriptor pool"))?;
+        Ok(DescriptorPool { raw, device: ctx.device.clone() })
+    }
+
+    /// Allocates a set of `layout` and writes `bindings` (binding i = bindings[i]).
+    pub fn set(&self, layout: vk::DescriptorSetLayout, bindings: &[&[vk::DescriptorBufferInfo]]) -> Result<vk::DescriptorSet> {
+        let layouts = [layout];
+        let info = vk::DescriptorSetAllocateInfo::default().descriptor_pool(self.raw).set_layouts(&layouts);
+        // SAFETY: the pool was sized for every set its owner allocates.
+        let set = unsafe { self.device.allocate_descriptor_sets(&info) }.map_err(err("allocating a descriptor set"))?[0];
+        let writes: Vec<_> = bindings
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                vk::WriteDescriptorSet::default()
+                    .dst_set(set)
+                    .dst_binding(i as u32)
+                    .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
+                    .buffer_info(b)
+            })
+            .collect();
+        // SAFETY: the set is fresh and not in use; buffer infos name live buffers.
+        unsafe { self.device.update_descriptor_sets(&writes, &[]) };
+        Ok(set)
+    }
+}
+
+impl Drop for DescriptorPool {
+    fn drop(&mut self) {
+        // SAFETY: no pending command buffer uses the pool's sets.
+        unsafe { self.device.destroy_descriptor_pool(self.raw, None) };
+    }
+}

@@ -1,0 +1,660 @@
+//! The decode state of one sequence on the GPU and the recording of one
+//! token. Everything a token needs lives in device memory: a scratch buffer
+//! holding every activation at a fixed offset ([`ScratchLayout`]), and per
+//! layer a state buffer (GDN conv + recurrent state; or attention keys,
+//! values, raw indexer keys and block keys for `n_ctx` positions). One
+//! descriptor set per layer is written at creation; per token the host
+//! writes the embedding row, the PLE rows and the RoPE cos/sin tables into a
+//! small host-visible buffer, records the whole network (push constants,
+//! dispatches, barriers) into one command buffer, submits once and waits on
+//! one fence, then reads the logits.
+
+use super::buffer::{Buffer, Commands};
+use super::model::{GpuHyper, GpuMixer, GpuModel};
+use super::pipelines::*;
+use super::record::{DescriptorPool, Recorder, TokenStats};
+use crate::error::{Error, Result};
+use crate::model::ops::Rope;
+use crate::model::{Config, LayerKind, Model};
+use ash::vk;
+use gpu_allocator::MemoryLocation;
+
+/// Float offsets of every activation in the scratch buffer.
+#[derive(Default, Debug)]
+struct ScratchLayout {
+    residual: u32,
+    ple_rows: u32,
+    rope: u32,
+    /// One block-key table per attention layer.
+    block_rope: u32,
+    /// End of the region the host uploads per token.
+    input_len: u32,
+    xn: u32,
+    low: u32,
+    mix: u32,
+    input: u32,
+    inject: u32,
+    ple_key: u32,
+    ple_value: u32,
+    ple_tmp: u32,
+    qkv: u32,
+    z: u32,
+    beta: u32,
+    alpha: u32,
+    conv_out: u32,
+    gdn_out: u32,
+    qg: u32,
+    k: u32,
+    v: u32,
+    q: u32,
+    iq: u32,
+    ik: u32,
+    scores: u32,
+    sel: u32,
+    att_tmp: u32,
+    att_out: u32,
+    router: u32,
+    ids: u32,
+    weights: u32,
+    exp_h: u32,
+    exp_y: u32,
+    sh_h: u32,
+    sh_y: u32,
+    logits: u32,
+    total: u32,
+}
+
+impl ScratchLayout {
+    fn new(cfg: &Config, n_ctx: usize) -> Result<Self> {
+        let (h, c) = (cfg.hidden, cfg.hc);
+        let n_attn = cfg.layers.iter().filter(|k| **k != LayerKind::Linear).count();
+        let (ih, id) = cfg.qsa.as_ref().map_or((0, 0), |q| (q.n_heads, q.head_dim));
+        let mut at = 0usize;
+        let mut next = |n: usize| {
+            let o = at;
+            at += n.div_ceil(4) * 4;
+            o as u32
+        };
+        let mut l = ScratchLayout {
+            residual: next(c * h),
+            ple_rows: next(if cfg.ple.is_some() { h } else { 0 }),
+            rope: next(cfg.rope_dims),
+            block_rope: next(n_attn * cfg.rope_dims),
+            ..Default::default()
+        };
+        l.input_len = next(0);
+        l.xn = next(c * h);
+        // Outputs of fused projections are contiguous.
+        l.low = next(cfg.hc_rank + c);
+        l.inject = l.low + cfg.hc_rank as u32;
+        l.mix = next(c * h);
+        l.input = next(h);
+        l.ple_key = next(c * h);
+        l.ple_value = next(h);
+        l.ple_tmp = next(c * h);
+        let dv = cfg.ssm_v_heads * cfg.ssm_head_dim;
+        l.qkv = next(cfg.ssm_conv_dim() + dv + 2 * cfg.ssm_v_heads);
+        l.z = l.qkv + cfg.ssm_conv_dim() as u32;
+        l.beta = l.z + dv as u32;
+        l.alpha = l.beta + cfg.ssm_v_heads as u32;
+        l.conv_out = next(cfg.ssm_conv_dim());
+        l.gdn_out = next(dv);
+        let (nh, kv) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
+        l.qg = next(2 * nh + 2 * kv + id + ih * id);
+        l.k = l.qg + 2 * nh as u32;
+        l.v = l.k + kv as u32;
+        l.ik = l.v + kv as u32;
+        l.iq = l.ik + id as u32;
+        l.q = next(nh);
+        l.scores = next(n_ctx);
+        l.sel = next(n_ctx);
+        l.att_tmp = next(cfg.n_heads * n_ctx);
+        l.att_out = next(nh);
+        l.router = next(cfg.n_experts);
+        // The chosen experts, and the shared one when it runs in the arena.
+        let k = cfg.n_experts_used + 1;
+        l.ids = next(k);
+        l.weights = next(k);
+        l.exp_h = next(k * cfg.expert_ff);
+        l.exp_y = next(k * h);
+        l.sh_h = next(cfg.shared_ff);
+        l.sh_y = next(h);
+        l.logits = next(cfg.vocab);
+        l.total = next(0);
+        if at > u32::MAX as usize / 4 {
+            return Err(Error::OutOfMemory(format!("GPU scratch of {at} floats is too large; lower n_ctx")));
+        }
+        Ok(l)
+    }
+}
+
+/// Float offsets inside an attention layer's state buffer.
+#[derive(Clone, Copy, Debug)]
+struct AttnLayout {
+    keys: u32,
+    values: u32,
+    raw_keys: u32,
+    block_keys: u32,
+    total: usize,
+}
+
+fn attn_layout(cfg: &Config, n_ctx: usize) -> AttnLayout {
+    let kv = cfg.n_kv_heads * cfg.head_dim;
+    let id = cfg.qsa.as_ref().map_or(0, |q| q.head_dim);
+    let (values, raw_keys) = (n_ctx * kv, 2 * n_ctx * kv);
+    let block_keys = raw_keys + n_ctx * id;
+    AttnLayout { keys: 0, values: values as u32, raw_keys: raw_keys as u32, block_keys: block_keys as u32, total: block_keys + n_ctx * id }
+}
+
+/// Floats of each layer's state buffer.
+fn layer_state_len(cfg: &Config, kind: &LayerKind, n_ctx: usize) -> usize {
+    match kind {
+        LayerKind::Linear => (cfg.ssm_conv - 1) * cfg.ssm_conv_dim() + cfg.ssm_v_heads * cfg.ssm_head_dim * cfg.ssm_head_dim,
+        LayerKind::Attention { .. } => attn_layout(cfg, n_ctx).total,
+    }
+}
+
+pub struct GpuState {
+    layout: ScratchLayout,
+    attn: AttnLayout,
+    /// Per layer, then the PLE history if any: the buffers `reset` zeroes and snapshots copy.
+    layer_state: Vec<Buffer>,
+    /// Set 0 per layer, then the output mixer's, then the PLE layer's.
+    sets: Vec<vk::DescriptorSet>,
+    n_ctx: usize,
+    stats: TokenStats,
+    _pool: DescriptorPool,
+    upload: Buffer,
+    readback: Buffer,
+    scratch: Buffer,
+    _dummy: Buffer,
+    cmds: Commands,
+}
+
+impl std::fmt::Debug for GpuState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GpuState(n_ctx {})", self.n_ctx)
+    }
+}
+
+fn gpu(model: &Model) -> &GpuModel {
+    model.gpu.as_ref().expect("GPU states belong to models loaded for Vulkan")
+}
+
+impl GpuState {
+    pub fn new(model: &Model) -> Result<GpuState> {
+        let (cfg, g) = (&model.config, gpu(model));
+        let ctx = &g.ctx;
+        let n_ctx = model.n_ctx;
+        let layout = ScratchLayout::new(cfg, n_ctx)?;
+        let f = |n: usize| (n * 4) as u64;
+        let scratch = Buffer::new(ctx, "GPU scratch", f(layout.total as usize), MemoryLocation::GpuOnly)?;
+        let upload = Buffer::new(ctx, "token upload", f(layout.input_len as usize), MemoryLocation::CpuToGpu)?;
+        let readback = Buffer::new(ctx, "logits readback", f(cfg.vocab), MemoryLocation::GpuToCpu)?;
+        let dummy = Buffer::new(ctx, "no layer state", 16, MemoryLocation::GpuOnly)?;
+        let mut layer_state = Vec::with_capacity(cfg.n_layers + 1);
+        for kind in &cfg.layers {
+            let bytes = f(layer_state_len(cfg, kind, n_ctx));
+            if bytes > ctx.limits.max_storage_buffer_range as u64 {
+                return Err(Error::OutOfMemory(format!(
+                    "a layer's GPU state for n_ctx {n_ctx} ({bytes} bytes) exceeds one storage-buffer binding; lower n_ctx"
+                )));
+            }
+            layer_state.push(Buffer::new(ctx, "layer state", bytes, MemoryLocation::GpuOnly)?);
+        }
+        if let Some(p) = &cfg.ple {
+            let n = (p.conv_kernel - 1) * p.ngram * cfg.hc * cfg.hidden;
+            layer_state.push(Buffer::new(ctx, "PLE conv history", f(n), MemoryLocation::GpuOnly)?);
+        }
+        let n_sets = cfg.n_layers + 2;
+        let pool = DescriptorPool::new(ctx, n_sets as u32, 3 * n_sets as u32)?;
+        let mut sets = Vec::with_capacity(n_sets);
+        let state_set = |b: &Buffer| pool.set(g.pipes.state_layout, &[&[scratch.info()], &[b.info()], &[g.params.info()]]);
+        for b in &layer_state[..cfg.n_layers] {
+            sets.push(state_set(b)?);
+        }
+        sets.push(state_set(&dummy)?);
+        if cfg.ple.is_some() {
+            sets.push(state_set(&layer_state[cfg.n_layers])?);
+        }
+        let cmds = Commands::new(ctx)?;
+        let mut s = GpuState {
+            layout,
+            attn: attn_layout(cfg, n_ctx),
+            layer_state,
+            sets,
+            n_ctx,
+            stats: TokenStats::default(),
+            _pool: pool,
+            upload,
+            readback,
+            scratch,
+            _dummy: dummy,
+            cmds,
+        };
+        s.reset()?;
+        Ok(s)
+    }
+
+    /// GPU work of the last decoded token.
+    pub fn stats(&self) -> TokenStats {
+        self.stats
+    }
+
+    /// Zeroes every recurrent state and cache.
+    pub fn reset(&mut self) -> Result<()> {
+        self.cmds.begin()?;
+        for b in &self.layer_state {
+            // SAFETY: recording; the buffer is live and the range is whole.
+            unsafe { self.scratch.context().device.cmd_fill_buffer(self.cmds.cmd, b.raw, 0, vk::WHOLE_SIZE, 0) };
+        }
+        self.cmds.submit()
+    }
+
+    /// Copies of the state buffers (every layer's state and the PLE history).
+    pub fn save(&self) -> Result<Vec<Vec<u8>>> {
+        self.layer_state.iter().map(|b| self.cmds.download(b, 0, b.size as usize)).collect()
+    }
+
+    /// Restores buffers made by [`GpuState::save`] on a state of the same model.
+    pub fn restore(&mut self, saved: &[Vec<u8>]) -> Result<()> {
+        for (b, bytes) in self.layer_state.iter().zip(saved) {
+            self.cmds.upload(b, 0, bytes)?;
+        }
+        Ok(())
+    }
+
+    /// Decodes `token` at `pos` and returns its logits. `ple_rows` are the
+    /// token's PLE table rows, concatenated ([H]), when the model has PLE.
+    pub fn decode(&mut self, model: &Model, token: u32, pos: usize, ple_rows: Option<&[f32]>) -> Result<Vec<f32>> {
+        let (cfg, g) = (&model.config, gpu(model));
+        self.write_inputs(model, token, pos, ple_rows);
+        self.cmds.begin()?;
+        let mut rec = Recorder::new(&g.ctx, &g.pipes, self.cmds.cmd);
+        let l = &self.layout;
+        let input_bytes = (l.input_len * 4) as u64;
+        // SAFETY: recording; regions lie inside both buffers.
+        unsafe {
+            g.ctx.device.cmd_copy_buffer(rec.cmd, self.upload.raw, self.scratch.raw, &[vk::BufferCopy { src_offset: 0, dst_offset: 0, size: input_bytes }]);
+        }
+        rec.barrier(vk::PipelineStageFlags::TRANSFER, vk::AccessFlags::TRANSFER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
+        self.record_token(&mut rec, cfg, g, pos);
+        let logits_bytes = (cfg.vocab * 4) as u64;
+        // SAFETY: as above.
+        unsafe {
+            g.ctx.device.cmd_copy_buffer(
+                rec.cmd,
+                self.scratch.raw,
+                self.readback.raw,
+                &[vk::BufferCopy { src_offset: (l.logits * 4) as u64, dst_offset: 0, size: logits_bytes }],
+            );
+        }
+        let mut stats = rec.stats;
+        self.cmds.submit()?;
+        stats.submits = 1;
+        self.stats = stats;
+        let bytes = &self.readback.mapped()[..logits_bytes as usize];
+        Ok(bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect())
+    }
+
+    /// The embedding repeated over the streams, the PLE rows, and the RoPE
+    /// tables of this position and of any block it completes.
+    fn write_inputs(&mut self, model: &Model, token: u32, pos: usize, ple_rows: Option<&[f32]>) {
+        let cfg = &model.config;
+        let l = &self.layout;
+        let mut v = vec![0f32; l.input_len as usize];
+        let h = cfg.hidden;
+        model.weights.token_embd.dequantize_row(token as usize, &mut v[..h]);
+        for c in 1..cfg.hc {
+            v.copy_within(0..h, c * h);
+        }
+        if let Some(rows) = ple_rows {
+            v[l.ple_rows as usize..l.ple_rows as usize + h].copy_from_slice(rows);
+        }
+        let rope = Rope::new(cfg.rope_dims, cfg.rope_theta);
+        let table = |out: &mut [f32], p: usize| {
+            // Rotating (1..1, 0..0) yields (cos.., sin..) exactly as the CPU computes them.
+            let half = cfg.rope_dims / 2;
+            out[..half].fill(1.0);
+            out[half..2 * half].fill(0.0);
+            rope.apply(out, p);
+        };
+        table(&mut v[l.rope as usize..l.rope as usize + cfg.rope_dims], pos);
+        let attn = cfg.layers.iter().filter_map(|k| match k {
+            LayerKind::Attention { compress_ratio } => Some(*compress_ratio),
+            LayerKind::Linear => None,
+        });
+        for (i, ratio) in attn.enumerate() {
+            if ratio > 0 && (pos + 1) % ratio == 0 {
+                let at = l.block_rope as usize + i * cfg.rope_dims;
+                table(&mut v[at..at + cfg.rope_dims], pos + 1 - ratio);
+            }
+        }
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        self.upload.mapped()[..bytes.len()].copy_from_slice(&bytes);
+    }
+
+    fn record_token(&self, rec: &mut Recorder, cfg: &Config, g: &GpuModel, pos: usize) {
+        let l = &self.layout;
+        let mut attn_index = 0;
+        for (i, layer) in g.layers.iter().enumerate() {
+            let set = self.sets[i];
+            if let (Some(p), Some(pc)) = (&layer.ple, &cfg.ple) {
+                let mv = |x_off, y_off| MatvecPush { x_off, y_off, ..Default::default() };
+                rec.matvec(&p.key, set, mv(l.ple_rows, l.ple_key));
+                rec.matvec(&p.value, set, mv(l.ple_rows, l.ple_value));
+                let push = PleMixPush {
+                    key_off: l.ple_key,
+                    value_off: l.ple_value,
+                    res_off: l.residual,
+                    tmp_off: l.ple_tmp,
+                    norm_key: p.norm_key,
+                    norm_query: p.norm_query,
+                    norm_conv: p.norm_conv,
+                    conv: p.conv,
+                    h: cfg.hidden as u32,
+                    streams: cfg.hc as u32,
+                    kernel: pc.conv_kernel as u32,
+                    dilation: pc.ngram as u32,
+                    eps: cfg.eps,
+                };
+                rec.dispatch(Pipe::PleMix, &[*self.sets.last().unwrap()], &push, [1, 1, 1]);
+            }
+            self.hyper(rec, cfg, set, &layer.attn_hc);
+            match (&layer.mixer, &cfg.layers[i]) {
+                (GpuMixer::Gdn(w), _) => self.gdn(rec, cfg, set, w),
+                (GpuMixer::Attention(w), LayerKind::Attention { compress_ratio }) => {
+                    self.attention(rec, cfg, set, w, *compress_ratio, attn_index, pos);
+                    attn_index += 1;
+                }
+                _ => unreachable!("weights and config agree on layer kinds"),
+            }
+            self.hyper(rec, cfg, set, &layer.ffn_hc);
+            self.moe(rec, cfg, g, set, i);
+        }
+        let set = self.sets[cfg.n_layers];
+        self.hyper(rec, cfg, set, &g.output_hc);
+        rec.matvec(&g.output, set, MatvecPush { x_off: l.input, y_off: l.logits, ..Default::default() });
+        rec.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::TRANSFER);
+    }
+
+    /// Hyper-connection pre step: residual -> block input (and injection weights).
+    fn hyper(&self, rec: &mut Recorder, cfg: &Config, set: vk::DescriptorSet, hc: &GpuHyper) {
+        let l = &self.layout;
+        let (h, c) = (cfg.hidden as u32, cfg.hc as u32);
+        let norm = HcNormPush { x_off: l.residual, gamma: hc.norm, y_off: l.xn, n: h, eps: cfg.eps };
+        rec.dispatch(Pipe::HcNorm, &[set], &norm, [c, 1, 1]);
+        // Down rows get silu(v/C), injection rows 2*sigmoid(v/C).
+        let down = MatvecPush { x_off: l.xn, y_off: l.low, mode: 1, scale: 1.0 / c as f32, split_row: hc.rank as u32, ..Default::default() };
+        rec.matvecs(&hc.down_inject, set, down);
+        rec.matvec(&hc.up, set, MatvecPush { x_off: l.low, y_off: l.mix, ..Default::default() });
+        let combine = HcCombinePush { mix_off: l.mix, xn_off: l.xn, y_off: l.input, n: h, streams: c };
+        rec.dispatch(Pipe::HcCombine, &[set], &combine, rec.threads(Pipe::HcCombine, cfg.hidden));
+    }
+
+    /// `X_c += inject_c * (W x)`: the block output written back to the streams.
+    fn post(&self, cfg: &Config, x_off: u32) -> MatvecPush {
+        let l = &self.layout;
+        MatvecPush { x_off, y_off: l.residual, mode: 3, aux_off: l.inject, aux_n: cfg.hc as u32, ..Default::default() }
+    }
+
+    fn gdn(&self, rec: &mut Recorder, cfg: &Config, set: vk::DescriptorSet, w: &super::model::GpuGdn) {
+        let l = &self.layout;
+        rec.matvecs(&w.input, set, MatvecPush { x_off: l.input, y_off: l.qkv, ..Default::default() });
+        let dc = cfg.ssm_conv_dim();
+        let conv = GdnConvPush { x_off: l.qkv, y_off: l.conv_out, taps: w.conv, dc: dc as u32, kc: cfg.ssm_conv as u32 };
+        rec.dispatch(Pipe::GdnConv, &[set], &conv, rec.threads(Pipe::GdnConv, dc));
+        let rec_push = GdnRecurrentPush {
+            conv_off: l.conv_out,
+            z_off: l.z,
+            b_off: l.beta,
+            a_off: l.alpha,
+            y_off: l.gdn_out,
+            nk: cfg.ssm_k_heads as u32,
+            nv: cfg.ssm_v_heads as u32,
+            d: cfg.ssm_head_dim as u32,
+            rec_off: ((cfg.ssm_conv - 1) * dc) as u32,
+            decay_a: w.decay_a,
+            dt_bias: w.dt_bias,
+            norm: w.norm,
+            gate_silu: (cfg.ssm_gate == crate::model::GateActivation::Silu) as u32,
+            eps: cfg.eps,
+        };
+        rec.dispatch(Pipe::GdnRecurrent, &[set], &rec_push, [cfg.ssm_v_heads as u32, 1, 1]);
+        rec.matvec(&w.out, set, self.post(cfg, l.gdn_out));
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        rec: &mut Recorder,
+        cfg: &Config,
+        set: vk::DescriptorSet,
+        w: &super::model::GpuAttention,
+        ratio: usize,
+        attn_index: usize,
+        pos: usize,
+    ) {
+        let (l, a) = (&self.layout, &self.attn);
+        rec.matvecs(&w.input, set, MatvecPush { x_off: l.input, y_off: l.qg, ..Default::default() });
+        let (nh, nkv, hd) = (cfg.n_heads as u32, cfg.n_kv_heads as u32, cfg.head_dim as u32);
+        let prep = AttnPrepPush {
+            qg_off: l.qg,
+            k_off: l.k,
+            v_off: l.v,
+            q_off: l.q,
+            q_norm: w.q_norm,
+            k_norm: w.k_norm,
+            rope: l.rope,
+            half_dims: (cfg.rope_dims / 2) as u32,
+            hd,
+            nh,
+            nkv,
+            keys_off: a.keys,
+            values_off: a.values,
+            pos: pos as u32,
+            eps: cfg.eps,
+        };
+        rec.dispatch(Pipe::AttnPrep, &[set], &prep, [nh + nkv, 1, 1]);
+        let n_tokens = pos + 1;
+        // Dense attention reads every token as the "tail".
+        let (mut keep, mut ratio_used, mut tail_start) = (0usize, 1usize, 0usize);
+        if let (Some(ix), Some(q)) = (&w.indexer, &cfg.qsa) {
+            let n_complete = n_tokens / ratio;
+            let index = QsaIndexPush {
+                key_off: l.ik,
+                query_off: l.iq,
+                q_norm: ix.q_norm,
+                k_norm: ix.k_norm,
+                rope: l.rope,
+                block_rope: l.block_rope + (attn_index * cfg.rope_dims) as u32,
+                half_dims: (cfg.rope_dims / 2) as u32,
+                id: q.head_dim as u32,
+                heads: if n_complete > 0 { q.n_heads as u32 } else { 0 },
+                ratio: ratio as u32,
+                raw_keys: a.raw_keys,
+                block_keys: a.block_keys,
+                pos: pos as u32,
+                block: if n_tokens % ratio == 0 { (n_complete - 1) as u32 } else { u32::MAX },
+                eps: cfg.eps,
+            };
+            rec.dispatch(Pipe::QsaIndex, &[set], &index, [1, 1, 1]);
+            if n_complete > 0 {
+                let n_blocks = n_complete as u32;
+                let score = QsaScorePush {
+                    query_off: l.iq,
+                    block_keys: a.block_keys,
+                    score_off: l.scores,
+                    n_blocks,
+                    heads: q.n_heads as u32,
+                    id: q.head_dim as u32,
+                    scale: 1.0 / (q.head_dim as f32).sqrt(),
+                };
+                rec.dispatch(Pipe::QsaScore, &[set], &score, rec.threads(Pipe::QsaScore, n_complete));
+                keep = (q.budget / ratio).min(n_complete);
+                let topk = QsaTopkPush { score_off: l.scores, sel_off: l.sel, n_blocks, keep: keep as u32 };
+                rec.dispatch(Pipe::QsaTopk, &[set], &topk, rec.threads(Pipe::QsaTopk, n_complete));
+            }
+            ratio_used = ratio;
+            tail_start = n_complete * ratio;
+        }
+        let att = AttentionPush {
+            q_off: l.q,
+            qg_off: l.qg,
+            keys_off: a.keys,
+            values_off: a.values,
+            sel_off: l.sel,
+            tmp_off: l.att_tmp,
+            tmp_stride: self.n_ctx as u32,
+            y_off: l.att_out,
+            keep: keep as u32,
+            ratio: ratio_used as u32,
+            tail_start: tail_start as u32,
+            n_tail: (n_tokens - tail_start) as u32,
+            hd,
+            nh,
+            nkv,
+            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+        };
+        rec.dispatch(Pipe::Attention, &[set], &att, [nh, 1, 1]);
+        rec.matvec(&w.o, set, self.post(cfg, l.att_out));
+    }
+
+    fn moe(&self, rec: &mut Recorder, cfg: &Config, g: &GpuModel, set: vk::DescriptorSet, layer: usize) {
+        let l = &self.layout;
+        let w = &g.layers[layer].moe;
+        let (h, f, k) = (cfg.hidden, cfg.expert_ff, cfg.n_experts_used);
+        rec.matvec(&w.router, set, MatvecPush { x_off: l.input, y_off: l.router, ..Default::default() });
+        let ar = &g.arena;
+        let route = MoeRoutePush {
+            logits_off: l.router,
+            ids_off: l.ids,
+            w_off: l.weights,
+            n_experts: cfg.n_experts as u32,
+            k: k as u32,
+            shared_in_arena: ar.shared_in_arena as u32,
+            x_off: l.input,
+            shared_gate: w.shared_gate,
+            h: h as u32,
+        };
+        rec.dispatch(Pipe::MoeRoute, &[set], &route, [1, 1, 1]);
+        let experts = k + ar.shared_in_arena as usize;
+        let gate_pipe = Pipe::matvec(ar.gate_ty, true).expect("arena types checked at load");
+        let down_pipe = Pipe::matvec(ar.down_ty, true).expect("arena types checked at load");
+        let base = MatvecPush {
+            expert_off: l.ids,
+            slot_table: w.slot_table,
+            slots_per_slab: ar.slots_per_slab as u32,
+            slot_bytes: ar.slot_bytes as u32,
+            scale: 1.0,
+            ..Default::default()
+        };
+        let gate_up = MatvecPush {
+            rows: f as u32,
+            cols: h as u32,
+            row_bytes: ar.gate_row_bytes as u32,
+            x_off: l.input,
+            y_off: l.exp_h,
+            y_stride: f as u32,
+            mode: 4,
+            ..base
+        };
+        let sets = [set, ar.set];
+        rec.expert_matvec(gate_pipe, sets, gate_up, experts, (experts * 2 * f * ar.gate_row_bytes) as u64);
+        let down = MatvecPush {
+            rows: h as u32,
+            cols: f as u32,
+            row_bytes: ar.down_row_bytes as u32,
+            x_off: l.exp_h,
+            x_stride: f as u32,
+            y_off: l.exp_y,
+            y_stride: h as u32,
+            part_off: (2 * f * ar.gate_row_bytes) as u32,
+            ..base
+        };
+        rec.expert_matvec(down_pipe, sets, down, experts, (experts * h * ar.down_row_bytes) as u64);
+        if let Some(sh) = &w.shared {
+            rec.matvec(&sh.gate_up, set, MatvecPush { x_off: l.input, y_off: l.sh_h, mode: 4, ..Default::default() });
+            rec.matvec(&sh.down, set, MatvecPush { x_off: l.sh_h, y_off: l.sh_y, ..Default::default() });
+        }
+        let combine = MoeCombinePush {
+            y_off: l.exp_y,
+            w_off: l.weights,
+            shared_off: l.sh_y,
+            x_off: l.input,
+            shared_gate: w.shared_gate,
+            res_off: l.residual,
+            inject_off: l.inject,
+            h: h as u32,
+            k: experts as u32,
+            streams: cfg.hc as u32,
+            shared_separate: w.shared.is_some() as u32,
+        };
+        rec.dispatch(Pipe::MoeCombine, &[set], &combine, [1, 1, 1]);
+    }
+}
+
+/// One layer's state in the CPU's layout: GDN `[conv, recurrent]`, attention
+/// `[keys, values, index_keys, block_keys]` (only the `pos` filled positions).
+pub type HostLayer = Vec<Vec<f32>>;
+
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+}
+
+/// Float ranges of a layer's state buffer, in the CPU layout's order.
+fn segments(cfg: &Config, kind: &LayerKind, a: &AttnLayout, pos: usize) -> Vec<std::ops::Range<usize>> {
+    match kind {
+        LayerKind::Linear => {
+            let conv = (cfg.ssm_conv - 1) * cfg.ssm_conv_dim();
+            vec![0..conv, conv..layer_state_len(cfg, kind, 0)]
+        }
+        LayerKind::Attention { compress_ratio } => {
+            let kv = cfg.n_kv_heads * cfg.head_dim;
+            let id = match (&cfg.qsa, compress_ratio) {
+                (Some(q), r) if *r > 0 => q.head_dim,
+                _ => 0,
+            };
+            let blocks = if id > 0 { pos / compress_ratio } else { 0 };
+            let at = |o: u32, n: usize| o as usize..o as usize + n;
+            vec![at(a.keys, pos * kv), at(a.values, pos * kv), at(a.raw_keys, pos * id), at(a.block_keys, blocks * id)]
+        }
+    }
+}
+
+impl GpuState {
+    /// The state buffers in the CPU's layout after `pos` tokens, and the PLE conv history.
+    pub fn export(&self, cfg: &Config, pos: usize) -> Result<(Vec<HostLayer>, Option<Vec<f32>>)> {
+        let saved = self.save()?;
+        let layers = cfg
+            .layers
+            .iter()
+            .zip(&saved)
+            .map(|(kind, bytes)| {
+                let all = floats(bytes);
+                segments(cfg, kind, &self.attn, pos).into_iter().map(|r| all[r].to_vec()).collect()
+            })
+            .collect();
+        let ple = saved.get(cfg.n_layers).map(|b| floats(b));
+        Ok((layers, ple))
+    }
+
+    /// Loads state in the CPU's layout (as [`GpuState::export`] returns it).
+    pub fn import(&mut self, cfg: &Config, pos: usize, layers: &[HostLayer], ple: Option<&[f32]>) -> Result<()> {
+        let mut saved = Vec::with_capacity(self.layer_state.len());
+        for ((kind, parts), buffer) in cfg.layers.iter().zip(layers).zip(&self.layer_state) {
+            let mut all = vec![0f32; buffer.size as usize / 4];
+            for (range, part) in segments(cfg, kind, &self.attn, pos).into_iter().zip(parts) {
+                if range.len() != part.len() || range.end > all.len() {
+                    return Err(Error::arg("state does not fit this GPU state's layout"));
+                }
+                all[range].copy_from_slice(part);
+            }
+            saved.push(all.iter().flat_map(|v| v.to_le_bytes()).collect());
+        }
+        if let Some(p) = ple {
+            saved.push(p.iter().flat_map(|v| v.to_le_bytes()).collect());
+        }
+        self.restore(&saved)
+    }
+}

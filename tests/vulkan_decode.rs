@@ -1,0 +1,145 @@
+//! The Vulkan backend against its CPU twin and the transformers reference:
+//! every reference fixture, converted to F32, F16, BF16 and Q8_0, decoded
+//! token by token on the GPU and on the CPU; logits compared at every
+//! position. Runs with the Khronos validation layer; any error-severity
+//! validation message fails the test.
+//!
+//! Bounds (error = max|delta| / max|ref| per position):
+//! - GPU vs CPU, same file: 2e-4 at every position for every type
+//!   (measured at most 6.2e-5 on lavapipe: only summation order, which
+//!   depends on the device's subgroup width, and the GPU's exp differ; no
+//!   expert or QSA choice flipped on these fixtures).
+//! - GPU vs transformers: F32 1e-4 at every position, as the CPU; F16, BF16
+//!   and Q8_0 the CPU's median / max bounds of tests/reference.rs.
+//!
+//! Without any Vulkan device the tests print why and pass, unless
+//! `FNX_REQUIRE_VULKAN=1` (scripts/test.sh sets it), which makes them fail.
+
+mod vulkan_util;
+
+use flashnext::convert::OutType;
+use flashnext::model::{Backend, LoadOptions, Model, State};
+use std::path::Path;
+use vulkan_util::{converted, fixture_dir, load_gpu, read_f32, rel_err};
+
+/// One reference sequence of a fixture's `expected/manifest.json`.
+struct Sequence {
+    name: String,
+    tokens: Vec<u32>,
+    /// Expected logits: [tokens][vocab]
+    logits: Vec<f32>,
+    /// Positions from the first QSA tie on are not compared (see tests/reference.rs).
+    first_tie: usize,
+}
+
+/// The fixture's vocabulary size and sequences.
+fn sequences(dir: &Path) -> (usize, Vec<Sequence>) {
+    let m: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("expected/manifest.json")).unwrap()).unwrap();
+    let seqs = m["sequences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| Sequence {
+            name: q["name"].as_str().unwrap().to_string(),
+            tokens: q["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect(),
+            logits: read_f32(&dir.join("expected").join(q["logits_file"].as_str().unwrap())),
+            first_tie: q["tie_positions"].as_array().and_then(|t| t.iter().filter_map(|p| p.as_u64()).min()).map_or(usize::MAX, |p| p as usize),
+        })
+        .collect();
+    (m["vocab_size"].as_u64().unwrap() as usize, seqs)
+}
+
+#[derive(Default, Debug)]
+struct Errors {
+    vs_cpu: Vec<f32>,
+    vs_ref: Vec<f32>,
+}
+
+fn worst(v: &[f32]) -> f32 {
+    v.iter().copied().fold(0.0, f32::max)
+}
+
+fn median(v: &[f32]) -> f32 {
+    let mut e = v.to_vec();
+    e.sort_by(f32::total_cmp);
+    e[e.len() / 2]
+}
+
+/// Decodes every sequence on both backends; errors of every position before a flagged tie.
+fn compare(fixture: &str, ty: OutType) -> Option<Errors> {
+    let path = converted(fixture, ty);
+    let gpu_model = load_gpu(&path)?;
+    let cpu_model = Model::load(&path, &LoadOptions { backend: Backend::Cpu, ..Default::default() }).unwrap();
+    let dir = fixture_dir(fixture);
+    let (v, seqs) = sequences(&dir);
+    let (mut gpu, mut cpu) = (State::new(gpu_model.clone()).unwrap(), State::new(cpu_model).unwrap());
+    let mut errors = Errors::default();
+    for seq in &seqs {
+        let (expected, first_tie) = (&seq.logits, seq.first_tie);
+        gpu.reset();
+        cpu.reset();
+        for (pos, &tok) in seq.tokens.iter().enumerate().take_while(|(p, _)| *p < first_tie) {
+            gpu.decode(tok).unwrap();
+            cpu.decode(tok).unwrap();
+            let g = gpu.logits().unwrap();
+            assert!(g.iter().all(|x| x.is_finite()), "{fixture} {ty:?} {}: non-finite logits at {pos}", seq.name);
+            errors.vs_cpu.push(rel_err(g, cpu.logits().unwrap()));
+            errors.vs_ref.push(rel_err(g, &expected[pos * v..(pos + 1) * v]));
+        }
+    }
+    let stats = gpu.gpu_stats().unwrap();
+    assert_eq!(stats.submits, 1, "one submission per token");
+    println!(
+        "{fixture} {ty:?}: GPU vs CPU max {:.3e} median {:.3e}; GPU vs transformers max {:.3e} median {:.3e}; \
+         {} positions; {} dispatches, {} submit per token",
+        worst(&errors.vs_cpu),
+        median(&errors.vs_cpu),
+        worst(&errors.vs_ref),
+        median(&errors.vs_ref),
+        errors.vs_cpu.len(),
+        stats.dispatches,
+        stats.submits
+    );
+    assert_eq!(flashnext::vulkan::validation_errors(), 0, "Vulkan validation errors (printed above)");
+    std::fs::remove_dir_all(path.parent().unwrap()).ok();
+    Some(errors)
+}
+
+const GPU_VS_CPU: f32 = 2e-4;
+
+const FIXTURES: [&str; 3] = ["tiny_flat", "tiny_native", "tiny_nested"];
+
+#[test]
+fn f32_matches_cpu_and_transformers() {
+    for f in FIXTURES {
+        let Some(e) = compare(f, OutType::F32) else { return };
+        assert!(worst(&e.vs_cpu) <= GPU_VS_CPU, "{f}: GPU vs CPU {}", worst(&e.vs_cpu));
+        assert!(worst(&e.vs_ref) <= 1e-4, "{f}: GPU vs transformers {}", worst(&e.vs_ref));
+    }
+}
+
+/// The reduced types: the CPU twin's bound, and against the reference the
+/// median / max bounds tests/reference.rs states for the CPU.
+fn reduced(ty: OutType, median_bound: f32, max_bound: f32) {
+    for f in FIXTURES {
+        let Some(e) = compare(f, ty) else { return };
+        assert!(worst(&e.vs_cpu) <= GPU_VS_CPU, "{f} {ty:?}: GPU vs CPU {}", worst(&e.vs_cpu));
+        assert!(median(&e.vs_ref) <= median_bound, "{f} {ty:?}: median vs transformers {}", median(&e.vs_ref));
+        assert!(worst(&e.vs_ref) <= max_bound, "{f} {ty:?}: max vs transformers {}", worst(&e.vs_ref));
+    }
+}
+
+#[test]
+fn f16_within_bound() {
+    reduced(OutType::F16, 5e-3, 0.4);
+}
+
+#[test]
+fn bf16_within_bound() {
+    reduced(OutType::BF16, 0.08, 0.8);
+}
+
+#[test]
+fn q8_0_within_bound() {
+    reduced(OutType::Q8_0, 0.2, 1.0);
+}

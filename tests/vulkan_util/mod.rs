@@ -1,0 +1,57 @@
+//! Helpers shared by the Vulkan tests: fixtures converted to GGUF, the GPU
+//! model (or a printed skip when no Vulkan device exists and none is
+//! required), the relative error.
+
+#![allow(dead_code)]
+
+use flashnext::convert::{convert, ConvertOptions, OutType};
+use flashnext::model::{Backend, LoadOptions, Model};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// `FNX_REPO_DIR` lets a test binary built elsewhere find the fixtures (scripts/h200-vulkan.sh).
+pub fn fixture_dir(name: &str) -> PathBuf {
+    let root = std::env::var("FNX_REPO_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").into());
+    Path::new(&root).join("tests/fixtures").join(name)
+}
+
+pub fn read_f32(path: &Path) -> Vec<f32> {
+    std::fs::read(path).unwrap().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+}
+
+pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+}
+
+/// The two ways Vulkan can be missing altogether (any other failure is a bug).
+fn is_absent(why: &str) -> bool {
+    why.contains("cannot load the Vulkan loader") || why.contains("no Vulkan device found")
+}
+
+/// The GPU model, or `None` (after saying why) when no Vulkan device exists
+/// and none is required.
+
+pub fn load_gpu(path: &Path) -> Option<Arc<Model>> {
+    std::env::set_var("FNX_VULKAN_VALIDATION", "1");
+    let opts = LoadOptions { backend: Backend::Vulkan, ..Default::default() };
+    match Model::load(path, &opts) {
+        Ok(m) => Some(m),
+        Err(flashnext::Error::Backend(why))
+            if std::env::var("FNX_REQUIRE_VULKAN").as_deref() != Ok("1") && is_absent(&why) =>
+        {
+            println!("SKIPPED: no usable Vulkan device ({why}); set FNX_REQUIRE_VULKAN=1 to make this a failure");
+            None
+        }
+        Err(e) => panic!("loading for Vulkan: {e}"),
+    }
+}
+
+pub fn converted(fixture: &str, ty: OutType) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("flashnext-vk-{}-{fixture}-{ty:?}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let gguf = dir.join("model.gguf");
+    convert(&fixture_dir(fixture).join("hf"), &gguf, &ConvertOptions { out_type: ty, ..Default::default() }).unwrap();
+    gguf
+}
+
