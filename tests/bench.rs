@@ -29,6 +29,8 @@ fn small_model(name: &str) -> std::path::PathBuf {
 #[test]
 fn bench_on_vulkan_reports_the_backend() {
     let path = small_model("vulkan");
+    // The Khronos validation layer checks every call, timestamps included.
+    std::env::set_var("FNX_VULKAN_VALIDATION", "1");
     let opts = BenchOptions { backend: Backend::Vulkan, gen: 2, warmup: 1, ..BenchOptions::new(&path) };
     let result = bench::run(&opts);
     let _ = std::fs::remove_file(&path);
@@ -45,6 +47,13 @@ fn bench_on_vulkan_reports_the_backend() {
     assert!(s.dispatches_per_token.unwrap() > 10.0, "{s:?}");
     assert!(s.device.is_some() && s.peak_vram_bytes.unwrap() > 0, "{s:?}");
     assert_eq!(r.bound.bandwidth_gbs, bench::H200_VULKAN_GBS);
+    // GPU time per pipeline, from timestamps: the matrix-vector products are among them.
+    let stages = s.stage_ms.as_ref().expect("stage times on Vulkan");
+    assert!(stages.iter().any(|(n, _)| n.starts_with("matvec")), "{stages:?}");
+    assert!(stages.iter().all(|(_, ms)| ms.is_finite() && *ms >= 0.0), "{stages:?}");
+    assert!(stages.iter().map(|(_, ms)| ms).sum::<f64>() > 0.0, "{stages:?}");
+    assert!(r.summary().contains("stages: "), "{}", r.summary());
+    assert_eq!(flashnext::vulkan::validation_errors(), 0, "Vulkan validation errors (printed above)");
 }
 
 #[test]

@@ -161,6 +161,33 @@ pub struct BenchReport {
     pub backend_stats: BackendStats,
 }
 
+/// Tokens decoded with GPU timestamps on, after the timed ones (the
+/// timestamps cost a little, so the timed tokens run without them).
+const PROFILED_TOKENS: usize = 4;
+
+/// GPU milliseconds per pipeline, averaged over [`PROFILED_TOKENS`] more
+/// tokens; `None` on the CPU.
+fn gpu_stage_times(state: &mut State) -> Result<Option<Vec<(String, f64)>>> {
+    if state.gpu_stats().is_none() {
+        return Ok(None);
+    }
+    state.enable_gpu_timestamps()?;
+    let mut sum: Vec<(String, f64)> = Vec::new();
+    for _ in 0..PROFILED_TOKENS {
+        let next = crate::sampling::argmax(state.logits().expect("the prompt was decoded")).unwrap_or(0);
+        state.decode(next)?;
+        for &(name, ms) in state.gpu_stage_ms() {
+            match sum.iter_mut().find(|(n, _)| n == name) {
+                Some((_, t)) => *t += ms,
+                None => sum.push((name.to_string(), ms)),
+            }
+        }
+    }
+    sum.iter_mut().for_each(|(_, t)| *t /= PROFILED_TOKENS as f64);
+    sum.sort_by(|a, b| b.1.total_cmp(&a.1));
+    Ok(Some(sum))
+}
+
 /// What the backend of `state` can tell (nothing, for the CPU).
 fn backend_stats(model: &Model, state: &State, opts: &BenchOptions) -> BackendStats {
     let (Some(gpu), Some(token)) = (model.gpu.as_ref(), state.gpu_stats()) else {
@@ -210,9 +237,10 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
         }
     }
     let decode = Rates::from_seconds(&per_token);
+    let stage_ms = gpu_stage_times(&mut state)?;
     // Before the bandwidth measurement, whose buffer would dominate it.
     let peak_rss = peak_rss_bytes();
-    let stats = backend_stats(&model, &state, opts);
+    let stats = BackendStats { stage_ms, ..backend_stats(&model, &state, opts) };
     let threads = if opts.threads == 0 {
         rayon::current_num_threads()
     } else {

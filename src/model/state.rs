@@ -86,6 +86,21 @@ impl State {
         self.gpu.as_ref().map(|g| g.stats())
     }
 
+    /// Times every GPU dispatch of the following tokens (opt-in: the
+    /// timestamps cost a little); an error on a CPU state or a device that
+    /// cannot time compute work.
+    pub fn enable_gpu_timestamps(&mut self) -> Result<()> {
+        match self.gpu.as_mut() {
+            Some(g) => g.enable_timestamps(),
+            None => Err(Error::arg("GPU timestamps: this state decodes on the CPU")),
+        }
+    }
+
+    /// GPU milliseconds per pipeline of the last token, once timestamps are enabled.
+    pub fn gpu_stage_ms(&self) -> &[(&'static str, f64)] {
+        self.gpu.as_ref().map_or(&[], |g| g.stage_ms())
+    }
+
     /// Forgets the sequence: zeroes the recurrent states, empties the caches.
     pub fn reset(&mut self) {
         if let Some(g) = self.gpu.as_mut() {

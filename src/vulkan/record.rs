@@ -24,7 +24,12 @@ pub(crate) struct Recorder<'a> {
     pipes: &'a Pipelines,
     pub cmd: vk::CommandBuffer,
     pub stats: TokenStats,
+    /// When profiling: the query pool and the pipeline of each timestamp after the first.
+    timestamps: Option<(vk::QueryPool, Vec<Pipe>)>,
 }
+
+/// Timestamps one token may write when profiling (one per dispatch, plus the start).
+pub(crate) const MAX_TIMESTAMPS: u32 = 8192;
 
 /// Workgroups along x that cover `n` rows; beyond the device limit the
 /// rest go to z (the shaders index row = x + z * num_x).
@@ -35,7 +40,24 @@ fn grid(ctx: &Context, n: usize, y: u32) -> [u32; 3] {
 
 impl<'a> Recorder<'a> {
     pub fn new(ctx: &'a Context, pipes: &'a Pipelines, cmd: vk::CommandBuffer) -> Self {
-        Recorder { ctx, pipes, cmd, stats: TokenStats::default() }
+        Recorder { ctx, pipes, cmd, stats: TokenStats::default(), timestamps: None }
+    }
+
+    /// Writes a timestamp after every dispatch into `pool` (reset here), for
+    /// [`Recorder::profiled`] to name afterwards.
+    pub fn profile_into(&mut self, pool: vk::QueryPool) {
+        let d = &self.ctx.device;
+        // SAFETY: recording; the pool holds MAX_TIMESTAMPS queries.
+        unsafe {
+            d.cmd_reset_query_pool(self.cmd, pool, 0, MAX_TIMESTAMPS);
+            d.cmd_write_timestamp(self.cmd, vk::PipelineStageFlags::COMPUTE_SHADER, pool, 0);
+        }
+        self.timestamps = Some((pool, Vec::new()));
+    }
+
+    /// The pipelines timed, in order (empty when not profiling).
+    pub fn profiled(&self) -> &[Pipe] {
+        self.timestamps.as_ref().map_or(&[], |(_, p)| p)
     }
 
     pub fn dispatch<P: Push>(&mut self, pipe: Pipe, sets: &[vk::DescriptorSet], push: &P, groups: [u32; 3]) {
@@ -52,6 +74,13 @@ impl<'a> Recorder<'a> {
             d.cmd_bind_descriptor_sets(self.cmd, vk::PipelineBindPoint::COMPUTE, layout, 0, sets, &[]);
             d.cmd_push_constants(self.cmd, layout, vk::ShaderStageFlags::COMPUTE, 0, push.bytes());
             d.cmd_dispatch(self.cmd, groups[0], groups[1], groups[2]);
+        }
+        if let Some((pool, timed)) = self.timestamps.as_mut().filter(|(_, t)| (t.len() as u32) < MAX_TIMESTAMPS - 1) {
+            timed.push(pipe);
+            // SAFETY: recording; the query index is below MAX_TIMESTAMPS.
+            unsafe {
+                d.cmd_write_timestamp(self.cmd, vk::PipelineStageFlags::COMPUTE_SHADER, *pool, timed.len() as u32)
+            };
         }
         self.stats.dispatches += 1;
         self.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
@@ -153,5 +182,54 @@ impl Drop for DescriptorPool {
     fn drop(&mut self) {
         // SAFETY: no pending command buffer uses the pool's sets.
         unsafe { self.device.destroy_descriptor_pool(self.raw, None) };
+    }
+}
+
+/// A query pool for per-dispatch GPU timestamps (profiling is opt-in: the
+/// timestamps themselves cost a little per dispatch).
+pub(crate) struct Timestamps {
+    ctx: std::sync::Arc<Context>,
+    pub pool: vk::QueryPool,
+}
+
+impl Timestamps {
+    /// An error when the device cannot time compute work.
+    pub fn new(ctx: &std::sync::Arc<Context>) -> Result<Timestamps> {
+        if ctx.limits.timestamp_compute_and_graphics == vk::FALSE {
+            return Err(crate::Error::Backend("this Vulkan device cannot time compute work".into()));
+        }
+        let info = vk::QueryPoolCreateInfo::default().query_type(vk::QueryType::TIMESTAMP).query_count(MAX_TIMESTAMPS);
+        // SAFETY: a valid device and create info.
+        let pool = unsafe { ctx.device.create_query_pool(&info, None) }.map_err(err("creating a timestamp query pool"))?;
+        Ok(Timestamps { ctx: ctx.clone(), pool })
+    }
+
+    /// Milliseconds spent in each pipeline, summed over its dispatches, in
+    /// order of first use, for the dispatches `timed` of the finished token.
+    pub fn read(&self, timed: &[Pipe]) -> Result<Vec<(&'static str, f64)>> {
+        let mut ticks = vec![0u64; timed.len() + 1];
+        // SAFETY: the token's submission was waited for; the queries were written.
+        unsafe {
+            self.ctx.device.get_query_pool_results(self.pool, 0, &mut ticks, vk::QueryResultFlags::TYPE_64 | vk::QueryResultFlags::WAIT)
+        }
+        .map_err(err("reading GPU timestamps"))?;
+        let ms_per_tick = self.ctx.limits.timestamp_period as f64 * 1e-6;
+        let mut stages: Vec<(&'static str, f64)> = Vec::new();
+        for (pipe, w) in timed.iter().zip(ticks.windows(2)) {
+            let ms = w[1].saturating_sub(w[0]) as f64 * ms_per_tick;
+            let name = pipe.spec().name;
+            match stages.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, t)) => *t += ms,
+                None => stages.push((name, ms)),
+            }
+        }
+        Ok(stages)
+    }
+}
+
+impl Drop for Timestamps {
+    fn drop(&mut self) {
+        // SAFETY: no submission using the pool is pending (every token is waited for).
+        unsafe { self.ctx.device.destroy_query_pool(self.pool, None) };
     }
 }

@@ -12,7 +12,7 @@
 use super::buffer::{Buffer, Commands};
 use super::model::{GpuHyper, GpuMixer, GpuModel};
 use super::pipelines::*;
-use super::record::{DescriptorPool, Recorder, TokenStats};
+use super::record::{DescriptorPool, Recorder, Timestamps, TokenStats};
 use crate::error::{Error, Result};
 use crate::model::ops::Rope;
 use crate::model::{Config, LayerKind, Model};
@@ -163,6 +163,10 @@ pub struct GpuState {
     sets: Vec<vk::DescriptorSet>,
     n_ctx: usize,
     stats: TokenStats,
+    /// Per-dispatch timestamps when profiling ([`GpuState::enable_timestamps`]).
+    timestamps: Option<Timestamps>,
+    /// Milliseconds per pipeline of the last token, when profiling.
+    stage_ms: Vec<(&'static str, f64)>,
     _pool: DescriptorPool,
     upload: Buffer,
     readback: Buffer,
@@ -225,6 +229,8 @@ impl GpuState {
             sets,
             n_ctx,
             stats: TokenStats::default(),
+            timestamps: None,
+            stage_ms: Vec::new(),
             _pool: pool,
             upload,
             readback,
@@ -239,6 +245,21 @@ impl GpuState {
     /// GPU work of the last decoded token.
     pub fn stats(&self) -> TokenStats {
         self.stats
+    }
+
+    /// Times every dispatch of the following tokens on the GPU (see
+    /// [`GpuState::stage_ms`]); an error when the device cannot.
+    pub fn enable_timestamps(&mut self) -> Result<()> {
+        if self.timestamps.is_none() {
+            self.timestamps = Some(Timestamps::new(self.scratch.context_arc())?);
+        }
+        Ok(())
+    }
+
+    /// GPU milliseconds per pipeline (summed over its dispatches) of the last
+    /// token, when timestamps are enabled; otherwise empty.
+    pub fn stage_ms(&self) -> &[(&'static str, f64)] {
+        &self.stage_ms
     }
 
     /// Zeroes every recurrent state and cache.
@@ -271,6 +292,9 @@ impl GpuState {
         self.write_inputs(model, token, pos, ple_rows);
         self.cmds.begin()?;
         let mut rec = Recorder::new(&g.ctx, &g.pipes, self.cmds.cmd);
+        if let Some(t) = &self.timestamps {
+            rec.profile_into(t.pool);
+        }
         let l = &self.layout;
         let input_bytes = (l.input_len * 4) as u64;
         // SAFETY: recording; regions lie inside both buffers.
@@ -293,6 +317,9 @@ impl GpuState {
         self.cmds.submit()?;
         stats.submits = 1;
         self.stats = stats;
+        if let Some(t) = &self.timestamps {
+            self.stage_ms = t.read(rec.profiled())?;
+        }
         let bytes = &self.readback.mapped()[..logits_bytes as usize];
         Ok(bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect())
     }
