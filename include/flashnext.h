@@ -19,7 +19,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// Let flashnext choose (today: the CPU).
+// Let flashnext choose: a hardware GPU through Vulkan when one can hold the
+// model, else the CPU (`fnx_model_backend` says which was taken).
 #define FNX_BACKEND_AUTO 0
 
 // The CPU backend.
@@ -336,6 +337,14 @@ size_t fnx_model_context_length(const struct fnx_model *model);
 // # Safety
 // `model` must be NULL or a live handle from `fnx_load`.
 size_t fnx_model_n_layers(const struct fnx_model *model);
+
+// The backend the model computes on: `FNX_BACKEND_CPU` or
+// `FNX_BACKEND_VULKAN` (what `FNX_BACKEND_AUTO` resolved to; the load log
+// line says why); 0 if `model` is NULL.
+//
+// # Safety
+// `model` must be NULL or a live handle from `fnx_load`.
+int32_t fnx_model_backend(const struct fnx_model *model);
 
 // Width of the hidden state.
 //

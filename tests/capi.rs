@@ -105,6 +105,19 @@ fn context_limit_is_enforced() {
 }
 
 #[test]
+fn the_backend_taken_is_reported() {
+    let mut p = fnx_load_params_default();
+    p.backend = FNX_BACKEND_CPU;
+    let m = load(fixture_gguf(), Some(&p)).unwrap();
+    // SAFETY: live handle, then NULL (which answers 0).
+    unsafe {
+        assert_eq!(fnx_model_backend(m), FNX_BACKEND_CPU);
+        assert_eq!(fnx_model_backend(std::ptr::null()), 0);
+        fnx_free_model(m);
+    }
+}
+
+#[test]
 fn load_params_are_checked() {
     let mut p = fnx_load_params_default();
     p.struct_size = 3;

@@ -123,6 +123,18 @@ fn split_copies_budget_and_overrides() {
         Err(flashnext::Error::Backend(m)) => assert!(m.contains("device 99"), "{m}"),
         other => panic!("FNX_DEVICE=99 must be unavailable: {:?}", other.map(|_| ())),
     }
+    // Auto never fails: device 99 does not exist, so the CPU, and the note says why.
+    std::env::set_var("FNX_BACKEND", "auto");
+    let m = Model::load(&path, &LoadOptions::default()).unwrap();
+    assert!(m.gpu.is_none() && m.backend_note().contains("device 99"), "{}", m.backend_note());
+    std::env::remove_var("FNX_DEVICE");
+    // Auto takes a hardware GPU, never a software one such as lavapipe.
+    let hardware = flashnext::vulkan::probe().unwrap().iter().any(|d| {
+        matches!(d.kind, flashnext::vulkan::DeviceKind::Discrete | flashnext::vulkan::DeviceKind::Integrated)
+    });
+    let m = Model::load(&path, &LoadOptions::default()).unwrap();
+    assert_eq!(m.gpu.is_some(), hardware, "{}", m.backend_note());
+    assert!(m.backend_note().starts_with(if hardware { "vulkan on" } else { "cpu (auto: no hardware GPU" }), "{}", m.backend_note());
     for v in ["FNX_VRAM_BUDGET_MB", "FNX_BACKEND", "FNX_DEVICE"] {
         std::env::remove_var(v);
     }

@@ -10,7 +10,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// Let flashnext choose (today: the CPU).
+/// Let flashnext choose: a hardware GPU through Vulkan when one can hold the
+/// model, else the CPU (`fnx_model_backend` says which was taken).
 pub const FNX_BACKEND_AUTO: i32 = 0;
 /// The CPU backend.
 pub const FNX_BACKEND_CPU: i32 = 1;
@@ -252,7 +253,7 @@ fn describe(path: &str, m: &Model, took: std::time::Duration) -> String {
     let types: Vec<String> = m.tensor_types().iter().map(|(ty, n)| format!("{n} {ty}")).collect();
     format!(
         "loaded {path}: {} layers ({gdn} Gated DeltaNet, {} attention), vocab {}, hidden {}, \
-         {} experts ({} per token), context {}; tensors: {}; {:.1} MiB in {:.1} ms",
+         {} experts ({} per token), context {}; tensors: {}; {:.1} MiB in {:.1} ms; backend: {}",
         c.n_layers,
         c.n_layers - gdn,
         c.vocab,
@@ -262,7 +263,8 @@ fn describe(path: &str, m: &Model, took: std::time::Duration) -> String {
         m.n_ctx,
         types.join(", "),
         m.file_size() as f64 / (1024.0 * 1024.0),
-        took.as_secs_f64() * 1e3
+        took.as_secs_f64() * 1e3,
+        m.backend_note()
     )
 }
 
@@ -331,6 +333,17 @@ pub unsafe extern "C" fn fnx_model_context_length(model: *const fnx_model) -> us
 #[no_mangle]
 pub unsafe extern "C" fn fnx_model_n_layers(model: *const fnx_model) -> usize {
     fact(model, "fnx_model_n_layers", |m| m.config.n_layers as u64) as usize
+}
+
+/// The backend the model computes on: `FNX_BACKEND_CPU` or
+/// `FNX_BACKEND_VULKAN` (what `FNX_BACKEND_AUTO` resolved to; the load log
+/// line says why); 0 if `model` is NULL.
+///
+/// # Safety
+/// `model` must be NULL or a live handle from `fnx_load`.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_model_backend(model: *const fnx_model) -> i32 {
+    fact(model, "fnx_model_backend", |m| if m.gpu.is_some() { FNX_BACKEND_VULKAN } else { FNX_BACKEND_CPU } as u64) as i32
 }
 
 /// Width of the hidden state.

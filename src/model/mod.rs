@@ -40,10 +40,8 @@ pub const LOAD_CANCELLED: &str = "loading cancelled by the progress callback";
 /// Where a model computes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Backend {
-    /// The CPU for now. Choosing Vulkan here needs a device probe, which
-    /// loads a driver into every process (lavapipe's own allocations then
-    /// show as leaks under LeakSanitizer) and must pick a GPU that beats the
-    /// CPU; until that policy exists, ask for `Vulkan` explicitly.
+    /// A hardware GPU through Vulkan when one can hold the model, else the
+    /// CPU (see [`auto_device`]); [`Model::backend_note`] says which and why.
     #[default]
     Auto,
     Cpu,
@@ -115,15 +113,99 @@ fn env_value(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
-/// Loads the weights onto a Vulkan device when `opts` asks for it; an error
-/// when Vulkan was requested and cannot be used.
-fn load_gpu(config: &Config, weights: &Weights, opts: &LoadOptions) -> Result<Option<crate::vulkan::GpuModel>> {
-    let choice =
-        crate::vulkan::DeviceChoice { index: opts.device_index, budget: opts.vram_budget_mb.saturating_mul(1 << 20) };
+/// Loads the weights onto a Vulkan device when `opts` asks for it, and says
+/// where the model computes. An error only when Vulkan was requested
+/// explicitly and cannot be used; `Auto` falls back to the CPU.
+fn load_gpu(
+    config: &Config,
+    weights: &Weights,
+    gpu_bytes: u64,
+    opts: &LoadOptions,
+) -> Result<(Option<crate::vulkan::GpuModel>, String)> {
+    let choice = |index| crate::vulkan::DeviceChoice { index, budget: opts.vram_budget_mb.saturating_mul(1 << 20) };
     match opts.backend {
-        Backend::Cpu | Backend::Auto => Ok(None),
-        Backend::Vulkan => crate::vulkan::GpuModel::load(config, weights, &choice).map(Some),
+        Backend::Cpu => Ok((None, "cpu (requested)".into())),
+        Backend::Vulkan => {
+            let gpu = crate::vulkan::GpuModel::load(config, weights, &choice(opts.device_index))?;
+            let note = format!("vulkan on {} (requested)", gpu.device_name());
+            Ok((Some(gpu), note))
+        }
+        Backend::Auto => {
+            let picked = crate::vulkan::probe().map_err(|e| e.to_string()).and_then(|devices| {
+                auto_device(&devices, opts.device_index, gpu_bytes, opts.vram_budget_mb.saturating_mul(1 << 20))
+            });
+            match picked.and_then(|i| crate::vulkan::GpuModel::load(config, weights, &choice(i)).map_err(|e| e.to_string())) {
+                Ok(gpu) => {
+                    let note = format!("vulkan on {} (auto)", gpu.device_name());
+                    Ok((Some(gpu), note))
+                }
+                Err(why) => Ok((None, format!("cpu (auto: {why})"))),
+            }
+        }
     }
+}
+
+/// The Vulkan device `Backend::Auto` uses, or why none: a hardware GPU
+/// (discrete first, then integrated; software and virtual devices such as
+/// lavapipe are never chosen automatically, they are slower than our CPU
+/// path) whose largest device-local heap, capped by `budget` (0 = none),
+/// holds the `need` bytes of weights uploaded plus an eighth and 512 MiB for
+/// caches and scratch. `index` other than 0 restricts the choice to that
+/// device. Every routed expert must be resident today, so a model larger
+/// than the device stays on the CPU.
+pub fn auto_device(
+    devices: &[crate::vulkan::DeviceInfo],
+    index: usize,
+    need: u64,
+    budget: u64,
+) -> std::result::Result<usize, String> {
+    use crate::vulkan::DeviceKind;
+    let hardware = |d: &&crate::vulkan::DeviceInfo| matches!(d.kind, DeviceKind::Discrete | DeviceKind::Integrated);
+    let candidate = if index != 0 {
+        let d = devices.get(index).ok_or_else(|| format!("Vulkan device {index} requested, but only {} exist", devices.len()))?;
+        Some(d).filter(hardware).ok_or_else(|| format!("Vulkan device {index} ({}) is not a hardware GPU", d.name))?
+    } else {
+        let first = |k| devices.iter().find(|d| d.kind == k);
+        first(DeviceKind::Discrete).or_else(|| first(DeviceKind::Integrated)).ok_or_else(|| {
+            let names: Vec<String> = devices.iter().map(|d| format!("{} ({:?})", d.name, d.kind)).collect();
+            if names.is_empty() {
+                "no Vulkan device".to_string()
+            } else {
+                format!("no hardware GPU among {}", names.join(", "))
+            }
+        })?
+    };
+    let room = match budget {
+        0 => candidate.device_local_bytes,
+        b => b.min(candidate.device_local_bytes),
+    };
+    let want = need.saturating_add(need / 8).saturating_add(512 << 20);
+    if want > room {
+        const GIB: f64 = (1u64 << 30) as f64;
+        return Err(format!(
+            "{} has {:.1} GiB for the model, which needs {:.1} GiB on the device",
+            candidate.name,
+            room as f64 / GIB,
+            want as f64 / GIB
+        ));
+    }
+    Ok(candidate.index)
+}
+
+/// Bytes of the tensors the Vulkan backend uploads: all but the token
+/// embedding (rows are gathered on the host, unless it doubles as the LM
+/// head) and the PLE table (rows are gathered on the host).
+fn gpu_weight_bytes(file: &GgufFile) -> u64 {
+    let tied = !file.tensors.iter().any(|t| t.name == "output.weight");
+    file.tensors
+        .iter()
+        .filter(|t| match t.name.as_str() {
+            "per_layer_token_embd.weight" => false,
+            "token_embd.weight" => tied,
+            _ => true,
+        })
+        .map(|t| t.nbytes as u64)
+        .sum()
 }
 
 /// Layer index of a tensor named `blk.N.*`, if any.
@@ -147,6 +229,8 @@ pub struct Model {
     file_size: u64,
     /// The weights on a Vulkan device, when the model was loaded for one.
     pub gpu: Option<crate::vulkan::GpuModel>,
+    /// Where the model computes and why (see [`Model::backend_note`]).
+    backend_note: String,
     /// Number of tensors of each type in the file, most common first.
     tensor_types: Vec<(GgmlType, usize)>,
 }
@@ -212,10 +296,11 @@ impl Model {
         } else {
             None
         };
-        let gpu = load_gpu(&config, &weights, opts)?;
+        let (gpu, backend_note) = load_gpu(&config, &weights, gpu_weight_bytes(&file), opts)?;
         opts.report(1.0)?;
         Ok(Arc::new(Model {
             gpu,
+            backend_note,
             config,
             weights,
             metadata: file.metadata,
@@ -241,6 +326,12 @@ impl Model {
     /// Size of the model image in bytes.
     pub fn file_size(&self) -> u64 {
         self.file_size
+    }
+
+    /// Where the model computes and why, e.g. `vulkan on NVIDIA H200 (auto)`
+    /// or `cpu (auto: no hardware GPU among llvmpipe (Cpu))`.
+    pub fn backend_note(&self) -> &str {
+        &self.backend_note
     }
 
     /// Number of tensors of each type in the file, most common first.
@@ -285,5 +376,37 @@ impl Model {
             Some(p) => p.install(f),
             None => f(),
         }
+    }
+}
+
+#[cfg(test)]
+mod auto_tests {
+    use super::auto_device;
+    use crate::vulkan::{DeviceInfo, DeviceKind};
+
+    const GIB: u64 = 1 << 30;
+
+    fn dev(index: usize, kind: DeviceKind, gib: u64) -> DeviceInfo {
+        DeviceInfo { index, name: format!("dev{index}"), kind, device_local_bytes: gib * GIB }
+    }
+
+    #[test]
+    fn auto_prefers_a_discrete_gpu_that_holds_the_model() {
+        let devices = [dev(0, DeviceKind::Cpu, 64), dev(1, DeviceKind::Integrated, 16), dev(2, DeviceKind::Discrete, 24)];
+        assert_eq!(auto_device(&devices, 0, 8 * GIB, 0), Ok(2));
+        assert_eq!(auto_device(&devices, 1, 8 * GIB, 0), Ok(1), "an explicit index is honoured");
+        // 21 GiB + 1/8 + 512 MiB does not fit 24 GiB; nor 8 GiB in a 4 GiB budget.
+        assert!(auto_device(&devices, 0, 21 * GIB, 0).unwrap_err().contains("dev2 has 24.0 GiB"));
+        assert!(auto_device(&devices, 0, 8 * GIB, 4 * GIB).unwrap_err().contains("4.0 GiB"));
+    }
+
+    #[test]
+    fn auto_never_picks_a_software_device() {
+        let lavapipe = [dev(0, DeviceKind::Cpu, 64)];
+        assert!(auto_device(&lavapipe, 0, GIB, 0).unwrap_err().starts_with("no hardware GPU among dev0 (Cpu)"));
+        assert!(auto_device(&lavapipe, 3, GIB, 0).unwrap_err().contains("only 1 exist"));
+        assert_eq!(auto_device(&[], 0, GIB, 0).unwrap_err(), "no Vulkan device");
+        let virt = [dev(0, DeviceKind::Virtual, 64), dev(1, DeviceKind::Other, 64)];
+        assert!(auto_device(&virt, 1, GIB, 0).unwrap_err().contains("not a hardware GPU"));
     }
 }

@@ -58,6 +58,77 @@ fn entry() -> Result<&'static ash::Entry> {
         .map_err(|e| Error::Backend(format!("cannot load the Vulkan loader (libvulkan.so.1): {e}; install libvulkan1 and a driver")))
 }
 
+/// What kind of device a physical device is (Vulkan's `VkPhysicalDeviceType`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    Discrete,
+    Integrated,
+    Virtual,
+    /// A software rasterizer such as Mesa's lavapipe.
+    Cpu,
+    Other,
+}
+
+/// One device as [`probe`] sees it.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    pub index: usize,
+    pub name: String,
+    pub kind: DeviceKind,
+    /// Size of the largest device-local memory heap, in bytes.
+    pub device_local_bytes: u64,
+}
+
+/// Lists the Vulkan devices without opening any, once per process (the
+/// answer is kept: creating an instance costs tens of milliseconds with some
+/// drivers). Fails when there is no loader or no driver.
+pub fn probe() -> Result<Vec<DeviceInfo>> {
+    static DEVICES: std::sync::OnceLock<std::result::Result<Vec<DeviceInfo>, String>> = std::sync::OnceLock::new();
+    DEVICES.get_or_init(|| list_devices().map_err(|e| e.to_string())).clone().map_err(Error::Backend)
+}
+
+fn list_devices() -> Result<Vec<DeviceInfo>> {
+    let entry = entry()?;
+    let app = vk::ApplicationInfo::default().application_name(c"flashnext").api_version(vk::API_VERSION_1_1);
+    let info = vk::InstanceCreateInfo::default().application_info(&app);
+    // SAFETY: plain creation and queries with valid create infos; nothing
+    // derived from the instance escapes.
+    unsafe {
+        let instance = entry.create_instance(&info, None).map_err(err("creating the instance"))?;
+        let listed = instance.enumerate_physical_devices().map_err(err("listing devices"));
+        let devices = listed.map(|devices| {
+            devices
+                .iter()
+                .enumerate()
+                .map(|(index, &physical)| {
+                    let props = instance.get_physical_device_properties(physical);
+                    let memory = instance.get_physical_device_memory_properties(physical);
+                    let device_local_bytes = memory.memory_heaps[..memory.memory_heap_count as usize]
+                        .iter()
+                        .filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))
+                        .map(|h| h.size)
+                        .max()
+                        .unwrap_or(0);
+                    let kind = match props.device_type {
+                        vk::PhysicalDeviceType::DISCRETE_GPU => DeviceKind::Discrete,
+                        vk::PhysicalDeviceType::INTEGRATED_GPU => DeviceKind::Integrated,
+                        vk::PhysicalDeviceType::VIRTUAL_GPU => DeviceKind::Virtual,
+                        vk::PhysicalDeviceType::CPU => DeviceKind::Cpu,
+                        _ => DeviceKind::Other,
+                    };
+                    let name = props.device_name_as_c_str().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                    DeviceInfo { index, name, kind, device_local_bytes }
+                })
+                .collect()
+        });
+        // The instance is kept for the life of the process, like the loader:
+        // destroying it unloads the driver, and Mesa's lavapipe then leaks an
+        // allocation that LeakSanitizer reports against no library.
+        std::mem::forget(instance);
+        devices
+    }
+}
+
 pub(crate) struct Context {
     pub instance: ash::Instance,
     debug: Option<(ash::ext::debug_utils::Instance, vk::DebugUtilsMessengerEXT)>,

@@ -40,7 +40,7 @@ mod state;
 #[cfg(test)]
 mod twins;
 
-pub use device::{validation_errors, DeviceChoice};
+pub use device::{probe, validation_errors, DeviceChoice, DeviceInfo, DeviceKind};
 pub use model::GpuModel;
 pub use record::TokenStats;
 pub use state::GpuState;

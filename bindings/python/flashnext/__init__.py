@@ -242,6 +242,7 @@ _FUNCTIONS = {
     "fnx_model_context_length": (c_size_t, [_ModelP]),
     "fnx_model_n_layers": (c_size_t, [_ModelP]),
     "fnx_model_hidden_size": (c_size_t, [_ModelP]),
+    "fnx_model_backend": (c_int32, [_ModelP]),
     "fnx_model_eos_token": (c_int64, [_ModelP]),
     # state
     "fnx_new_state": (fnx_status, [_ModelP, POINTER(_StateP)]),
@@ -567,6 +568,11 @@ class Model:
     @property
     def hidden_size(self):
         return _lib.fnx_model_hidden_size(self._handle())
+
+    @property
+    def backend(self):
+        """BACKEND_CPU or BACKEND_VULKAN: where the model computes."""
+        return _lib.fnx_model_backend(self._handle())
 
     @property
     def eos_token(self):
