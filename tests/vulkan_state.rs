@@ -58,6 +58,15 @@ fn split_and_copies(path: &Path, gpu_model: std::sync::Arc<Model>) {
         }
     }
     assert!(rel_err(&logits(&gpu), &logits(&cpu)) <= 1e-4, "decode_tokens after a rollback");
+    if std::env::var("FNX_VULKAN_INITIAL_CAPACITY").is_ok() {
+        assert_eq!(gpu.gpu_capacity(), Some(32), "caches grew from 8 to hold 30 positions");
+        for &t in &seq[30..] {
+            gpu.decode(t).unwrap();
+            cpu.decode(t).unwrap();
+            assert!(rel_err(&logits(&gpu), &logits(&cpu)) <= 1e-4, "after growing to {:?}", gpu.gpu_capacity());
+        }
+        assert_eq!(gpu.gpu_capacity(), Some(64));
+    }
 }
 
 /// `fnx_load` with `FNX_BACKEND_VULKAN`: decodes, and reports a missing
@@ -100,7 +109,11 @@ fn split_copies_budget_and_overrides() {
         s.gpu_stats().unwrap().dispatches
     };
     let split = dispatches(&gpu_model);
+    // Caches that start at 8 positions grow (to 16, 32, 64) during the
+    // copies, rollbacks and snapshots; every logit is still the CPU's.
+    std::env::set_var("FNX_VULKAN_INITIAL_CAPACITY", "8");
     split_and_copies(&path, gpu_model);
+    std::env::remove_var("FNX_VULKAN_INITIAL_CAPACITY");
     std::env::remove_var("FNX_VULKAN_MAX_BINDING_BYTES");
     // At least the LM head (61440 bytes) and the fused attention input
     // projection (104448) split: one more dispatch per extra chunk.

@@ -89,6 +89,12 @@ impl State {
     /// Times every GPU dispatch of the following tokens (opt-in: the
     /// timestamps cost a little); an error on a CPU state or a device that
     /// cannot time compute work.
+    /// Positions the GPU attention caches hold now (they grow with the
+    /// context); `None` on the CPU.
+    pub fn gpu_capacity(&self) -> Option<usize> {
+        self.gpu.as_ref().map(|g| g.capacity())
+    }
+
     pub fn enable_gpu_timestamps(&mut self) -> Result<()> {
         match self.gpu.as_mut() {
             Some(g) => g.enable_timestamps(),
@@ -248,7 +254,7 @@ impl State {
                     LayerState::Attention(a) => vec![a.keys, a.values, a.index_keys, a.block_keys],
                 })
                 .collect();
-            g.import(&self.model.config, pos, &parts, ple.as_ref().map(|p| &p.conv[..]))?;
+            g.import(&self.model, pos, &parts, ple.as_ref().map(|p| &p.conv[..]))?;
         } else {
             self.layers = layers;
         }
@@ -286,7 +292,7 @@ impl State {
             None => None,
             Some(g) => {
                 let mut copy = crate::vulkan::GpuState::new(&self.model)?;
-                copy.restore(&g.save()?)?;
+                copy.restore(&self.model, &g.save()?)?;
                 Some(Box::new(copy))
             }
         };
@@ -343,7 +349,7 @@ impl State {
         if let (Some(g), Some(saved)) = (self.gpu.as_mut(), checkpoint.gpu) {
             // Rollback cannot fail for host states; a failed GPU upload leaves
             // this state unusable, which its next decode reports.
-            let _ = g.restore(&saved);
+            let _ = g.restore(&self.model, &saved);
         }
         self.ple = checkpoint.ple;
         self.logits = checkpoint.logits;
@@ -359,7 +365,7 @@ pub(crate) struct Checkpoint {
     layers: Vec<LayerCheckpoint>,
     ple: Option<PleState>,
     /// The GPU state buffers ([`crate::vulkan::GpuState::save`]).
-    gpu: Option<Vec<Vec<u8>>>,
+    gpu: Option<crate::vulkan::SavedState>,
 }
 
 enum LayerCheckpoint {

@@ -24,9 +24,9 @@
 //! [`TokenStats`] counts each token's dispatches, barriers, submissions and
 //! weight bytes.
 //!
-//! Limits today: attention caches are reserved for `n_ctx` positions at
-//! state creation (one layer's caches must fit one binding); the QSA top-k
-//! is quadratic in the number of blocks; every routed expert must be
+//! Attention caches grow with the context (doubling, up to `n_ctx`; one
+//! layer's caches at `n_ctx` must fit one binding). Limits today: the QSA
+//! top-k is quadratic in the number of blocks; every routed expert must be
 //! resident (see [`arena`] for how a smaller budget fits the design).
 
 mod arena;
@@ -43,5 +43,5 @@ mod twins;
 pub use device::{probe, validation_errors, DeviceChoice, DeviceInfo, DeviceKind};
 pub use model::GpuModel;
 pub use record::TokenStats;
-pub use state::GpuState;
+pub use state::{GpuState, SavedState, INITIAL_CAPACITY};
 

@@ -2,12 +2,21 @@
 //! token. Everything a token needs lives in device memory: a scratch buffer
 //! holding every activation at a fixed offset ([`ScratchLayout`]), and per
 //! layer a state buffer (GDN conv + recurrent state; or attention keys,
-//! values, raw indexer keys and block keys for `n_ctx` positions). One
-//! descriptor set per layer is written at creation; per token the host
+//! values, raw indexer keys and block keys). One descriptor set per layer is
+//! written at creation; per token the host
 //! writes the embedding row, the PLE rows and the RoPE cos/sin tables into a
 //! small host-visible buffer, records the whole network (push constants,
 //! dispatches, barriers) into one command buffer, submits once and waits on
 //! one fence, then reads the logits.
+//!
+//! Attention caches grow with the context: a state starts with room for
+//! [`INITIAL_CAPACITY`] positions and, when a token needs more, doubles it
+//! (up to `n_ctx`): new buffers are allocated, the filled caches copied on
+//! the GPU, and the descriptor sets written again. Everything is allocated
+//! before anything is replaced, so a growth that runs out of memory leaves
+//! the state as it was. The scratch regions that scale with the context
+//! (block scores, selection, attention weights) sit at the end of the
+//! scratch buffer, so every other offset is the same at any capacity.
 
 use super::buffer::{Buffer, Commands};
 use super::model::{GpuHyper, GpuMixer, GpuModel};
@@ -106,9 +115,6 @@ impl ScratchLayout {
         l.ik = l.v + kv as u32;
         l.iq = l.ik + id as u32;
         l.q = next(nh);
-        l.scores = next(n_ctx);
-        l.sel = next(n_ctx);
-        l.att_tmp = next(cfg.n_heads * n_ctx);
         l.att_out = next(nh);
         l.router = next(cfg.n_experts);
         // The chosen experts, and the shared one when it runs in the arena.
@@ -120,6 +126,10 @@ impl ScratchLayout {
         l.sh_h = next(cfg.shared_ff);
         l.sh_y = next(h);
         l.logits = next(cfg.vocab);
+        // Last: the regions that scale with the capacity.
+        l.scores = next(n_ctx);
+        l.sel = next(n_ctx);
+        l.att_tmp = next(cfg.n_heads * n_ctx);
         l.total = next(0);
         if at > u32::MAX as usize / 4 {
             return Err(Error::OutOfMemory(format!("GPU scratch of {at} floats is too large; lower n_ctx")));
@@ -154,6 +164,40 @@ fn layer_state_len(cfg: &Config, kind: &LayerKind, n_ctx: usize) -> usize {
     }
 }
 
+/// Positions a new state's attention caches hold before they first grow.
+pub const INITIAL_CAPACITY: usize = 1024;
+
+/// A copy of a state's buffers ([`GpuState::save`]), at the capacity it was taken at.
+#[derive(Clone, Debug)]
+pub struct SavedState {
+    capacity: usize,
+    buffers: Vec<Vec<u8>>,
+}
+
+/// What binds a state's buffers: the pool and its sets (set 0 per layer,
+/// then the output mixer's, then the PLE layer's).
+struct Bindings {
+    sets: Vec<vk::DescriptorSet>,
+    _pool: DescriptorPool,
+}
+
+impl Bindings {
+    fn new(g: &GpuModel, scratch: &Buffer, layer_state: &[Buffer], n_layers: usize, dummy: &Buffer) -> Result<Bindings> {
+        let n_sets = n_layers + 2;
+        let pool = DescriptorPool::new(&g.ctx, n_sets as u32, 3 * n_sets as u32)?;
+        let state_set = |b: &Buffer| pool.set(g.pipes.state_layout, &[&[scratch.info()], &[b.info()], &[g.params.info()]]);
+        let mut sets = Vec::with_capacity(n_sets);
+        for b in &layer_state[..n_layers] {
+            sets.push(state_set(b)?);
+        }
+        sets.push(state_set(dummy)?);
+        if let Some(ple) = layer_state.get(n_layers) {
+            sets.push(state_set(ple)?);
+        }
+        Ok(Bindings { sets, _pool: pool })
+    }
+}
+
 pub struct GpuState {
     layout: ScratchLayout,
     attn: AttnLayout,
@@ -161,13 +205,16 @@ pub struct GpuState {
     layer_state: Vec<Buffer>,
     /// Set 0 per layer, then the output mixer's, then the PLE layer's.
     sets: Vec<vk::DescriptorSet>,
+    /// Most positions a state may hold.
     n_ctx: usize,
+    /// Positions the attention caches hold now (grows up to `n_ctx`).
+    capacity: usize,
     stats: TokenStats,
     /// Per-dispatch timestamps when profiling ([`GpuState::enable_timestamps`]).
     timestamps: Option<Timestamps>,
     /// Milliseconds per pipeline of the last token, when profiling.
     stage_ms: Vec<(&'static str, f64)>,
-    _pool: DescriptorPool,
+    bindings: Bindings,
     upload: Buffer,
     readback: Buffer,
     scratch: Buffer,
@@ -177,7 +224,7 @@ pub struct GpuState {
 
 impl std::fmt::Debug for GpuState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "GpuState(n_ctx {})", self.n_ctx)
+        write!(f, "GpuState(n_ctx {}, capacity {})", self.n_ctx, self.capacity)
     }
 }
 
@@ -190,7 +237,21 @@ impl GpuState {
         let (cfg, g) = (&model.config, gpu(model));
         let ctx = &g.ctx;
         let n_ctx = model.n_ctx;
-        let layout = ScratchLayout::new(cfg, n_ctx)?;
+        // Checked at the largest size the state may grow to, so that a
+        // context too long for one binding fails now, not mid-sequence.
+        ScratchLayout::new(cfg, n_ctx)?;
+        for kind in &cfg.layers {
+            let bytes = 4 * layer_state_len(cfg, kind, n_ctx) as u64;
+            if bytes > ctx.limits.max_storage_buffer_range as u64 {
+                return Err(Error::OutOfMemory(format!(
+                    "a layer's GPU state for n_ctx {n_ctx} ({bytes} bytes) exceeds one storage-buffer binding; lower n_ctx"
+                )));
+            }
+        }
+        // `FNX_VULKAN_INITIAL_CAPACITY` lowers the start (tests use it to grow often).
+        let initial = std::env::var("FNX_VULKAN_INITIAL_CAPACITY").ok().and_then(|v| v.parse::<usize>().ok());
+        let capacity = n_ctx.min(initial.unwrap_or(INITIAL_CAPACITY).max(1));
+        let layout = ScratchLayout::new(cfg, capacity)?;
         let f = |n: usize| (n * 4) as u64;
         let scratch = Buffer::new(ctx, "GPU scratch", f(layout.total as usize), MemoryLocation::GpuOnly)?;
         let upload = Buffer::new(ctx, "token upload", f(layout.input_len as usize), MemoryLocation::CpuToGpu)?;
@@ -198,40 +259,25 @@ impl GpuState {
         let dummy = Buffer::new(ctx, "no layer state", 16, MemoryLocation::GpuOnly)?;
         let mut layer_state = Vec::with_capacity(cfg.n_layers + 1);
         for kind in &cfg.layers {
-            let bytes = f(layer_state_len(cfg, kind, n_ctx));
-            if bytes > ctx.limits.max_storage_buffer_range as u64 {
-                return Err(Error::OutOfMemory(format!(
-                    "a layer's GPU state for n_ctx {n_ctx} ({bytes} bytes) exceeds one storage-buffer binding; lower n_ctx"
-                )));
-            }
-            layer_state.push(Buffer::new(ctx, "layer state", bytes, MemoryLocation::GpuOnly)?);
+            layer_state.push(Buffer::new(ctx, "layer state", f(layer_state_len(cfg, kind, capacity)), MemoryLocation::GpuOnly)?);
         }
         if let Some(p) = &cfg.ple {
             let n = (p.conv_kernel - 1) * p.ngram * cfg.hc * cfg.hidden;
             layer_state.push(Buffer::new(ctx, "PLE conv history", f(n), MemoryLocation::GpuOnly)?);
         }
-        let n_sets = cfg.n_layers + 2;
-        let pool = DescriptorPool::new(ctx, n_sets as u32, 3 * n_sets as u32)?;
-        let mut sets = Vec::with_capacity(n_sets);
-        let state_set = |b: &Buffer| pool.set(g.pipes.state_layout, &[&[scratch.info()], &[b.info()], &[g.params.info()]]);
-        for b in &layer_state[..cfg.n_layers] {
-            sets.push(state_set(b)?);
-        }
-        sets.push(state_set(&dummy)?);
-        if cfg.ple.is_some() {
-            sets.push(state_set(&layer_state[cfg.n_layers])?);
-        }
+        let bindings = Bindings::new(g, &scratch, &layer_state, cfg.n_layers, &dummy)?;
         let cmds = Commands::new(ctx)?;
         let mut s = GpuState {
             layout,
-            attn: attn_layout(cfg, n_ctx),
+            attn: attn_layout(cfg, capacity),
             layer_state,
-            sets,
+            sets: bindings.sets.clone(),
             n_ctx,
+            capacity,
             stats: TokenStats::default(),
             timestamps: None,
             stage_ms: Vec::new(),
-            _pool: pool,
+            bindings,
             upload,
             readback,
             scratch,
@@ -240,6 +286,113 @@ impl GpuState {
         };
         s.reset()?;
         Ok(s)
+    }
+
+    /// Positions the attention caches hold now.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Makes room for `positions` positions: the capacity doubles (at least
+    /// to `positions`, at most to `n_ctx`). The filled caches are copied when
+    /// `keep`. On error nothing has changed.
+    fn grow(&mut self, model: &Model, positions: usize, keep: bool) -> Result<()> {
+        if positions <= self.capacity {
+            return Ok(());
+        }
+        let capacity = (2 * self.capacity).min(self.n_ctx).max(positions);
+        self.set_capacity(model, capacity, keep)
+    }
+
+    /// Reallocates the context-sized buffers for `capacity` positions,
+    /// copying the first `min(old, new)` positions of every cache when `keep`.
+    fn set_capacity(&mut self, model: &Model, capacity: usize, keep: bool) -> Result<()> {
+        if capacity == self.capacity {
+            return Ok(());
+        }
+        let (cfg, g) = (&model.config, gpu(model));
+        let ctx = &g.ctx;
+        let layout = ScratchLayout::new(cfg, capacity)?;
+        let attn = attn_layout(cfg, capacity);
+        // Allocate everything first: an error here leaves the state intact.
+        let scratch = Buffer::new(ctx, "GPU scratch", (layout.total as u64) * 4, MemoryLocation::GpuOnly)?;
+        let mut grown = Vec::new();
+        for (i, kind) in cfg.layers.iter().enumerate() {
+            if matches!(kind, LayerKind::Attention { .. }) {
+                let bytes = 4 * layer_state_len(cfg, kind, capacity) as u64;
+                grown.push((i, Buffer::new(ctx, "layer state", bytes, MemoryLocation::GpuOnly)?));
+            }
+        }
+        self.cmds.begin()?;
+        let d = &ctx.device;
+        let kept = self.capacity.min(capacity);
+        let (kv, id) = (cfg.n_kv_heads * cfg.head_dim, cfg.qsa.as_ref().map_or(0, |q| q.head_dim));
+        for (i, buffer) in &grown {
+            // SAFETY: recording; both buffers are live, and every region lies
+            // inside both (a cache region holds `capacity` rows of its width).
+            unsafe {
+                d.cmd_fill_buffer(self.cmds.cmd, buffer.raw, 0, vk::WHOLE_SIZE, 0);
+                if keep && kept > 0 {
+                    let fill = vk::MemoryBarrier::default()
+                        .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
+                        .dst_access_mask(vk::AccessFlags::TRANSFER_WRITE);
+                    d.cmd_pipeline_barrier(
+                        self.cmds.cmd,
+                        vk::PipelineStageFlags::TRANSFER,
+                        vk::PipelineStageFlags::TRANSFER,
+                        vk::DependencyFlags::empty(),
+                        &[fill],
+                        &[],
+                        &[],
+                    );
+                    let region = |from: u32, to: u32, width: usize| vk::BufferCopy {
+                        src_offset: from as u64 * 4,
+                        dst_offset: to as u64 * 4,
+                        size: (kept * width * 4) as u64,
+                    };
+                    let (a, b) = (&self.attn, &attn);
+                    let regions: Vec<_> = [
+                        region(a.keys, b.keys, kv),
+                        region(a.values, b.values, kv),
+                        region(a.raw_keys, b.raw_keys, id),
+                        region(a.block_keys, b.block_keys, id),
+                    ]
+                    .into_iter()
+                    .filter(|r| r.size > 0)
+                    .collect();
+                    d.cmd_copy_buffer(self.cmds.cmd, self.layer_state[*i].raw, buffer.raw, &regions);
+                }
+            }
+        }
+        self.cmds.submit()?;
+        let mut layer_state = std::mem::take(&mut self.layer_state);
+        let mut old = Vec::with_capacity(grown.len());
+        for (i, buffer) in grown {
+            old.push(std::mem::replace(&mut layer_state[i], buffer));
+        }
+        let bindings = match Bindings::new(g, &scratch, &layer_state, cfg.n_layers, &self._dummy) {
+            Ok(b) => b,
+            Err(e) => {
+                // Put the old buffers back: the state is as it was.
+                let mut k = 0;
+                for (i, kind) in cfg.layers.iter().enumerate() {
+                    if matches!(kind, LayerKind::Attention { .. }) {
+                        std::mem::swap(&mut layer_state[i], &mut old[k]);
+                        k += 1;
+                    }
+                }
+                self.layer_state = layer_state;
+                return Err(e);
+            }
+        };
+        self.layer_state = layer_state;
+        self.sets = bindings.sets.clone();
+        self.bindings = bindings;
+        self.scratch = scratch;
+        self.layout = layout;
+        self.attn = attn;
+        self.capacity = capacity;
+        Ok(())
     }
 
     /// GPU work of the last decoded token.
@@ -273,13 +426,16 @@ impl GpuState {
     }
 
     /// Copies of the state buffers (every layer's state and the PLE history).
-    pub fn save(&self) -> Result<Vec<Vec<u8>>> {
-        self.layer_state.iter().map(|b| self.cmds.download(b, 0, b.size as usize)).collect()
+    pub fn save(&self) -> Result<SavedState> {
+        let buffers = self.layer_state.iter().map(|b| self.cmds.download(b, 0, b.size as usize)).collect::<Result<_>>()?;
+        Ok(SavedState { capacity: self.capacity, buffers })
     }
 
-    /// Restores buffers made by [`GpuState::save`] on a state of the same model.
-    pub fn restore(&mut self, saved: &[Vec<u8>]) -> Result<()> {
-        for (b, bytes) in self.layer_state.iter().zip(saved) {
+    /// Restores buffers made by [`GpuState::save`] on a state of the same
+    /// model, at the capacity they were saved at.
+    pub fn restore(&mut self, model: &Model, saved: &SavedState) -> Result<()> {
+        self.set_capacity(model, saved.capacity, false)?;
+        for (b, bytes) in self.layer_state.iter().zip(&saved.buffers) {
             self.cmds.upload(b, 0, bytes)?;
         }
         Ok(())
@@ -288,6 +444,7 @@ impl GpuState {
     /// Decodes `token` at `pos` and returns its logits. `ple_rows` are the
     /// token's PLE table rows, concatenated ([H]), when the model has PLE.
     pub fn decode(&mut self, model: &Model, token: u32, pos: usize, ple_rows: Option<&[f32]>) -> Result<Vec<f32>> {
+        self.grow(model, pos + 1, true)?;
         let (cfg, g) = (&model.config, gpu(model));
         self.write_inputs(model, token, pos, ple_rows);
         self.cmds.begin()?;
@@ -532,7 +689,7 @@ impl GpuState {
             values_off: a.values,
             sel_off: l.sel,
             tmp_off: l.att_tmp,
-            tmp_stride: self.n_ctx as u32,
+            tmp_stride: self.capacity as u32,
             y_off: l.att_out,
             keep: keep as u32,
             ratio: ratio_used as u32,
@@ -652,7 +809,7 @@ fn segments(cfg: &Config, kind: &LayerKind, a: &AttnLayout, pos: usize) -> Vec<s
 impl GpuState {
     /// The state buffers in the CPU's layout after `pos` tokens, and the PLE conv history.
     pub fn export(&self, cfg: &Config, pos: usize) -> Result<(Vec<HostLayer>, Option<Vec<f32>>)> {
-        let saved = self.save()?;
+        let saved = self.save()?.buffers;
         let layers = cfg
             .layers
             .iter()
@@ -667,7 +824,10 @@ impl GpuState {
     }
 
     /// Loads state in the CPU's layout (as [`GpuState::export`] returns it).
-    pub fn import(&mut self, cfg: &Config, pos: usize, layers: &[HostLayer], ple: Option<&[f32]>) -> Result<()> {
+    pub fn import(&mut self, model: &Model, pos: usize, layers: &[HostLayer], ple: Option<&[f32]>) -> Result<()> {
+        let cfg = &model.config;
+        // Room for the next token too, as `decode` would make.
+        self.grow(model, pos + 1, false)?;
         let mut saved = Vec::with_capacity(self.layer_state.len());
         for ((kind, parts), buffer) in cfg.layers.iter().zip(layers).zip(&self.layer_state) {
             let mut all = vec![0f32; buffer.size as usize / 4];
@@ -682,6 +842,6 @@ impl GpuState {
         if let Some(p) = ple {
             saved.push(p.iter().flat_map(|v| v.to_le_bytes()).collect());
         }
-        self.restore(&saved)
+        self.restore(model, &SavedState { capacity: self.capacity, buffers: saved })
     }
 }
