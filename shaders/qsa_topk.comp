@@ -1,8 +1,19 @@
 #version 450
-// QSA top-k: block b's rank is the number of blocks with a higher score or
-// an equal score and a lower index (earlier blocks win ties); the `keep`
-// best are written to sel[rank]. Quadratic in the block count.
-#define WG 64
+// QSA top-k in one workgroup, linear in the block count: the `keep` best
+// blocks by score (higher first; equal scores keep the earlier block, as the
+// CPU's stable sort does) are written to sel[0..keep] in that order.
+//
+// 1. Scores become order-preserving unsigned keys (the order of the CPU's
+//    `total_cmp`), and the keep-th largest key T is found bit by bit from
+//    the top: 32 counting passes over the blocks, each a workgroup sum.
+// 2. The blocks above T, and the earliest blocks equal to T until `keep` are
+//    taken, are compacted in block order into shared memory (each
+//    invocation scans a contiguous range; exclusive prefix sums place them).
+// 3. Each chosen block's rank among the chosen (a `keep`-squared pass over
+//    shared memory) is its place in sel.
+// The dispatch is [1, 1, 1]; `keep` is at most MAX_KEEP (checked at load).
+#define WG 256
+#define MAX_KEEP 1024u
 #include "common.glsl"
 
 layout(push_constant) uniform Push {
@@ -12,14 +23,85 @@ layout(push_constant) uniform Push {
     uint keep;
 } pc;
 
+shared uint part[WG / 4];
+shared uint chosen_id[MAX_KEEP];
+shared uint chosen_key[MAX_KEEP];
+
+// Larger score, larger key; NaNs and signed zeros ordered as total_cmp does.
+uint key_of(uint b) {
+    uint u = floatBitsToUint(s[pc.score_off + b]);
+    return (u & 0x80000000u) != 0u ? ~u : u | 0x80000000u;
+}
+
+// Sum of `v` over the workgroup; every invocation must call it.
+uint wg_total(uint v) {
+    uint p = subgroupAdd(v);
+    if (subgroupElect()) part[gl_SubgroupID] = p;
+    barrier();
+    uint r = 0u;
+    for (uint i = 0u; i < gl_NumSubgroups; i++) r += part[i];
+    barrier();
+    return r;
+}
+
+// Sum of `v` over the invocations before this one; every invocation must call it.
+uint wg_before(uint v) {
+    uint p = subgroupAdd(v);
+    if (subgroupElect()) part[gl_SubgroupID] = p;
+    barrier();
+    uint r = subgroupExclusiveAdd(v);
+    for (uint i = 0u; i < gl_SubgroupID; i++) r += part[i];
+    barrier();
+    return r;
+}
+
 void main() {
-    uint b = gl_GlobalInvocationID.x;
-    if (b >= pc.n_blocks) return;
-    float mine = s[pc.score_off + b];
-    uint rank = 0u;
-    for (uint o = 0u; o < pc.n_blocks; o++) {
-        float v = s[pc.score_off + o];
-        rank += (v > mine || (v == mine && o < b)) ? 1u : 0u;
+    uint t = gl_LocalInvocationIndex;
+    uint n = pc.n_blocks;
+    uint keep = min(min(pc.keep, n), MAX_KEEP);
+    if (keep == 0u) return;
+    uint per = (n + WG - 1u) / WG;
+    uint lo = min(t * per, n), hi = min(lo + per, n);
+
+    uint T = 0u;
+    for (int bit = 31; bit >= 0; bit--) {
+        uint cand = T | (1u << uint(bit));
+        uint c = 0u;
+        for (uint b = lo; b < hi; b++) c += key_of(b) >= cand ? 1u : 0u;
+        if (wg_total(c) >= keep) T = cand;
     }
-    if (rank < pc.keep) s[pc.sel_off + rank] = uintBitsToFloat(b);
+
+    uint gt = 0u, eq = 0u;
+    for (uint b = lo; b < hi; b++) {
+        uint k = key_of(b);
+        gt += k > T ? 1u : 0u;
+        eq += k == T ? 1u : 0u;
+    }
+    uint need = keep - wg_total(gt);
+    uint eq_seen = wg_before(eq);
+    uint taken = gt + min(eq, need - min(need, eq_seen));
+    uint at = wg_before(taken);
+    for (uint b = lo; b < hi; b++) {
+        uint k = key_of(b);
+        bool take = k > T;
+        if (k == T) {
+            take = eq_seen < need;
+            eq_seen++;
+        }
+        if (take) {
+            chosen_id[at] = b;
+            chosen_key[at] = k;
+            at++;
+        }
+    }
+    barrier();
+
+    for (uint i = t; i < keep; i += WG) {
+        uint k = chosen_key[i], b = chosen_id[i], rank = 0u;
+        for (uint j = 0u; j < keep; j++) {
+            uint kj = chosen_key[j];
+            rank += (kj > k || (kj == k && chosen_id[j] < b)) ? 1u : 0u;
+        }
+        s[pc.sel_off + rank] = uintBitsToFloat(b);
+    }
 }

@@ -25,9 +25,10 @@
 //! weight bytes.
 //!
 //! Attention caches grow with the context (doubling, up to `n_ctx`; one
-//! layer's caches at `n_ctx` must fit one binding). Limits today: the QSA
-//! top-k is quadratic in the number of blocks; every routed expert must be
-//! resident (see [`arena`] for how a smaller budget fits the design).
+//! layer's caches at `n_ctx` must fit one binding); the QSA top-k is one
+//! workgroup, linear in the number of blocks (a radix threshold, then a
+//! rank among the kept). Limit today: every routed expert must be resident
+//! (see [`arena`] for how a smaller budget fits the design).
 
 mod arena;
 mod buffer;

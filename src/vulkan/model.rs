@@ -8,10 +8,10 @@ use super::arena::ExpertArena;
 use super::buffer::{Buffer, Commands};
 use super::device::{Context, DeviceChoice};
 use super::matrix::GpuMatrix;
-use super::pipelines::{Pipelines, MAX_ATTN_HEAD_DIM, MAX_GDN_HEAD_DIM, MAX_INDEX_DIM, MAX_TOP_K};
+use super::pipelines::{Pipelines, MAX_ATTN_HEAD_DIM, MAX_GDN_HEAD_DIM, MAX_INDEX_DIM, MAX_QSA_KEEP, MAX_TOP_K};
 use crate::error::{Error, Result};
 use crate::model::weights::{HyperConnection, Mixer, Weights};
-use crate::model::Config;
+use crate::model::{Config, LayerKind};
 use crate::tensor::Tensor;
 use gpu_allocator::MemoryLocation;
 use std::sync::Arc;
@@ -116,12 +116,26 @@ impl std::fmt::Debug for GpuModel {
 }
 
 /// Shapes the shaders' fixed workgroup sizes can hold.
+/// The most blocks a QSA layer keeps (budget / its compression ratio).
+fn qsa_keep(cfg: &Config) -> usize {
+    let Some(q) = &cfg.qsa else { return 0 };
+    cfg.layers
+        .iter()
+        .filter_map(|k| match k {
+            LayerKind::Attention { compress_ratio } if *compress_ratio > 0 => Some(q.budget / compress_ratio),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 fn check_shapes(cfg: &Config) -> Result<()> {
     let limits = [
         ("GDN head dim", cfg.ssm_head_dim, MAX_GDN_HEAD_DIM),
         ("attention head dim", cfg.head_dim, MAX_ATTN_HEAD_DIM),
         ("indexer head dim", cfg.qsa.as_ref().map_or(0, |q| q.head_dim), MAX_INDEX_DIM),
         ("experts per token", cfg.n_experts_used, MAX_TOP_K),
+        ("QSA blocks kept per query", qsa_keep(cfg), MAX_QSA_KEEP),
     ];
     for (what, have, max) in limits {
         if have > max {

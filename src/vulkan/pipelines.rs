@@ -91,6 +91,8 @@ MoeCombinePush { y_off: u32, w_off: u32, shared_off: u32, x_off: u32, shared_gat
 
 /// Largest `k` moe_route.comp handles (`MAX_K`).
 pub(crate) const MAX_TOP_K: usize = 64;
+/// Most QSA blocks one query keeps (`MAX_KEEP` in shaders/qsa_topk.comp).
+pub(crate) const MAX_QSA_KEEP: usize = 1024;
 /// Largest head dims of gdn_recurrent / attn_prep / qsa_index (their workgroup sizes).
 pub(crate) const MAX_GDN_HEAD_DIM: usize = 128;
 pub(crate) const MAX_ATTN_HEAD_DIM: usize = 256;
@@ -140,7 +142,7 @@ pipes! {
     AttnPrep = "attn_prep", State, AttnPrepPush, 256;
     QsaIndex = "qsa_index", State, QsaIndexPush, 128;
     QsaScore = "qsa_score", State, QsaScorePush, 64;
-    QsaTopk = "qsa_topk", State, QsaTopkPush, 64;
+    QsaTopk = "qsa_topk", State, QsaTopkPush, 256;
     Attention = "attention", State, AttentionPush, 256;
     MoeRoute = "moe_route", State, MoeRoutePush, 256;
     MoeCombine = "moe_combine", State, MoeCombinePush, 256;

@@ -677,7 +677,7 @@ impl GpuState {
                 rec.dispatch(Pipe::QsaScore, &[set], &score, rec.threads(Pipe::QsaScore, n_complete));
                 keep = (q.budget / ratio).min(n_complete);
                 let topk = QsaTopkPush { score_off: l.scores, sel_off: l.sel, n_blocks, keep: keep as u32 };
-                rec.dispatch(Pipe::QsaTopk, &[set], &topk, rec.threads(Pipe::QsaTopk, n_complete));
+                rec.dispatch(Pipe::QsaTopk, &[set], &topk, [1, 1, 1]);
             }
             ratio_used = ratio;
             tail_start = n_complete * ratio;
