@@ -12,26 +12,15 @@
 //!   trained ones (see tests/reference.rs), and their small rows fall back to
 //!   the 32-element types much as `llama-quantize` does on them.
 
+mod golden;
+
 use flashnext::convert::{convert, ConvertOptions, OutType};
+use golden::Manifest;
 use flashnext::model::{LoadOptions, Model, State};
 use flashnext::quant::policy::Preset;
 use flashnext::quant::requantize::{quantize_file, QuantizeOptions};
-use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
-#[derive(Deserialize)]
-struct Manifest {
-    vocab_size: usize,
-    sequences: Vec<Sequence>,
-}
-
-#[derive(Deserialize)]
-struct Sequence {
-    tokens: Vec<u32>,
-    logits_file: String,
-    #[serde(default)]
-    tie_positions: Vec<usize>,
-}
 
 /// Logits at every checked position of every sequence.
 fn decode(gguf: &Path, m: &Manifest) -> Vec<Vec<f32>> {
@@ -41,8 +30,7 @@ fn decode(gguf: &Path, m: &Manifest) -> Vec<Vec<f32>> {
     let mut out = Vec::new();
     for seq in &m.sequences {
         state.reset();
-        let stop = seq.tie_positions.iter().copied().min().unwrap_or(usize::MAX);
-        for &t in seq.tokens.iter().take(stop) {
+        for &t in seq.tokens.iter().take(seq.first_tie()) {
             state.decode(t).unwrap();
             out.push(state.logits().unwrap().to_vec());
         }
@@ -53,10 +41,8 @@ fn decode(gguf: &Path, m: &Manifest) -> Vec<Vec<f32>> {
 fn reference(fixture: &Path, m: &Manifest) -> Vec<Vec<f32>> {
     let mut out = Vec::new();
     for seq in &m.sequences {
-        let bytes = std::fs::read(fixture.join("expected").join(&seq.logits_file)).unwrap();
-        let all: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
-        let stop = seq.tie_positions.iter().copied().min().unwrap_or(usize::MAX).min(seq.tokens.len());
-        out.extend(all.chunks_exact(m.vocab_size).take(stop).map(<[f32]>::to_vec));
+        let stop = seq.first_tie().min(seq.tokens.len());
+        out.extend(seq.logits(fixture).chunks_exact(m.vocab_size).take(stop).map(<[f32]>::to_vec));
     }
     out
 }
@@ -105,8 +91,7 @@ fn presets_on_reference_fixtures() {
     let mut failures = Vec::new();
     for name in ["tiny_flat", "tiny_native", "tiny_nested"] {
         let fixture = root.join(name);
-        let m: Manifest =
-            serde_json::from_slice(&std::fs::read(fixture.join("expected/manifest.json")).unwrap()).unwrap();
+        let m = Manifest::read(&fixture);
         let dir = tempdir(name);
         let f32_path = dir.join("f32.gguf");
         convert(&fixture.join("hf"), &f32_path, &ConvertOptions::new(OutType::F32)).unwrap();

@@ -10,26 +10,14 @@
 //! Positions from the first QSA tie onwards are skipped (the reference's
 //! `torch.topk` has no defined order for equal scores; the fixtures flag them).
 
+mod golden;
+
 use flashnext::capi::*;
+use golden::Manifest;
 use flashnext::convert::{convert, ConvertOptions, OutType};
-use serde::Deserialize;
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
 
-#[derive(Deserialize)]
-struct Manifest {
-    vocab_size: usize,
-    sequences: Vec<Sequence>,
-}
-
-#[derive(Deserialize)]
-struct Sequence {
-    name: String,
-    tokens: Vec<i32>,
-    logits_file: String,
-    #[serde(default)]
-    tie_positions: Vec<usize>,
-}
 
 fn fixtures() -> Vec<PathBuf> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
@@ -43,9 +31,6 @@ fn fixtures() -> Vec<PathBuf> {
     v
 }
 
-fn read_f32(path: &Path) -> Vec<f32> {
-    std::fs::read(path).unwrap().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
-}
 
 /// Worst relative error and top-1 agreement over the checked positions of one fixture.
 #[derive(Default, Debug)]
@@ -84,12 +69,12 @@ fn decode_fixture(gguf: &Path, manifest: &Manifest, fixture: &Path) -> Score {
     assert_eq!(unsafe { fnx_new_state(model, &mut state) }, FNX_OK);
     let mut logits = vec![0f32; vocab];
     for seq in &manifest.sequences {
-        let expected = read_f32(&fixture.join("expected").join(&seq.logits_file));
+        let expected = seq.logits(fixture);
         assert_eq!(expected.len(), seq.tokens.len() * vocab, "{}: logits file size", seq.name);
-        let first_tie = seq.tie_positions.iter().copied().min().unwrap_or(usize::MAX);
+        let first_tie = seq.first_tie();
         assert_eq!(unsafe { fnx_state_reset(state) }, FNX_OK);
         for (pos, &tok) in seq.tokens.iter().enumerate() {
-            assert_eq!(unsafe { fnx_decode_token(state, tok) }, FNX_OK, "{}", last_error());
+            assert_eq!(unsafe { fnx_decode_token(state, tok as i32) }, FNX_OK, "{}", last_error());
             if pos >= first_tie {
                 score.skipped += 1;
                 continue;
@@ -150,8 +135,7 @@ fn check_type(ty: OutType) {
     let Bound { median_err, max_err, min_top1 } = bound(ty);
     for fixture in fixtures() {
         let name = fixture.file_name().unwrap().to_string_lossy().into_owned();
-        let manifest: Manifest =
-            serde_json::from_slice(&std::fs::read(fixture.join("expected/manifest.json")).unwrap()).unwrap();
+        let manifest = Manifest::read(&fixture);
         let dir = tempdir(&format!("{name}-{ty:?}"));
         let gguf = dir.join("model.gguf");
         convert(&fixture.join("hf"), &gguf, &ConvertOptions { out_type: ty, ..Default::default() })
