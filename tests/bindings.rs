@@ -211,11 +211,11 @@ fn c_chat_example_two_turns_under_asan() {
     assert_eq!(String::from_utf8_lossy(&out.stdout).matches("assistant> ").count(), 1, "{}", show(&out));
 
     // Empty input: exits at once, cleanly.
-    let out = run_with_stdin(&mut Command::new(&plain).arg(model()), "");
+    let out = run_with_stdin(Command::new(&plain).arg(model()), "");
     assert!(out.status.success(), "{}", show(&out));
 
     // A bad model path is reported, not crashed on.
-    let out = run_with_stdin(&mut Command::new(&plain).arg(dir.join("missing.gguf")), "");
+    let out = run_with_stdin(Command::new(&plain).arg(dir.join("missing.gguf")), "");
     assert_eq!(out.status.code(), Some(1), "{}", show(&out));
     assert!(String::from_utf8_lossy(&out.stderr).contains("FNX_ERR_IO"), "{}", show(&out));
     std::fs::remove_dir_all(&dir).ok();

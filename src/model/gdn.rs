@@ -56,8 +56,8 @@ pub fn forward(w: &Gdn, cfg: &Config, st: &mut GdnState, x: &[f32]) -> Vec<f32> 
     for ch in 0..dc {
         let taps = &w.conv[ch * kc..(ch + 1) * kc];
         let mut acc = taps[kc - 1] * qkv[ch];
-        for k in 0..kc - 1 {
-            acc += taps[k] * st.conv[k * dc + ch];
+        for (k, tap) in taps[..kc - 1].iter().enumerate() {
+            acc += tap * st.conv[k * dc + ch];
         }
         c[ch] = silu(acc);
     }

@@ -97,10 +97,10 @@ pub fn forward(w: &Ple, table: &Tensor, p: &PleConfig, cfg: &Config, st: &mut Pl
     for i in 0..ch {
         let taps = &w.conv[i * kp..(i + 1) * kp];
         let mut acc = taps[kp - 1] * normed[i];
-        for k in 0..kp - 1 {
+        for (k, tap) in taps[..kp - 1].iter().enumerate() {
             // Tap k reads the input (kp-1-k)*dil steps back.
             let back = (kp - 1 - k) * dil;
-            acc += taps[k] * st.conv[(hist_rows - back) * ch + i];
+            acc += tap * st.conv[(hist_rows - back) * ch + i];
         }
         residual[i] += gated[i] + silu(acc);
     }

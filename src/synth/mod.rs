@@ -163,7 +163,7 @@ impl SynthPlan {
                 None => bytes_by_type.push((*ty, n)),
             }
         }
-        bytes_by_type.sort_by(|a, b| b.1.cmp(&a.1));
+        bytes_by_type.sort_by_key(|b| std::cmp::Reverse(b.1));
         Ok(SynthPlan {
             config,
             ple,

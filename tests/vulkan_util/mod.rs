@@ -31,7 +31,6 @@ fn is_absent(why: &str) -> bool {
 
 /// The GPU model, or `None` (after saying why) when no Vulkan device exists
 /// and none is required.
-
 pub fn load_gpu(path: &Path) -> Option<Arc<Model>> {
     std::env::set_var("FNX_VULKAN_VALIDATION", "1");
     let opts = LoadOptions { backend: Backend::Vulkan, ..Default::default() };
