@@ -39,6 +39,8 @@ mod record;
 mod state;
 #[cfg(test)]
 mod twins;
+#[cfg(test)]
+mod stage_twins;
 
 pub use device::{validation_errors, DeviceChoice};
 pub use model::GpuModel;
