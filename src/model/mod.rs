@@ -9,12 +9,12 @@
 
 pub mod config;
 mod forward;
-mod gdn;
-mod hyper;
-mod moe;
+pub(crate) mod gdn;
+pub(crate) mod hyper;
+pub(crate) mod moe;
 pub mod ops;
 pub(crate) mod ple;
-mod qsa;
+pub(crate) mod qsa;
 pub mod snapshot;
 pub mod state;
 pub mod weights;

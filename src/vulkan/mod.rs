@@ -40,6 +40,8 @@ mod record;
 mod state;
 #[cfg(test)]
 mod twins;
+#[cfg(test)]
+mod stage_twins;
 
 pub use device::{probe, validation_errors, DeviceChoice, DeviceInfo, DeviceKind};
 pub use model::GpuModel;

@@ -1,0 +1,367 @@
+//! `attn_prep`, `qsa_index`, `qsa_score`, `qsa_topk` and `attention`: a QSA
+//! attention layer after its input projections.
+
+use super::*;
+use crate::model::ops::{dot, rms_norm};
+use crate::model::qsa::{self, AttnState};
+use crate::model::weights::{Attention, Indexer};
+use crate::vulkan::pipelines::{AttentionPush, AttnPrepPush, QsaIndexPush, QsaScorePush, QsaTopkPush};
+
+/// Indexer heads and head dim (the real ones).
+const IH: usize = 4;
+const ID: usize = 128;
+
+/// One attention token at position `t` on the CPU (`qsa::forward`), with
+/// an identity out projection so its output is the attention's.
+struct Case {
+    cfg: Config,
+    w: Attention,
+    rope: Rope,
+    ratio: usize,
+    t: usize,
+    /// Positions the GPU caches hold (as `GpuState`'s `n_ctx`).
+    n_ctx: usize,
+    x: Vec<f32>,
+    before: AttnState,
+    after: AttnState,
+    y: Vec<f32>,
+}
+
+/// `nh` query heads over `nkv` KV heads of `hd`; `ratio` 0 is dense
+/// attention, otherwise QSA blocks of `ratio` with a `budget` of tokens.
+/// The caches before `t` hold random unit-RMS keys and values.
+fn case(nh: usize, nkv: usize, hd: usize, ratio: usize, budget: usize, t: usize) -> Case {
+    let hidden = nh * hd;
+    let cfg = Config {
+        hidden,
+        n_heads: nh,
+        n_kv_heads: nkv,
+        head_dim: hd,
+        rope_dims: hd / 4,
+        layers: vec![LayerKind::Attention { compress_ratio: ratio }],
+        qsa: Some(QsaConfig { n_heads: IH, head_dim: ID, budget }),
+        ..config()
+    };
+    let mut r = Rng::new((nh * 100_000 + hd * 1000 + t) as u64);
+    let indexer = (ratio > 0).then(|| Indexer {
+        q_proj: r.matrix(IH * ID, hidden),
+        k_proj: r.matrix(ID, hidden),
+        q_norm: r.gamma(ID),
+        k_norm: r.gamma(ID),
+    });
+    let w = Attention {
+        q: r.matrix(2 * nh * hd, hidden),
+        k: r.matrix(nkv * hd, hidden),
+        v: r.matrix(nkv * hd, hidden),
+        o: identity(hidden),
+        q_norm: r.gamma(hd),
+        k_norm: r.gamma(hd),
+        indexer,
+    };
+    let kv = nkv * hd;
+    let id = if ratio > 0 { ID } else { 0 };
+    let blocks = t.checked_div(ratio).unwrap_or(0);
+    let before = AttnState {
+        keys: r.unit(t * kv),
+        values: r.unit(t * kv),
+        index_keys: r.unit(t * id),
+        block_keys: r.unit(blocks * id),
+    };
+    let x = r.unit(hidden);
+    let rope = Rope::new(cfg.rope_dims, cfg.rope_theta);
+    let mut after = before.clone();
+    let y = qsa::forward(&w, &cfg, ratio, &rope, &mut after, &x, t);
+    Case { cfg, w, rope, ratio, t, n_ctx: t + 3, x, before, after, y }
+}
+
+fn project(w: &Tensor, x: &[f32]) -> Vec<f32> {
+    let mut y = vec![0f32; w.rows()];
+    w.matvec(x, &mut y);
+    y
+}
+
+/// `v` followed by zeros up to `n` (a cache reserved for `n_ctx` positions).
+fn padded(v: &[f32], n: usize) -> Vec<f32> {
+    let mut p = v.to_vec();
+    p.resize(n, 0.0);
+    p
+}
+
+/// `qsa::forward`'s queries, computed inline there: each head's half of
+/// `qg` RMS-normed and rotated to `t` by the same calls.
+fn queries(c: &Case, qg: &[f32]) -> Vec<f32> {
+    let hd = c.cfg.head_dim;
+    let mut q = vec![0f32; c.cfg.n_heads * hd];
+    for (h, qh) in q.chunks_mut(hd).enumerate() {
+        rms_norm(&qg[h * 2 * hd..][..hd], &c.w.q_norm, c.cfg.eps, qh);
+        c.rope.apply(qh, c.t);
+    }
+    q
+}
+
+/// `select_tokens`' indexer queries, computed inline there: each head
+/// RMS-normed and rotated to `t` by the same calls.
+fn index_queries(c: &Case, raw: &[f32]) -> Vec<f32> {
+    let ix = c.w.indexer.as_ref().expect("a QSA case");
+    let mut q = raw.to_vec();
+    for qh in q.chunks_mut(ID) {
+        let mut normed = vec![0f32; ID];
+        rms_norm(qh, &ix.q_norm, c.cfg.eps, &mut normed);
+        c.rope.apply(&mut normed, c.t);
+        qh.copy_from_slice(&normed);
+    }
+    q
+}
+
+/// `select_tokens`' block scores, computed inline there (its expression):
+/// `sum_h relu(q_h . k_b) / sqrt(id)`.
+fn block_scores(q: &[f32], block_keys: &[f32], id: usize) -> Vec<f32> {
+    let scale = 1.0 / (id as f32).sqrt();
+    block_keys.chunks(id).map(|k| q.chunks(id).map(|qh| dot(qh, k).max(0.0)).sum::<f32>() * scale).collect()
+}
+
+/// `select_tokens`' choice, computed inline there (its sort): the `keep`
+/// best blocks, higher score first, equal scores to the earlier block.
+fn top_blocks(scores: &[f32], keep: usize) -> Vec<usize> {
+    let mut scored: Vec<(f32, usize)> = scores.iter().copied().zip(0..).collect();
+    scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    scored[..keep].iter().map(|&(_, b)| b).collect()
+}
+
+/// Block ids as the shaders store them (u32 bits in a float).
+fn ids_as_floats(ids: &[usize]) -> Vec<f32> {
+    ids.iter().map(|&b| f32::from_bits(b as u32)).collect()
+}
+
+fn ids_of(v: &[f32]) -> Vec<usize> {
+    v.iter().map(|f| f.to_bits() as usize).collect()
+}
+
+#[test]
+fn attn_prep() {
+    let Some(g) = gpu() else { return };
+    // (nh, nkv, hd, t): head dims 256 (real, the full workgroup), 128 and 64; GQA groups 2, 3, 12.
+    for (nh, nkv, hd, t) in [(4, 2, 256, 37), (6, 2, 128, 21), (12, 1, 64, 0)] {
+        let c = case(nh, nkv, hd, 0, 0, t);
+        let kv = nkv * hd;
+        let (qg, k, v) = (project(&c.w.q, &c.x), project(&c.w.k, &c.x), project(&c.w.v, &c.x));
+        let mut b = Bufs::default();
+        let keys_off = b.st.put(&padded(&c.before.keys, c.n_ctx * kv));
+        let values_off = b.st.put(&padded(&c.before.values, c.n_ctx * kv));
+        let qg_off = b.s.put(&qg);
+        let k_off = b.s.put(&k);
+        let v_off = b.s.put(&v);
+        let q_off = b.s.out(nh * hd);
+        let rope = b.s.put(&rope_table(&c.rope, c.cfg.rope_dims, t));
+        let push = AttnPrepPush {
+            qg_off,
+            k_off,
+            v_off,
+            q_off,
+            q_norm: b.prm.put(&c.w.q_norm),
+            k_norm: b.prm.put(&c.w.k_norm),
+            rope,
+            half_dims: (c.cfg.rope_dims / 2) as u32,
+            hd: hd as u32,
+            nh: nh as u32,
+            nkv: nkv as u32,
+            keys_off,
+            values_off,
+            pos: t as u32,
+            eps: EPS,
+        };
+        let (key_at, value_at) = (keys_off + (t * kv) as u32, values_off + (t * kv) as u32);
+        let written = [(key_at, kv), (value_at, kv)];
+        let out = g.run(Pipe::AttnPrep, &push, Groups::Fixed([(nh + nkv) as u32, 1, 1]), &b, &[(q_off, nh * hd)], &written);
+        let what = format!("attn_prep nh={nh} nkv={nkv} hd={hd} t={t}");
+        check(&format!("{what} queries"), out.s(q_off, nh * hd), &queries(&c, &qg), 4e-6);
+        check(&format!("{what} cached key"), out.st(key_at, kv), &c.after.keys[t * kv..], 4e-6);
+        check_exact(&format!("{what} cached value"), out.st(value_at, kv), &c.after.values[t * kv..]);
+    }
+}
+
+#[test]
+fn qsa_index() {
+    let Some(g) = gpu() else { return };
+    // Blocks of 4: no complete block yet (no query heads), a token completing
+    // block 2, one inside block 3, and one completing block 649.
+    for t in [2, 11, 13, 2599] {
+        let ratio = 4;
+        let c = case(2, 1, 64, ratio, 2048, t);
+        let ix = c.w.indexer.as_ref().unwrap();
+        let (raw, iq) = (project(&ix.k_proj, &c.x), project(&ix.q_proj, &c.x));
+        let n_complete = (t + 1) / ratio;
+        let completes = (t + 1) % ratio == 0;
+        assert_eq!(c.after.block_keys.len(), n_complete * ID);
+        let mut b = Bufs::default();
+        let raw_keys = b.st.put(&padded(&c.before.index_keys, c.n_ctx * ID));
+        let block_keys = b.st.put(&padded(&c.before.block_keys, c.n_ctx * ID));
+        let key_off = b.s.put(&raw);
+        let query_off = b.s.put(&iq);
+        let rope = b.s.put(&rope_table(&c.rope, c.cfg.rope_dims, t));
+        let block_rope = b.s.put(&rope_table(&c.rope, c.cfg.rope_dims, (t + 1).saturating_sub(ratio)));
+        let push = QsaIndexPush {
+            key_off,
+            query_off,
+            q_norm: b.prm.put(&ix.q_norm),
+            k_norm: b.prm.put(&ix.k_norm),
+            rope,
+            block_rope,
+            half_dims: (c.cfg.rope_dims / 2) as u32,
+            id: ID as u32,
+            heads: if n_complete > 0 { IH as u32 } else { 0 },
+            ratio: ratio as u32,
+            raw_keys,
+            block_keys,
+            pos: t as u32,
+            block: if completes { (n_complete - 1) as u32 } else { u32::MAX },
+            eps: EPS,
+        };
+        let raw_at = raw_keys + (t * ID) as u32;
+        let block_at = block_keys + (n_complete.saturating_sub(1) * ID) as u32;
+        let mut st_written = vec![(raw_at, ID)];
+        if completes {
+            st_written.push((block_at, ID));
+        }
+        let s_written: &[(u32, usize)] = if n_complete > 0 { &[(query_off, IH * ID)] } else { &[] };
+        let out = g.run(Pipe::QsaIndex, &push, Groups::Fixed([1, 1, 1]), &b, s_written, &st_written);
+        let what = format!("qsa_index t={t}");
+        check_exact(&format!("{what} raw key"), out.st(raw_at, ID), &c.after.index_keys[t * ID..]);
+        if completes {
+            check(&format!("{what} block key"), out.st(block_at, ID), &c.after.block_keys[(n_complete - 1) * ID..], 4e-6);
+        }
+        if n_complete > 0 {
+            check(&format!("{what} queries"), out.s(query_off, IH * ID), &index_queries(&c, &iq), 4e-6);
+        }
+    }
+}
+
+#[test]
+fn qsa_score() {
+    let Some(g) = gpu() else { return };
+    // (heads, dim, blocks): the real indexer over 3000 tokens in blocks of 4,
+    // a block count off the 64-wide workgroup, and small odd ones.
+    for (heads, id, n_blocks) in [(4, 128, 750), (4, 128, 63), (1, 32, 5), (2, 100, 130)] {
+        let mut r = Rng::new((heads * id * n_blocks) as u64);
+        let (q, keys) = (r.unit(heads * id), r.unit(n_blocks * id));
+        let want = block_scores(&q, &keys, id);
+        let mut b = Bufs::default();
+        let block_keys = b.st.put(&keys);
+        let query_off = b.s.put(&q);
+        let score_off = b.s.out(n_blocks);
+        let push = QsaScorePush {
+            query_off,
+            block_keys,
+            score_off,
+            n_blocks: n_blocks as u32,
+            heads: heads as u32,
+            id: id as u32,
+            scale: 1.0 / (id as f32).sqrt(),
+        };
+        let out = g.run(Pipe::QsaScore, &push, Groups::Threads(n_blocks), &b, &[(score_off, n_blocks)], &[]);
+        let zeros = want.iter().filter(|s| **s == 0.0).count();
+        check(&format!("qsa_score heads={heads} id={id} blocks={n_blocks} ({zeros} all-ReLU'd)"), out.s(score_off, n_blocks), &want, 1e-5);
+    }
+}
+
+#[test]
+fn qsa_topk() {
+    let Some(g) = gpu() else { return };
+    let mut r = Rng::new(7);
+    // Scores as sums of ReLUs are: distinct positives, and exact ties (often 0).
+    let distinct: Vec<f32> = (0..750).map(|_| 5.0 * (r.uniform() + 1.0)).collect();
+    let tied: Vec<f32> = (0..750).map(|_| if r.below(3) == 0 { 0.0 } else { r.below(24) as f32 * 0.125 }).collect();
+    let cases: [(&str, Vec<f32>, usize); 5] = [
+        // 3000 tokens in blocks of 4 at the real budget of 2048 tokens: 512 of 750 blocks.
+        ("distinct, 512 of 750", distinct, 512),
+        ("ties across the cut, 512 of 750", tied, 512),
+        ("all zero, 16 of 100", vec![0.0; 100], 16),
+        ("every block, 3 of 3", vec![0.5, 2.0, 0.5], 3),
+        ("64 of 65", (0..65).map(|i| (i % 7) as f32).collect(), 64),
+    ];
+    for (what, scores, keep) in cases {
+        let n = scores.len();
+        let mut sorted = scores.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        if what.starts_with("distinct") {
+            assert!(sorted.windows(2).all(|w| w[0] > w[1]), "precondition: no ties");
+        }
+        if what.starts_with("ties") {
+            assert_eq!(sorted[keep - 1], sorted[keep], "precondition: a tie across the cut");
+        }
+        let want = top_blocks(&scores, keep);
+        let mut b = Bufs::default();
+        let score_off = b.s.put(&scores);
+        let sel_off = b.s.out(n);
+        let push = QsaTopkPush { score_off, sel_off, n_blocks: n as u32, keep: keep as u32 };
+        let out = g.run(Pipe::QsaTopk, &push, Groups::Threads(n), &b, &[(sel_off, keep)], &[]);
+        assert_eq!(ids_of(out.s(sel_off, keep)), want, "qsa_topk {what}: GPU and CPU choose different blocks");
+        println!("qsa_topk {what}: equal");
+    }
+}
+
+#[test]
+fn attention() {
+    let Some(g) = gpu() else { return };
+    // (nh, nkv, hd, ratio, budget, t): dense over 301 tokens (two 256-token
+    // tiles) at head dim 256; dense with a GQA group of 12; QSA keeping 16 of
+    // 75 blocks plus a 2-token tail, and with no tail; QSA with every block
+    // kept; QSA at the real budget (512 of 650 blocks, 2049 tokens) and head
+    // dim 256.
+    let cases = [
+        (4, 2, 256, 0, 0, 300),
+        (12, 1, 64, 0, 0, 5),
+        (6, 2, 128, 4, 64, 301),
+        (6, 2, 128, 4, 64, 299),
+        (2, 1, 128, 4, 2048, 42),
+        (4, 2, 256, 4, 2048, 2600),
+    ];
+    for (nh, nkv, hd, ratio, budget, t) in cases {
+        let c = case(nh, nkv, hd, ratio, budget, t);
+        let kv = nkv * hd;
+        let qg = project(&c.w.q, &c.x);
+        let n_tokens = t + 1;
+        // The blocks `select_tokens` attends: its scores and sort over the
+        // block keys `qsa::forward` cached (a different choice would show in
+        // the output).
+        let (keep, ratio_used, tail_start, sel) = match &c.w.indexer {
+            Some(ix) => {
+                let n_complete = n_tokens / c.ratio;
+                let keep = (budget / c.ratio).min(n_complete);
+                let iq = index_queries(&c, &project(&ix.q_proj, &c.x));
+                (keep, c.ratio, n_complete * c.ratio, top_blocks(&block_scores(&iq, &c.after.block_keys, ID), keep))
+            }
+            None => (0, 1, 0, Vec::new()),
+        };
+        let mut b = Bufs::default();
+        let keys_off = b.st.put(&padded(&c.after.keys, c.n_ctx * kv));
+        let values_off = b.st.put(&padded(&c.after.values, c.n_ctx * kv));
+        let q_off = b.s.put(&queries(&c, &qg));
+        let qg_off = b.s.put(&qg);
+        let sel_off = b.s.put(&padded(&ids_as_floats(&sel), c.n_ctx));
+        let tmp_off = b.s.out(nh * c.n_ctx);
+        let y_off = b.s.out(nh * hd);
+        let push = AttentionPush {
+            q_off,
+            qg_off,
+            keys_off,
+            values_off,
+            sel_off,
+            tmp_off,
+            tmp_stride: c.n_ctx as u32,
+            y_off,
+            keep: keep as u32,
+            ratio: ratio_used as u32,
+            tail_start: tail_start as u32,
+            n_tail: (n_tokens - tail_start) as u32,
+            hd: hd as u32,
+            nh: nh as u32,
+            nkv: nkv as u32,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        let written = [(tmp_off, nh * c.n_ctx), (y_off, nh * hd)];
+        let out = g.run(Pipe::Attention, &push, Groups::Fixed([nh as u32, 1, 1]), &b, &written, &[]);
+        let attended = keep * ratio_used + n_tokens - tail_start;
+        check(&format!("attention nh={nh} nkv={nkv} hd={hd} ratio={ratio} t={t} ({attended} tokens)"), out.s(y_off, nh * hd), &c.y, 2e-5);
+    }
+}

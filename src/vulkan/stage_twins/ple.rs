@@ -1,0 +1,85 @@
+//! `ple_mix`: the PLE injection after its key/value projections.
+
+use super::*;
+use crate::model::config::PleConfig;
+use crate::model::ple::{self, PleState};
+use crate::model::weights::Ple;
+use crate::vulkan::pipelines::PleMixPush;
+
+#[test]
+fn ple_mix() {
+    let Some(g) = gpu() else { return };
+    // (streams, hidden, heads per n-gram): the real 4 x 2560 with 8 heads of
+    // 160, and a small hidden below the 256-wide workgroup.
+    for (c, h, per_ngram) in [(4, 2560, 8), (4, 64, 2), (2, 300, 3)] {
+        let mut r = Rng::new((c * h) as u64);
+        let (ngram, kernel) = (3, 4);
+        let heads = (ngram - 1) * per_ngram;
+        let head_vocab: Vec<u64> = (0..heads as u64).map(|i| 5 + i).collect();
+        let head_offsets = head_vocab.iter().scan(0, |at, v| Some(std::mem::replace(at, *at + v))).collect();
+        let p = PleConfig {
+            layer: 0,
+            ngram,
+            heads_per_ngram: per_ngram,
+            conv_kernel: kernel,
+            eos: 1,
+            row_dim: h / heads,
+            multipliers: (0..ngram).map(|_| r.u64() | 1).collect(),
+            head_offsets,
+            head_vocab: head_vocab.clone(),
+        };
+        let table = r.matrix(head_vocab.iter().sum::<u64>() as usize, p.row_dim);
+        let cfg = Config { hidden: h, hc: c, ple: Some(p.clone()), ..config() };
+        let ch = c * h;
+        let w = Ple {
+            key: r.matrix(ch, h),
+            value: r.matrix(h, h),
+            norm_key: r.gamma(ch),
+            norm_query: r.gamma(ch),
+            norm_conv: r.gamma(ch),
+            conv: r.vec(ch * kernel, 0.7),
+        };
+        let hist_rows = (kernel - 1) * ngram;
+        let before = PleState { tokens: vec![17, 23], conv: r.unit(hist_rows * ch) };
+        let residual = r.vec(ch, 2.0);
+        let token = 42;
+        let (mut after, mut want) = (before.clone(), residual.clone());
+        ple::forward(&w, &table, &p, &cfg, &mut after, &mut want, token);
+        // The shader's inputs: the key and value projections of the token's
+        // table rows, by the calls `ple::forward` makes first.
+        let e = ple::gather_rows(&table, &p, h, &before.tokens, token);
+        let mut key = vec![0f32; ch];
+        w.key.matvec(&e, &mut key);
+        let mut value = vec![0f32; h];
+        w.value.matvec(&e, &mut value);
+
+        let mut b = Bufs::default();
+        let hist = b.st.put(&before.conv);
+        let key_off = b.s.put(&key);
+        let value_off = b.s.put(&value);
+        let res_off = b.s.put(&residual);
+        let tmp_off = b.s.out(ch);
+        let push = PleMixPush {
+            key_off,
+            value_off,
+            res_off,
+            tmp_off,
+            norm_key: b.prm.put(&w.norm_key),
+            norm_query: b.prm.put(&w.norm_query),
+            norm_conv: b.prm.put(&w.norm_conv),
+            conv: b.prm.put(&w.conv),
+            h: h as u32,
+            streams: c as u32,
+            kernel: kernel as u32,
+            dilation: ngram as u32,
+            eps: EPS,
+        };
+        let n_hist = hist_rows * ch;
+        let out = g.run(Pipe::PleMix, &push, Groups::Fixed([1, 1, 1]), &b, &[(res_off, ch), (tmp_off, ch)], &[(hist, n_hist)]);
+        let what = format!("ple_mix C={c} H={h}");
+        check(&format!("{what} residual"), out.s(res_off, ch), &want, 2e-5);
+        let shifted = (hist_rows - 1) * ch;
+        check_exact(&format!("{what} shifted history"), &out.st(hist, n_hist)[..shifted], &after.conv[..shifted]);
+        check(&format!("{what} new history row"), &out.st(hist, n_hist)[shifted..], &after.conv[shifted..], 2e-5);
+    }
+}
