@@ -271,9 +271,13 @@ fn qsa_topk() {
     // Scores as sums of ReLUs are: distinct positives, and exact ties (often 0).
     let distinct: Vec<f32> = (0..750).map(|_| 5.0 * (r.uniform() + 1.0)).collect();
     let tied: Vec<f32> = (0..750).map(|_| if r.below(3) == 0 { 0.0 } else { r.below(24) as f32 * 0.125 }).collect();
-    let cases: [(&str, Vec<f32>, usize); 5] = [
+    // A long context: 262144 tokens are 65536 blocks; many invocations' ranges, many ties.
+    let long: Vec<f32> = (0..65536).map(|_| r.below(4096) as f32 * 0.01).collect();
+    let cases: [(&str, Vec<f32>, usize); 7] = [
         // 3000 tokens in blocks of 4 at the real budget of 2048 tokens: 512 of 750 blocks.
         ("distinct, 512 of 750", distinct, 512),
+        ("long context with ties, 512 of 65536", long, 512),
+        ("signed zeros and a 1e-38 (total order), 2 of 4", vec![-0.0, 0.0, 1e-38, -0.0], 2),
         ("ties across the cut, 512 of 750", tied, 512),
         ("all zero, 16 of 100", vec![0.0; 100], 16),
         ("every block, 3 of 3", vec![0.5, 2.0, 0.5], 3),
@@ -294,7 +298,8 @@ fn qsa_topk() {
         let score_off = b.s.put(&scores);
         let sel_off = b.s.out(n);
         let push = QsaTopkPush { score_off, sel_off, n_blocks: n as u32, keep: keep as u32 };
-        let out = g.run(Pipe::QsaTopk, &push, Groups::Threads(n), &b, &[(sel_off, keep)], &[]);
+        // One workgroup, as the decode dispatches it.
+        let out = g.run(Pipe::QsaTopk, &push, Groups::Fixed([1, 1, 1]), &b, &[(sel_off, keep)], &[]);
         assert_eq!(ids_of(out.s(sel_off, keep)), want, "qsa_topk {what}: GPU and CPU choose different blocks");
         println!("qsa_topk {what}: equal");
     }
