@@ -1,5 +1,6 @@
 #version 450
-// MoE output and residual write-back, one workgroup:
+// MoE output and residual write-back, WG columns per workgroup (each
+// workgroup computes the shared-expert gate, a dot over h, itself):
 // out = sum_k w_k y_k (+ sigmoid(shared_gate . x) * shared when the shared
 // expert ran outside the arena); X_c += inject_c * out.
 #define WG 256
@@ -25,7 +26,8 @@ void main() {
     if (pc.shared_separate == 1u)
         for (uint i = t; i < h; i += WG) g += prm[pc.shared_gate + i] * s[pc.x_off + i];
     float sg = sigmoid(wg_sum(g));
-    for (uint d = t; d < h; d += WG) {
+    uint d = gl_WorkGroupID.x * WG + t;
+    if (d < h) {
         float out_d = 0.0;
         for (uint e = 0u; e < pc.k; e++) out_d += s[pc.y_off + e * h + d] * s[pc.w_off + e];
         if (pc.shared_separate == 1u) out_d += sg * s[pc.shared_off + d];

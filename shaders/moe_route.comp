@@ -1,11 +1,13 @@
 #version 450
 // MoE router after its matvec, one workgroup: softmax over the expert
-// logits (in place), top-k by probability (ties to the lower expert id),
+// logits (in place, and in shared memory), top-k by probability (ties to
+// the lower expert id; each expert counts its rank in one pass),
 // weights renormalised over the chosen k. Writes ids (as float bits) and
 // weights. With `shared_in_arena` the shared expert follows as expert k:
 // id n_experts (its slot-table entry), weight sigmoid(shared_gate . x).
 #define WG 256
 #define MAX_K 64
+#define MAX_EXPERTS 1024
 #include "common.glsl"
 
 layout(push_constant) uniform Push {
@@ -20,8 +22,7 @@ layout(push_constant) uniform Push {
     uint h;
 } pc;
 
-shared float best_v[WG];
-shared uint best_i[WG];
+shared float prob[MAX_EXPERTS];
 shared float chosen[MAX_K];
 
 void main() {
@@ -32,38 +33,30 @@ void main() {
     float sum = 0.0;
     for (uint i = t; i < n; i += WG) {
         float e = exp(s[l + i] - m);
-        s[l + i] = e;
+        prob[i] = e;
         sum += e;
     }
     sum = wg_sum(sum);
-    for (uint i = t; i < n; i += WG) s[l + i] /= sum;
-    for (uint r = 0u; r < pc.k; r++) {
-        float bv = -1.0;
-        uint bi = 0xffffffffu;
-        for (uint i = t; i < n; i += WG) {
-            float v = s[l + i];
-            if (v > bv) { bv = v; bi = i; }
-        }
-        best_v[t] = bv;
-        best_i[t] = bi;
-        barrier();
-        for (uint o = WG / 2; o > 0; o >>= 1) {
-            if (t < o) {
-                float v = best_v[t + o];
-                uint i = best_i[t + o];
-                if (v > best_v[t] || (v == best_v[t] && i < best_i[t])) { best_v[t] = v; best_i[t] = i; }
-            }
-            barrier();
-        }
-        uint win = best_i[0];
-        if (t == 0u) {
-            chosen[r] = best_v[0];
-            s[pc.ids_off + r] = uintBitsToFloat(win);
-        }
-        barrier();
-        if (win % WG == t) s[l + win] = -1.0;  // taken; only its owner reads it again
-        barrier();
+    for (uint i = t; i < n; i += WG) {
+        prob[i] /= sum;
+        s[l + i] = prob[i];
     }
+    barrier();
+    // An expert's rank is the number of experts with a higher probability,
+    // or an equal one and a lower id; counting stops once it reaches k.
+    for (uint i = t; i < n; i += WG) {
+        float v = prob[i];
+        uint rank = 0u;
+        for (uint j = 0u; j < n && rank < pc.k; j++) {
+            float o = prob[j];
+            rank += (o > v || (o == v && j < i)) ? 1u : 0u;
+        }
+        if (rank < pc.k) {
+            chosen[rank] = v;
+            s[pc.ids_off + rank] = uintBitsToFloat(i);
+        }
+    }
+    barrier();
     if (pc.shared_in_arena == 1u) {
         float g = 0.0;
         for (uint i = t; i < pc.h; i += WG) g += prm[pc.shared_gate + i] * s[pc.x_off + i];

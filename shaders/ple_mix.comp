@@ -2,7 +2,8 @@
 // The PLE injection after its key/value projections (see src/model/ple.rs):
 // per stream the gated value, its norm, the dilated depthwise conv over the
 // layer-state history, the residual update and the history shift. One
-// workgroup; each invocation owns the same elements in every pass.
+// workgroup per stream (the streams share nothing but the value vector);
+// each invocation owns the same elements in every pass.
 #define WG 256
 #include "common.glsl"
 
@@ -25,8 +26,8 @@ layout(push_constant) uniform Push {
 void main() {
     uint h = pc.h, ch = h * pc.streams, kp = pc.kernel;
     uint hist_rows = (kp - 1u) * pc.dilation;
-    for (uint c = 0u; c < pc.streams; c++) {
-        uint b = c * h;
+    {
+        uint c = gl_WorkGroupID.x, b = c * h;
         float kss = 0.0, qss = 0.0;
         for (uint i = gl_LocalInvocationIndex; i < h; i += WG) {
             float kv = s[pc.key_off + b + i], qv = s[pc.res_off + b + i];

@@ -8,7 +8,7 @@ use super::arena::ExpertArena;
 use super::buffer::{Buffer, Commands};
 use super::device::{Context, DeviceChoice};
 use super::matrix::GpuMatrix;
-use super::pipelines::{Pipelines, MAX_ATTN_HEAD_DIM, MAX_GDN_HEAD_DIM, MAX_INDEX_DIM, MAX_QSA_KEEP, MAX_TOP_K};
+use super::pipelines::{Pipelines, MAX_ATTN_HEAD_DIM, MAX_GDN_HEAD_DIM, MAX_INDEX_DIM, MAX_EXPERTS, MAX_QSA_KEEP, MAX_TOP_K};
 use crate::error::{Error, Result};
 use crate::model::weights::{HyperConnection, Mixer, Weights};
 use crate::model::{Config, LayerKind};
@@ -135,6 +135,7 @@ fn check_shapes(cfg: &Config) -> Result<()> {
         ("attention head dim", cfg.head_dim, MAX_ATTN_HEAD_DIM),
         ("indexer head dim", cfg.qsa.as_ref().map_or(0, |q| q.head_dim), MAX_INDEX_DIM),
         ("experts per token", cfg.n_experts_used, MAX_TOP_K),
+        ("routed experts", cfg.n_experts, MAX_EXPERTS),
         ("QSA blocks kept per query", qsa_keep(cfg), MAX_QSA_KEEP),
     ];
     for (what, have, max) in limits {

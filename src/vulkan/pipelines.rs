@@ -91,6 +91,8 @@ MoeCombinePush { y_off: u32, w_off: u32, shared_off: u32, x_off: u32, shared_gat
 
 /// Largest `k` moe_route.comp handles (`MAX_K`).
 pub(crate) const MAX_TOP_K: usize = 64;
+/// Most routed experts moe_route.comp handles (`MAX_EXPERTS`).
+pub(crate) const MAX_EXPERTS: usize = 1024;
 /// Most QSA blocks one query keeps (`MAX_KEEP` in shaders/qsa_topk.comp).
 pub(crate) const MAX_QSA_KEEP: usize = 1024;
 /// Largest head dims of gdn_recurrent / attn_prep / qsa_index (their workgroup sizes).

@@ -542,7 +542,7 @@ impl GpuState {
                     dilation: pc.ngram as u32,
                     eps: cfg.eps,
                 };
-                rec.dispatch(Pipe::PleMix, &[*self.sets.last().unwrap()], &push, [1, 1, 1]);
+                rec.dispatch(Pipe::PleMix, &[*self.sets.last().unwrap()], &push, [cfg.hc as u32, 1, 1]);
             }
             self.hyper(rec, cfg, set, &layer.attn_hc);
             match (&layer.mixer, &cfg.layers[i]) {
@@ -774,7 +774,7 @@ impl GpuState {
             streams: cfg.hc as u32,
             shared_separate: w.shared.is_some() as u32,
         };
-        rec.dispatch(Pipe::MoeCombine, &[set], &combine, [1, 1, 1]);
+        rec.dispatch(Pipe::MoeCombine, &[set], &combine, rec.threads(Pipe::MoeCombine, cfg.hidden));
     }
 }
 

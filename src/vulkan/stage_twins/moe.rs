@@ -176,7 +176,7 @@ fn moe_combine() {
             streams: c as u32,
             shared_separate: separate as u32,
         };
-        let out = g.run(Pipe::MoeCombine, &push, Groups::Fixed([1, 1, 1]), &b, &[(res_off, c * h)], &[]);
+        let out = g.run(Pipe::MoeCombine, &push, Groups::Threads(h), &b, &[(res_off, c * h)], &[]);
         check(&format!("moe_combine H={h} k={k} C={c} shared_separate={separate}"), out.s(res_off, c * h), &want, 1e-5);
     }
 }

@@ -75,7 +75,7 @@ fn ple_mix() {
             eps: EPS,
         };
         let n_hist = hist_rows * ch;
-        let out = g.run(Pipe::PleMix, &push, Groups::Fixed([1, 1, 1]), &b, &[(res_off, ch), (tmp_off, ch)], &[(hist, n_hist)]);
+        let out = g.run(Pipe::PleMix, &push, Groups::Fixed([c as u32, 1, 1]), &b, &[(res_off, ch), (tmp_off, ch)], &[(hist, n_hist)]);
         let what = format!("ple_mix C={c} H={h}");
         check(&format!("{what} residual"), out.s(res_off, ch), &want, 2e-5);
         let shifted = (hist_rows - 1) * ch;
