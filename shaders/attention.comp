@@ -2,8 +2,9 @@
 // Sparse gated attention, one workgroup per query head: the selected blocks
 // (sel[0..keep], `ratio` tokens each) then the tail tokens
 // tail_start..tail_start+n_tail; softmax; values; sigmoid output gate.
-// Probabilities go through scratch, each slot written and re-read by the
-// same invocation, and are shared in tiles through workgroup memory.
+// Scores are computed a subgroup per key row; probabilities go through
+// scratch, each slot written and re-read by the same invocation, and are
+// shared in tiles through workgroup memory.
 #define WG 256
 #include "common.glsl"
 
@@ -37,13 +38,25 @@ void main() {
     uint h = gl_WorkGroupID.x, t = gl_LocalInvocationIndex, hd = pc.hd;
     uint kvh = h / (pc.nh / pc.nkv), stride = pc.nkv * hd;
     uint n = pc.keep * pc.ratio + pc.n_tail, tmp = pc.tmp_off + h * pc.tmp_stride;
+    // Scores, WG tokens per tile: a subgroup reads each key row together
+    // (coalesced) and sums it with subgroupAdd into workgroup memory; then
+    // invocation t keeps slot base + t, which it alone reads back below.
     float m = -1.0 / 0.0;
-    for (uint i = t; i < n; i += WG) {
-        uint k = pc.keys_off + token(i) * stride + kvh * hd;
-        float dot = 0.0;
-        for (uint j = 0u; j < hd; j++) dot += s[pc.q_off + h * hd + j] * st[k + j];
-        s[tmp + i] = dot * pc.scale;
-        m = max(m, dot * pc.scale);
+    uint lane = gl_SubgroupInvocationID;
+    for (uint base = 0u; base < n; base += WG) {
+        for (uint x = gl_SubgroupID; x < WG && base + x < n; x += gl_NumSubgroups) {
+            uint k = pc.keys_off + token(base + x) * stride + kvh * hd;
+            float dot = 0.0;
+            for (uint j = lane; j < hd; j += gl_SubgroupSize) dot += s[pc.q_off + h * hd + j] * st[k + j];
+            float score = subgroupAdd(dot) * pc.scale;
+            if (subgroupElect()) p_sh[x] = score;
+        }
+        barrier();
+        if (base + t < n) {
+            s[tmp + base + t] = p_sh[t];
+            m = max(m, p_sh[t]);
+        }
+        barrier();
     }
     m = wg_max(m);
     float sum = 0.0;
