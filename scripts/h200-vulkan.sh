@@ -4,7 +4,9 @@
 #
 #   On the build machine, from the repo root:
 #     bash scripts/h200-vulkan.sh prepare
-#   builds the release Vulkan test binaries and the benchmark into .vk/bin and
+#   builds the release Vulkan test binaries (the integration tests and the
+#   library's unit tests, whose Vulkan ones are the shader twins) and the
+#   flashnext binary into .vk/bin and
 #   downloads the loader and validation-layer .debs into .vk/debs
 #   (.vk is excluded from git). Carry `.vk` with the checkout (it prints
 #   its size: tree + .vk must stay under 64 MiB; TESTS="..." picks fewer).
@@ -12,9 +14,10 @@
 #   On the GPU machine, from the repo root:
 #     bash scripts/h200-vulkan.sh run MODEL.gguf [TOKENS]
 #   unpacks the .debs, runs the Vulkan tests (validation layer on) and
-#   decodes TOKENS (default 128) tokens of MODEL.gguf, printing one JSON
-#   line (tok/s, weight bytes per token, fraction of 4.4 TB/s, dispatches
-#   and submits per token). Results are also written to $OUT when set.
+#   benchmarks TOKENS (default 128) decoded tokens of MODEL.gguf with
+#   `flashnext bench --backend vulkan` (tok/s, weight bytes per token,
+#   fraction of 4.4 TB/s, dispatches and submits per token, GPU time per
+#   pipeline). Results are also written to $OUT when set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TESTS=${TESTS:-"vulkan_decode vulkan_state vulkan_shapes"}
@@ -25,9 +28,12 @@ prepare() {
     mkdir -p "$(dirname "$exclude")"
     grep -qx '/.vk/' "$exclude" 2>/dev/null || echo /.vk/ >> "$exclude"
     mkdir -p .vk/bin .vk/debs
-    cargo build --release --example vulkan_bench
-    cp target/release/examples/vulkan_bench .vk/bin/
+    cargo build --release --bin flashnext
+    cp target/release/flashnext .vk/bin/
     local t bin
+    bin=$(cargo test --release --lib --no-run --message-format=json 2>/dev/null \
+        | grep -o '"executable":"[^"]*/flashnext-[^"]*"' | tail -1 | cut -d'"' -f4)
+    cp "$bin" .vk/bin/unit
     for t in $TESTS; do
         bin=$(cargo test --release --test "$t" --no-run --message-format=json 2>/dev/null \
             | grep -o "\"executable\":\"[^\"]*$t[^\"]*\"" | tail -1 | cut -d'"' -f4)
@@ -59,7 +65,9 @@ run() {
     for t in $TESTS; do
         ".vk/bin/$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/vulkan-tests.txt" || failed=1
     done
-    .vk/bin/vulkan_bench "$model" "$tokens" | tee "$out/vulkan-bench.json"
+    .vk/bin/unit vulkan:: --test-threads=1 2>&1 | tee -a "$out/vulkan-tests.txt" || failed=1
+    .vk/bin/flashnext bench --model "$model" --backend vulkan --gen "$tokens" --warmup 4 --device-gbs 4400 \
+        --json "$out/vulkan-bench.json"
     [ "$failed" = 0 ] || { echo "some Vulkan tests failed (see $out/vulkan-tests.txt)" >&2; exit 1; }
 }
 
