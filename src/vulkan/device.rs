@@ -62,6 +62,8 @@ pub(crate) struct Context {
     pub instance: ash::Instance,
     debug: Option<(ash::ext::debug_utils::Instance, vk::DebugUtilsMessengerEXT)>,
     pub limits: vk::PhysicalDeviceLimits,
+    /// Invocations per subgroup in compute shaders.
+    pub subgroup_size: u32,
     pub name: String,
     pub device: ash::Device,
     pub queue_family: u32,
@@ -120,10 +122,11 @@ impl Context {
                 None
             };
             match Self::open_device(instance.clone(), choice) {
-                Ok((limits, name, device, queue_family, queue, allocator)) => Ok(Context {
+                Ok(((limits, subgroup_size), name, device, queue_family, queue, allocator)) => Ok(Context {
                     instance,
                     debug,
                     limits,
+                    subgroup_size,
                     name,
                     device,
                     queue_family,
@@ -147,7 +150,7 @@ impl Context {
     unsafe fn open_device(
         instance: ash::Instance,
         choice: &DeviceChoice,
-    ) -> Result<(vk::PhysicalDeviceLimits, String, ash::Device, u32, vk::Queue, Allocator)> {
+    ) -> Result<((vk::PhysicalDeviceLimits, u32), String, ash::Device, u32, vk::Queue, Allocator)> {
         // SAFETY (whole body): valid instance; create infos outlive the calls.
         let devices = unsafe { instance.enumerate_physical_devices() }.map_err(err("listing devices"))?;
         if devices.is_empty() {
@@ -195,7 +198,7 @@ impl Context {
             unsafe { device.destroy_device(None) };
             Error::Backend(format!("Vulkan memory allocator: {e}"))
         })?;
-        Ok((props.limits, name, device, queue_family, queue, allocator))
+        Ok(((props.limits, subgroup.subgroup_size), name, device, queue_family, queue, allocator))
     }
 
     /// Counts `bytes` of device memory against the budget.

@@ -5,7 +5,8 @@
 //! Layers (one module each): [`device`] (instance, device, queue, allocator,
 //! validation), [`buffer`] (storage buffers and command buffers),
 //! [`pipelines`] (the table of compute pipelines and their push-constant
-//! blocks), [`matrix`] (weights split to fit a binding), [`arena`] (routed
+//! blocks), [`layout`] (weights regrouped for aligned loads), [`matrix`]
+//! (weights split to fit a binding), [`arena`] (routed
 //! experts in slots), [`model`] (a model's weights on the device), [`state`]
 //! (a sequence's buffers and the recording of one token), [`record`] (the
 //! checked dispatch).
@@ -32,6 +33,7 @@
 mod arena;
 mod buffer;
 mod device;
+mod layout;
 mod matrix;
 mod model;
 mod pipelines;
