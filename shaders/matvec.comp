@@ -8,8 +8,9 @@
 // ROWS consecutive output rows (specialization constant 2), so a workgroup
 // covers (WG / TPR) * ROWS rows. The TPR invocations of a set stride over
 // the row's work items (16 bytes of quantized weights each: one aligned
-// 16-byte load per row, see weights.glsl); each item's activations are read
-// once and used for all ROWS rows (and their up rows in SwiGLU mode).
+// 16-byte load per row, see weights.glsl), UNROLL items per pass
+// (specialization constant 3); each item's activations are read once and
+// used for all ROWS rows (and their up rows in SwiGLU mode).
 // Partial sums are reduced across the set with subgroupAdd when TPR is the
 // subgroup size, subgroupAdd plus shared memory when it is larger, and
 // shared memory inside the subgroup when it is smaller.
@@ -25,6 +26,7 @@
 #include "common.glsl"
 layout(local_size_x_id = 1) in;
 layout(constant_id = 2) const uint ROWS = 2u;
+layout(constant_id = 3) const uint UNROLL = 1u;
 
 layout(push_constant) uniform Push {
     uint rows;        // rows of this dispatch (per expert with ARENA; gate rows with SwiGLU)
@@ -92,12 +94,25 @@ void main() {
     uint up_row = pc.rows * pc.row_bytes, up_blk = pc.rows * nb;
     float acc[NACC];
     for (uint i = 0u; i < NACC; i++) acc[i] = 0.0;
-    for (uint c = lane; c < items; c += tpr) {
-        uint b = c / IPB, kk = c % IPB;
-        Xs xs = load_x(x, b, kk);
-        for (uint i = 0u; i < ROWS; i++) acc[i] += item_dot(row[i], blk[i] + b, b, kk, xs);
-        if (swiglu) {
-            for (uint i = 0u; i < ROWS; i++) acc[ROWS + i] += item_dot(row[i] + up_row, blk[i] + up_blk + b, b, kk, xs);
+    // UNROLL items per pass, their loads unconditional (a missing item
+    // rereads the last one and adds nothing), so all can be in flight at once.
+    for (uint c0 = lane; c0 < items; c0 += UNROLL * tpr) {
+        for (uint u = 0u; u < UNROLL; u++) {
+            uint c = c0 + u * tpr;
+            bool ok = c < items;
+            c = min(c, items - 1u);
+            uint b = c / IPB, kk = c % IPB;
+            Xs xs = load_x(x, b, kk);
+            for (uint i = 0u; i < ROWS; i++) {
+                float d = item_dot(row[i], blk[i] + b, b, kk, xs);
+                acc[i] += ok ? d : 0.0;
+            }
+            if (swiglu) {
+                for (uint i = 0u; i < ROWS; i++) {
+                    float d = item_dot(row[i] + up_row, blk[i] + up_blk + b, b, kk, xs);
+                    acc[ROWS + i] += ok ? d : 0.0;
+                }
+            }
         }
     }
     uint n_acc = swiglu ? NACC : ROWS;

@@ -17,6 +17,7 @@
 //! | 0 `MAX_SLABS` | arena slab bindings (expert pipelines) | device limit | - |
 //! | 1 workgroup size `WG` | invocations per workgroup (power of two) | 128 | `FNX_VK_MATVEC_WG` |
 //! | 2 `ROWS` | output rows per row set | 2 | `FNX_VK_MATVEC_ROWS` |
+//! | 3 `UNROLL` | work items an invocation loads per pass | 2 (1 for Q2_K, Q3_K) | `FNX_VK_MATVEC_UNROLL` |
 //!
 //! and per dispatch the recorder picks `TPR`, the invocations per row set
 //! (push constant `tpr_shift`): the largest power of two, at most `WG`,
@@ -129,7 +130,8 @@ pub(crate) struct Spec {
     spirv: &'static [u8],
     pub sets: Sets,
     pub push_size: usize,
-    /// Invocations per workgroup (`local_size_x` of the shader).
+    /// Invocations per workgroup (`local_size_x` of the shader; for the
+    /// matvecs only the shader's default: see [`Pipelines::tuning`]).
     pub workgroup: u32,
 }
 
@@ -236,29 +238,45 @@ pub(crate) struct MatvecTuning {
     pub wg: u32,
     /// Output rows per row set (specialization constant 2).
     pub rows: u32,
+    /// Work items per pass (specialization constant 3).
+    pub unroll: u32,
     /// Invocations per row set, when fixed; otherwise chosen per dispatch.
     pub tpr: Option<u32>,
     /// The least work items per invocation when the recorder picks TPR.
     pub min_items: u32,
 }
 
-impl Default for MatvecTuning {
-    fn default() -> Self {
-        MatvecTuning { wg: 128, rows: 2, tpr: None, min_items: 4 }
-    }
-}
+/// The defaults, in the syntax of the environment overrides:
+/// (variable, default list).
+const DEFAULTS: [(&str, &str); 5] = [
+    ("FNX_VK_MATVEC_WG", "128"),
+    ("FNX_VK_MATVEC_ROWS", "2"),
+    ("FNX_VK_MATVEC_UNROLL", "2, q2_k=1, q3_k=1"),
+    ("FNX_VK_MATVEC_TPR", ""),
+    ("FNX_VK_MATVEC_ITEMS", "4"),
+];
 
 impl MatvecTuning {
-    /// The defaults with the `FNX_VK_MATVEC_*` overrides that apply to pipeline `name`.
-    pub fn from_env(name: &str) -> MatvecTuning {
-        let var = |v: &str| std::env::var(v).ok().and_then(|list| tuning_entry(&list, name));
-        let d = MatvecTuning::default();
+    /// The tuning of pipeline `name`: the defaults, with the
+    /// `FNX_VK_MATVEC_*` overrides that apply to it when `env`.
+    pub fn for_pipeline(name: &str, env: bool) -> MatvecTuning {
+        let get = |i: usize| {
+            let (var, default) = DEFAULTS[i];
+            let set = if env { std::env::var(var).ok().and_then(|list| tuning_entry(&list, name)) } else { None };
+            set.or_else(|| tuning_entry(default, name))
+        };
         MatvecTuning {
-            wg: var("FNX_VK_MATVEC_WG").unwrap_or(d.wg),
-            rows: var("FNX_VK_MATVEC_ROWS").unwrap_or(d.rows),
-            tpr: var("FNX_VK_MATVEC_TPR"),
-            min_items: var("FNX_VK_MATVEC_ITEMS").unwrap_or(d.min_items),
+            wg: get(0).unwrap_or(128),
+            rows: get(1).unwrap_or(2),
+            unroll: get(2).unwrap_or(1),
+            tpr: get(3),
+            min_items: get(4).unwrap_or(4),
         }
+    }
+
+    /// The defaults and environment overrides of pipeline `name`.
+    pub fn from_env(name: &str) -> MatvecTuning {
+        Self::for_pipeline(name, true)
     }
 
     /// Rounded to what `ctx` allows: a power-of-two workgroup of at least the
@@ -273,7 +291,13 @@ impl MatvecTuning {
         // Leave room for common.glsl's reduction slots.
         let shared_floats = (l.max_compute_shared_memory_size / 4).saturating_sub(64);
         let rows = self.rows.clamp(1, 16).min((shared_floats / (2 * wg)).max(1));
-        MatvecTuning { wg, rows, tpr: self.tpr.map(|t| pow2_floor(t).min(wg)), min_items: self.min_items.max(1) }
+        MatvecTuning {
+            wg,
+            rows,
+            unroll: self.unroll.clamp(1, 8),
+            tpr: self.tpr.map(|t| pow2_floor(t).min(wg)),
+            min_items: self.min_items.max(1),
+        }
     }
 
     /// log2 of the invocations per row set for rows of `items` work items.
@@ -392,10 +416,11 @@ impl Pipelines {
                 .map_err(err(spec.name))?;
             self.layouts.push(layout);
             let module = d.create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&words), None).map_err(err(spec.name))?;
-            // Constants 0 (MAX_SLABS), 1 (workgroup size), 2 (ROWS); a module ignores those it lacks.
-            let data: Vec<u8> = [self.max_slabs, tuning.wg, tuning.rows].iter().flat_map(|v| v.to_le_bytes()).collect();
+            // Constants 0 (MAX_SLABS), 1 (workgroup size), 2 (ROWS), 3 (UNROLL); a module ignores those it lacks.
+            let data: Vec<u8> =
+                [self.max_slabs, tuning.wg, tuning.rows, tuning.unroll].iter().flat_map(|v| v.to_le_bytes()).collect();
             let entries: Vec<_> =
-                (0..3).map(|i| vk::SpecializationMapEntry { constant_id: i, offset: 4 * i, size: 4 }).collect();
+                (0..4).map(|i| vk::SpecializationMapEntry { constant_id: i, offset: 4 * i, size: 4 }).collect();
             let special = vk::SpecializationInfo::default().map_entries(&entries).data(&data);
             let mut stage =
                 vk::PipelineShaderStageCreateInfo::default().stage(vk::ShaderStageFlags::COMPUTE).module(module).name(c"main");
@@ -446,8 +471,15 @@ mod tests {
     }
 
     #[test]
+    fn defaults_per_type() {
+        let q4 = MatvecTuning::for_pipeline("matvec_q4_k", false);
+        assert_eq!((q4.wg, q4.rows, q4.unroll, q4.tpr, q4.min_items), (128, 2, 2, None, 4));
+        assert_eq!(MatvecTuning::for_pipeline("expert_q2_k", false).unroll, 1);
+    }
+
+    #[test]
     fn threads_per_row_leave_min_items_each() {
-        let t = MatvecTuning::default();
+        let t = MatvecTuning::for_pipeline("matvec_q4_k", false);
         // 2560-wide rows: Q4_K 80 items, Q8_0 160, Q2_K 40; 640-wide Q5_0 20.
         assert_eq!([80, 160, 40, 20, 1].map(|n| 1u32 << t.tpr_shift(n)), [16, 32, 8, 4, 1]);
         assert_eq!(1 << t.tpr_shift(100_000), t.wg);

@@ -11,15 +11,18 @@
 //! F16/BF16 rows of 37); row counts that are not multiples of a
 //! workgroup's rows; every reduction path (row sets of 1 invocation, fewer
 //! than a subgroup, one subgroup, several subgroups, the recorder's choice);
-//! other workgroup sizes and rows per set; matrices split into chunks; the
-//! epilogues (store, hyper-connection gates, residual post, SwiGLU); the
-//! expert arena with several experts, slots, slabs and per-layer types.
+//! other workgroup sizes, rows per set and items per pass; matrices split
+//! into chunks; the epilogues (store, hyper-connection gates, residual
+//! post, SwiGLU); the expert arena with several experts, slots, slabs and
+//! per-layer types.
 //!
-//! Bound: per output row, |gpu - cpu| <= 2e-6 * sum_i |w_i x_i| (f32
+//! Bound: per output row, |gpu - cpu| <= 4e-6 * sum_i |w_i x_i| (f32
 //! summation in another order, and per-block factoring of scales and minima
 //! d * sum(q x) - m * sum(x), whose terms are at most a few times
-//! sum |w x| for these blocks). One wrong weight in a 2560-wide row moves the
-//! result by about 1 / 2560 of that sum, 40 times the bound.
+//! sum |w x|); measured at most 0.37 of it on lavapipe (Q4_1 and Q5_1,
+//! whose minima cancel most), 0.1 for most types. One wrong weight in a
+//! 2560-wide row moves the result by about 1 / 2560 of that sum, 100 times
+//! the bound.
 
 use super::arena::{ArenaLayer, ExpertArena};
 use super::buffer::{Buffer, Commands};
@@ -50,7 +53,7 @@ const ALL_TYPES: [GgmlType; 13] = [
     GgmlType::Q6K,
 ];
 
-const TOL: f32 = 2e-6;
+const TOL: f32 = 4e-6;
 
 fn context() -> Option<Arc<Context>> {
     std::env::set_var("FNX_VULKAN_VALIDATION", "1");
@@ -261,7 +264,7 @@ fn shapes(ty: GgmlType) -> &'static [usize] {
 #[test]
 fn matvec_matches_cpu_for_every_type() {
     let Some(ctx) = context() else { return };
-    let pipes = Pipelines::tuned(&ctx, |_| MatvecTuning::default()).unwrap();
+    let pipes = Pipelines::tuned(&ctx, |name| MatvecTuning::for_pipeline(name, false)).unwrap();
     let twin = Twin { ctx: &ctx, pipes: &pipes };
     let sg = ctx.subgroup_size;
     let mut report = Vec::new();
@@ -296,7 +299,10 @@ fn matvec_matches_cpu_for_every_type() {
 #[test]
 fn matvec_other_tunings_and_split_matrices() {
     let Some(ctx) = context() else { return };
-    for tuning in [MatvecTuning { wg: 64, rows: 1, tpr: None, min_items: 2 }, MatvecTuning { wg: 256, rows: 3, tpr: None, min_items: 8 }] {
+    for tuning in [
+        MatvecTuning { wg: 64, rows: 1, unroll: 1, tpr: None, min_items: 2 },
+        MatvecTuning { wg: 256, rows: 3, unroll: 3, tpr: None, min_items: 8 },
+    ] {
         let pipes = Pipelines::tuned(&ctx, |_| tuning).unwrap();
         let twin = Twin { ctx: &ctx, pipes: &pipes };
         for ty in ALL_TYPES {
@@ -399,7 +405,7 @@ fn arena_case(ctx: &Arc<Context>, pipes: &Pipelines, types: &[(GgmlType, GgmlTyp
 #[test]
 fn expert_arena_matvecs_match_cpu() {
     let Some(ctx) = context() else { return };
-    let pipes = Pipelines::tuned(&ctx, |_| MatvecTuning::default()).unwrap();
+    let pipes = Pipelines::tuned(&ctx, |name| MatvecTuning::for_pipeline(name, false)).unwrap();
     let mut report = Vec::new();
     for ty in ALL_TYPES {
         let f = if ty.block_size() == 256 { 256 } else { 96 };
