@@ -35,6 +35,8 @@ mod buffer;
 mod device;
 mod layout;
 mod matrix;
+#[cfg(test)]
+mod matvec_bench;
 mod model;
 mod pipelines;
 mod record;
