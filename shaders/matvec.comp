@@ -1,4 +1,5 @@
 #version 450
+#extension GL_KHR_shader_subgroup_shuffle : require
 // y = W x with an epilogue chosen by `mode`, for weights in the device
 // layout of src/vulkan/layout.rs (shaders/weights.glsl reads them).
 //
@@ -12,8 +13,8 @@
 // (specialization constant 3); each item's activations are read once and
 // used for all ROWS rows (and their up rows in SwiGLU mode).
 // Partial sums are reduced across the set with subgroupAdd when TPR is the
-// subgroup size, subgroupAdd plus shared memory when it is larger, and
-// shared memory inside the subgroup when it is smaller.
+// subgroup size, subgroupAdd plus shared memory when it is larger, and a
+// subgroupShuffleXor butterfly when it is smaller.
 //
 // Invocations are numbered by subgroup (gl_SubgroupID, gl_SubgroupInvocationID),
 // so a set never straddles subgroups unnecessarily; WG must be a power of two
@@ -55,8 +56,9 @@ layout(push_constant) uniform Push {
 
 #include "weights.glsl"
 
-// Accumulators per invocation: ROWS rows, and as many up rows in SwiGLU mode.
-shared float red_mv[gl_WorkGroupSize.x * 2u * ROWS];
+// One slot per subgroup (at least 4 invocations wide) for each accumulator:
+// ROWS rows, and as many up rows in SwiGLU mode.
+shared float red_mv[gl_WorkGroupSize.x / 4u * 2u * ROWS];
 
 void main() {
     const uint NACC = 2u * ROWS;
@@ -130,13 +132,9 @@ void main() {
             }
         }
     } else {
-        for (uint i = 0u; i < NACC; i++) red_mv[t * NACC + i] = acc[i];
-        subgroupMemoryBarrierShared();
-        subgroupBarrier();
-        if (lane == 0u) {
-            for (uint j = 1u; j < tpr; j++) {
-                for (uint i = 0u; i < NACC; i++) if (i < n_acc) acc[i] += red_mv[(t + j) * NACC + i];
-            }
+        // Butterfly over the set's lanes (a set lies inside one subgroup).
+        for (uint o = tpr >> 1; o > 0u; o >>= 1) {
+            for (uint i = 0u; i < NACC; i++) if (i < n_acc) acc[i] += subgroupShuffleXor(acc[i], o);
         }
     }
     if (lane != 0u) return;

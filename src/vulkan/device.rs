@@ -173,12 +173,12 @@ impl Context {
         let mut subgroup = vk::PhysicalDeviceSubgroupProperties::default();
         let mut props2 = vk::PhysicalDeviceProperties2::default().push_next(&mut subgroup);
         unsafe { instance.get_physical_device_properties2(physical, &mut props2) };
-        let needed = vk::SubgroupFeatureFlags::BASIC | vk::SubgroupFeatureFlags::ARITHMETIC;
+        let needed = vk::SubgroupFeatureFlags::BASIC | vk::SubgroupFeatureFlags::ARITHMETIC | vk::SubgroupFeatureFlags::SHUFFLE;
         if !subgroup.supported_operations.contains(needed)
             || !subgroup.supported_stages.contains(vk::ShaderStageFlags::COMPUTE)
             || subgroup.subgroup_size < 4
         {
-            return Err(Error::Backend(format!("Vulkan device {name} lacks subgroup arithmetic in compute shaders")));
+            return Err(Error::Backend(format!("Vulkan device {name} lacks subgroup arithmetic and shuffles in compute shaders")));
         }
         let enabled = vk::PhysicalDeviceFeatures::default().shader_storage_buffer_array_dynamic_indexing(true);
         let priorities = [1.0f32];

@@ -281,8 +281,8 @@ impl MatvecTuning {
 
     /// Rounded to what `ctx` allows: a power-of-two workgroup of at least the
     /// subgroup size within the device limits, shared memory for the
-    /// reduction (`WG * 2 * ROWS` floats) within the limit, TPR a power of two
-    /// no larger than the workgroup.
+    /// reduction (`WG / 4 * 2 * ROWS` floats) within the limit, TPR a power
+    /// of two no larger than the workgroup.
     fn fit(self, ctx: &Context) -> MatvecTuning {
         let l = &ctx.limits;
         let max_wg = l.max_compute_work_group_size[0].min(l.max_compute_work_group_invocations).min(1024);
@@ -290,7 +290,7 @@ impl MatvecTuning {
         let wg = pow2_floor(self.wg.clamp(ctx.subgroup_size.max(4), max_wg.max(4)));
         // Leave room for common.glsl's reduction slots.
         let shared_floats = (l.max_compute_shared_memory_size / 4).saturating_sub(64);
-        let rows = self.rows.clamp(1, 16).min((shared_floats / (2 * wg)).max(1));
+        let rows = self.rows.clamp(1, 16).min((shared_floats / (wg / 2)).max(1));
         MatvecTuning {
             wg,
             rows,
