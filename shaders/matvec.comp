@@ -1,5 +1,6 @@
 #version 450
 #extension GL_KHR_shader_subgroup_shuffle : require
+#extension GL_EXT_control_flow_attributes : require
 // y = W x with an epilogue chosen by `mode`, for weights in the device
 // layout of src/vulkan/layout.rs (shaders/weights.glsl reads them).
 //
@@ -88,29 +89,29 @@ void main() {
     // every invocation runs the same loop and reaches the reductions.
     uint row[ROWS];
     uint blk[ROWS];
-    for (uint i = 0u; i < ROWS; i++) {
+    [[unroll]] for (uint i = 0u; i < ROWS; i++) {
         uint r = min(r0 + i, pc.rows - 1u);
         row[i] = base + r * pc.row_bytes;
         blk[i] = r * nb;
     }
     uint up_row = pc.rows * pc.row_bytes, up_blk = pc.rows * nb;
     float acc[NACC];
-    for (uint i = 0u; i < NACC; i++) acc[i] = 0.0;
+    [[unroll]] for (uint i = 0u; i < NACC; i++) acc[i] = 0.0;
     // UNROLL items per pass, their loads unconditional (a missing item
     // rereads the last one and adds nothing), so all can be in flight at once.
     for (uint c0 = lane; c0 < items; c0 += UNROLL * tpr) {
-        for (uint u = 0u; u < UNROLL; u++) {
+        [[unroll]] for (uint u = 0u; u < UNROLL; u++) {
             uint c = c0 + u * tpr;
             bool ok = c < items;
             c = min(c, items - 1u);
             uint b = c / IPB, kk = c % IPB;
             Xs xs = load_x(x, b, kk);
-            for (uint i = 0u; i < ROWS; i++) {
+            [[unroll]] for (uint i = 0u; i < ROWS; i++) {
                 float d = item_dot(row[i], blk[i] + b, b, kk, xs);
                 acc[i] += ok ? d : 0.0;
             }
             if (swiglu) {
-                for (uint i = 0u; i < ROWS; i++) {
+                [[unroll]] for (uint i = 0u; i < ROWS; i++) {
                     float d = item_dot(row[i] + up_row, blk[i] + up_blk + b, b, kk, xs);
                     acc[ROWS + i] += ok ? d : 0.0;
                 }
@@ -119,26 +120,26 @@ void main() {
     }
     uint n_acc = swiglu ? NACC : ROWS;
     if (tpr >= gl_SubgroupSize) {
-        for (uint i = 0u; i < NACC; i++) if (i < n_acc) acc[i] = subgroupAdd(acc[i]);
+        [[unroll]] for (uint i = 0u; i < NACC; i++) if (i < n_acc) acc[i] = subgroupAdd(acc[i]);
         if (tpr > gl_SubgroupSize) {
             if (subgroupElect()) {
-                for (uint i = 0u; i < NACC; i++) red_mv[gl_SubgroupID * NACC + i] = acc[i];
+                [[unroll]] for (uint i = 0u; i < NACC; i++) red_mv[gl_SubgroupID * NACC + i] = acc[i];
             }
             barrier();
             if (lane == 0u) {
                 for (uint j = 1u; j < tpr / gl_SubgroupSize; j++) {
-                    for (uint i = 0u; i < NACC; i++) acc[i] += red_mv[(gl_SubgroupID + j) * NACC + i];
+                    [[unroll]] for (uint i = 0u; i < NACC; i++) acc[i] += red_mv[(gl_SubgroupID + j) * NACC + i];
                 }
             }
         }
     } else {
         // Butterfly over the set's lanes (a set lies inside one subgroup).
         for (uint o = tpr >> 1; o > 0u; o >>= 1) {
-            for (uint i = 0u; i < NACC; i++) if (i < n_acc) acc[i] += subgroupShuffleXor(acc[i], o);
+            [[unroll]] for (uint i = 0u; i < NACC; i++) if (i < n_acc) acc[i] += subgroupShuffleXor(acc[i], o);
         }
     }
     if (lane != 0u) return;
-    for (uint i = 0u; i < ROWS; i++) {
+    [[unroll]] for (uint i = 0u; i < ROWS; i++) {
         uint r = r0 + i;
         if (r >= pc.rows) break;
         float v = acc[i];

@@ -77,13 +77,13 @@ struct Xs { vec4 v[XV]; };
 vec4 xv_masked(uint x, uint col) {
     if (col + 4u <= pc.cols) return xv(x + col);
     vec4 v = vec4(0.0);
-    for (uint e = 0u; e < 4u; e++) if (col + e < pc.cols) v[e] = s[x + col + e];
+    [[unroll]] for (uint e = 0u; e < 4u; e++) if (col + e < pc.cols) v[e] = s[x + col + e];
     return v;
 }
 
 Xs load_x(uint x, uint b, uint k) {
     Xs r;
-    for (uint i = 0u; i < XV; i++) r.v[i] = xv_masked(x, 4u * (XV * b + i));
+    [[unroll]] for (uint i = 0u; i < XV; i++) r.v[i] = xv_masked(x, 4u * (XV * b + i));
     return r;
 }
 
@@ -118,7 +118,7 @@ struct Xs { vec4 v[XV]; float sum; };
 Xs load_x(uint x, uint b, uint k) {
     Xs r;
     r.sum = 0.0;
-    for (uint i = 0u; i < 8u; i++) {
+    [[unroll]] for (uint i = 0u; i < 8u; i++) {
         r.v[i] = xv(x + 32u * b + 4u * i);
         r.sum += hsum(r.v[i]);
     }
@@ -134,7 +134,7 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
 #if defined(WEIGHT_Q5_0) || defined(WEIGHT_Q5_1)
     uint qh = W(F0 + 4u * g);
 #endif
-    for (uint i = 0u; i < 4u; i++) {
+    [[unroll]] for (uint i = 0u; i < 4u; i++) {
         uint lo = q[i] & 0x0F0F0F0Fu, hi = (q[i] >> 4) & 0x0F0F0F0Fu;
 #if defined(WEIGHT_Q5_0) || defined(WEIGHT_Q5_1)
         lo |= spread4(qh >> (4u * i));
@@ -164,7 +164,7 @@ struct Xs { vec4 v[XV]; };
 
 Xs load_x(uint x, uint b, uint k) {
     Xs r;
-    for (uint i = 0u; i < 4u; i++) r.v[i] = xv(x + 32u * b + 16u * k + 4u * i);
+    [[unroll]] for (uint i = 0u; i < 4u; i++) r.v[i] = xv(x + 32u * b + 16u * k + 4u * i);
     return r;
 }
 
@@ -172,7 +172,7 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
     uvec4 q = P4(row + 32u * b + 16u * k);
     float acc = 0.0;
     // Flipping the sign bit maps int8 v to the unsigned byte v + 128.
-    for (uint i = 0u; i < 4u; i++) acc += dot(f4(q[i] ^ 0x80808080u, 128.0), xs.v[i]);
+    [[unroll]] for (uint i = 0u; i < 4u; i++) acc += dot(f4(q[i] ^ 0x80808080u, 128.0), xs.v[i]);
     return half_at(F0 + 2u * g) * acc;
 }
 
@@ -189,9 +189,9 @@ struct Xs { vec4 v[XV]; vec4 sum; };
 Xs load_x(uint x, uint b, uint k) {
     Xs r;
     uint c0 = x + 256u * b + 128u * (k >> 1) + 16u * (k & 1u);
-    for (uint j = 0u; j < 4u; j++) {
+    [[unroll]] for (uint j = 0u; j < 4u; j++) {
         r.sum[j] = 0.0;
-        for (uint i = 0u; i < 4u; i++) {
+        [[unroll]] for (uint i = 0u; i < 4u; i++) {
             r.v[4u * j + i] = xv(c0 + 32u * j + 4u * i);
             r.sum[j] += hsum(r.v[4u * j + i]);
         }
@@ -206,10 +206,10 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
     uvec4 q = P4(blk + 16u + 16u * k);
     uvec2 sc = uvec2(W(blk + 8u * n), W(blk + 8u * n + 4u));
     float acc = 0.0, mins = 0.0;
-    for (uint j = 0u; j < 4u; j++) {
+    [[unroll]] for (uint j = 0u; j < 4u; j++) {
         uint s = (sc[j >> 1] >> (8u * (kk + 2u * (j & 1u)))) & 0xFFu;
         float t = 0.0;
-        for (uint i = 0u; i < 4u; i++) t += dot(f4((q[i] >> (2u * j)) & 0x03030303u, 0.0), xs.v[4u * j + i]);
+        [[unroll]] for (uint i = 0u; i < 4u; i++) t += dot(f4((q[i] >> (2u * j)) & 0x03030303u, 0.0), xs.v[4u * j + i]);
         acc += float(s & 0xFu) * t;
         mins += float(s >> 4) * xs.sum[j];
     }
@@ -221,13 +221,13 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
     uvec4 hm = P4(blk + 16u * kk);
     uvec3 sc = uvec3(W(F0 + 12u * g), W(F0 + 12u * g + 4u), W(F0 + 12u * g + 8u));
     float acc = 0.0;
-    for (uint j = 0u; j < 4u; j++) {
+    [[unroll]] for (uint j = 0u; j < 4u; j++) {
         // Six-bit scale 8n + m: four low bits from byte m (high nibble when n = 1), two high from byte 8 + (m & 3).
         uint m = 2u * j + kk, idx = 8u * n + m;
         uint low = (sc[m >> 2] >> (8u * (m & 3u) + 4u * n)) & 0xFu;
         uint high = (sc.z >> (8u * (idx & 3u) + 2u * (idx >> 2))) & 3u;
         float t = 0.0;
-        for (uint i = 0u; i < 4u; i++) {
+        [[unroll]] for (uint i = 0u; i < 4u; i++) {
             uint v = ((q[i] >> (2u * j)) & 0x03030303u) | (((hm[i] >> (4u * n + j)) & 0x01010101u) << 2);
             t += dot(f4(v, 4.0), xs.v[4u * j + i]);
         }
@@ -252,7 +252,7 @@ Xs load_x(uint x, uint b, uint k) {
     Xs r;
     uint c0 = x + 256u * b + 64u * (k >> 1) + 16u * (k & 1u);
     r.sum = vec2(0.0);
-    for (uint i = 0u; i < 4u; i++) {
+    [[unroll]] for (uint i = 0u; i < 4u; i++) {
         r.v[i] = xv(c0 + 4u * i);
         r.v[4u + i] = xv(c0 + 32u + 4u * i);
         r.sum += vec2(hsum(r.v[i]), hsum(r.v[4u + i]));
@@ -279,7 +279,7 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
     uvec4 qh = P4(blk + 16u * (k & 1u));
 #endif
     float lo = 0.0, hi = 0.0;
-    for (uint i = 0u; i < 4u; i++) {
+    [[unroll]] for (uint i = 0u; i < 4u; i++) {
         uint a = q[i] & 0x0F0F0F0Fu, e = (q[i] >> 4) & 0x0F0F0F0Fu;
 #ifdef WEIGHT_Q5_K
         a |= ((qh[i] >> (2u * c)) & 0x01010101u) << 4;
@@ -308,7 +308,7 @@ struct Xs { vec4 v[XV]; };
 Xs load_x(uint x, uint b, uint k) {
     Xs r;
     uint c0 = x + 256u * b + 128u * (k >> 2) + 32u * ((k >> 1) & 1u) + 16u * (k & 1u);
-    for (uint i = 0u; i < 4u; i++) {
+    [[unroll]] for (uint i = 0u; i < 4u; i++) {
         r.v[i] = xv(c0 + 4u * i);
         r.v[4u + i] = xv(c0 + 64u + 4u * i);
     }
@@ -324,7 +324,7 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
     float sc_lo = float(bitfieldExtract(int(W(blk + 192u + 8u * hh)), int(m), 8));
     float sc_hi = float(bitfieldExtract(int(W(blk + 196u + 8u * hh)), int(m), 8));
     float lo = 0.0, hi = 0.0;
-    for (uint i = 0u; i < 4u; i++) {
+    [[unroll]] for (uint i = 0u; i < 4u; i++) {
         uint a = (q[i] & 0x0F0F0F0Fu) | (((qh[i] >> (2u * p)) & 0x03030303u) << 4);
         uint e = ((q[i] >> 4) & 0x0F0F0F0Fu) | (((qh[i] >> (2u * p + 4u)) & 0x03030303u) << 4);
         lo += dot(f4(a, 32.0), xs.v[i]);
