@@ -20,6 +20,13 @@
 //! top-k on the GPU, expert matvecs reading the chosen ids from GPU memory),
 //! the output mixer and the LM head.
 //!
+//! Weights of every GGUF type (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+//! Q2_K..Q6_K) are uploaded in the device layout of [`layout`] and read by
+//! one matvec shader per type (shaders/matvec.comp); its work split
+//! (workgroup size, rows per row set, items per pass, invocations per row)
+//! is tuned through specialization constants and `FNX_VK_MATVEC_*` (see
+//! [`pipelines`]), and `matvec_bench` sweeps it at the real model's shapes.
+//!
 //! Snapshots, checkpoints and copies of a GPU state read its buffers back
 //! (snapshots in the CPU layout, so they move between backends).
 //! [`TokenStats`] counts each token's dispatches, barriers, submissions and
