@@ -1,18 +1,41 @@
 #version 450
-// y = W x, one workgroup per output row, with an epilogue chosen by `mode`.
+#extension GL_KHR_shader_subgroup_shuffle : require
+#extension GL_EXT_control_flow_attributes : require
+// y = W x with an epilogue chosen by `mode`, for weights in the device
+// layout of src/vulkan/layout.rs (shaders/weights.glsl reads them).
+//
+// Work split: a workgroup of WG invocations (specialization constant 1) is
+// cut into WG / TPR row sets of TPR = 1 << tpr_shift invocations (a push
+// constant, so the host picks it per matrix shape); each row set computes
+// ROWS consecutive output rows (specialization constant 2), so a workgroup
+// covers (WG / TPR) * ROWS rows. The TPR invocations of a set stride over
+// the row's work items (16 bytes of quantized weights each: one aligned
+// 16-byte load per row, see weights.glsl), UNROLL items per pass
+// (specialization constant 3); each item's activations are read once and
+// used for all ROWS rows (and their up rows in SwiGLU mode).
+// Partial sums are reduced across the set with subgroupAdd when TPR is the
+// subgroup size, subgroupAdd plus shared memory when it is larger, and a
+// subgroupShuffleXor butterfly when it is smaller.
+//
+// Invocations are numbered by subgroup (gl_SubgroupID, gl_SubgroupInvocationID),
+// so a set never straddles subgroups unnecessarily; WG must be a power of two
+// and a multiple of the subgroup size (the host ensures both).
+//
 // With ARENA (routed experts): workgroup y-index k reads expert id
 // s[expert_off + k], finds its arena slot through the slot table, and reads
 // x and writes y at k * stride.
-#define WG 64
+#define WG 128
 #include "common.glsl"
-#include "weights.glsl"
+layout(local_size_x_id = 1) in;
+layout(constant_id = 2) const uint ROWS = 2u;
+layout(constant_id = 3) const uint UNROLL = 1u;
 
 layout(push_constant) uniform Push {
-    uint rows;        // rows of this dispatch (per expert with ARENA)
+    uint rows;        // rows of this dispatch (per expert with ARENA; gate rows with SwiGLU)
     uint cols;
-    uint row_bytes;
+    uint row_bytes;   // payload bytes per row (layout.rs)
     uint row_base;    // output index of the first row (split tensors)
-    uint x_off;
+    uint x_off;       // a multiple of 4
     uint y_off;
     uint mode;        // 0 store, 1 hyper-connection down|inject, 3 residual post, 4 swiglu
     float scale;
@@ -20,18 +43,33 @@ layout(push_constant) uniform Push {
     uint aux_n;       // mode 3: number of streams
     uint total_rows;  // mode 3: stream length
     uint expert_off;  // ARENA: scratch offset of the chosen expert ids
-    uint x_stride;
+    uint x_stride;    // a multiple of 4
     uint y_stride;
     uint slot_table;  // ARENA: params offset of this layer's slot table
     uint slots_per_slab;
     uint slot_bytes;
     uint part_off;    // ARENA: byte offset of this matrix inside a slot
     uint split_row;   // mode 1: rows below get silu(v*scale), the rest 2*sigmoid(v*scale)
+    uint tpr_shift;   // log2 of the invocations per row set
+    uint fld0;        // byte offsets of the field arrays (layout.rs)
+    uint fld1;
 } pc;
 
+#include "weights.glsl"
+
+// One slot per subgroup (at least 4 invocations wide) for each accumulator:
+// ROWS rows, and as many up rows in SwiGLU mode.
+shared float red_mv[gl_WorkGroupSize.x / 4u * 2u * ROWS];
+
 void main() {
-    uint r = gl_WorkGroupID.x + gl_WorkGroupID.z * gl_NumWorkGroups.x;
-    if (r >= pc.rows) return;
+    const uint NACC = 2u * ROWS;
+    uint tpr = 1u << pc.tpr_shift;
+    uint sets = gl_WorkGroupSize.x >> pc.tpr_shift;
+    uint wg = gl_WorkGroupID.x + gl_WorkGroupID.z * gl_NumWorkGroups.x;
+    if (wg * sets * ROWS >= pc.rows) return;  // the whole workgroup is past the end
+    uint t = gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
+    uint lane = t & (tpr - 1u);
+    uint r0 = (wg * sets + (t >> pc.tpr_shift)) * ROWS;
     uint k = gl_WorkGroupID.y;
     uint base = 0u;
 #ifdef ARENA
@@ -40,19 +78,80 @@ void main() {
     g_slab = slot / pc.slots_per_slab;
     base = (slot % pc.slots_per_slab) * pc.slot_bytes + pc.part_off;
 #endif
+    F0 = base + pc.fld0;
+    F1 = base + pc.fld1;
     uint x = pc.x_off + k * pc.x_stride;
-    float v = wg_sum(row_dot(base + r * pc.row_bytes, x, pc.cols));
-    float u = 0.0;
-    if (pc.mode == 4u) u = wg_sum(row_dot(base + (r + pc.rows) * pc.row_bytes, x, pc.cols));
-    if (gl_LocalInvocationIndex != 0u) return;
-    uint y = pc.y_off + k * pc.y_stride + pc.row_base + r;
-    if (pc.mode == 0u) {
-        s[y] = v;
-    } else if (pc.mode == 1u) {
-        s[y] = pc.row_base + r < pc.split_row ? silu(v * pc.scale) : 2.0 * sigmoid(v * pc.scale);
-    } else if (pc.mode == 3u) {
-        for (uint c = 0u; c < pc.aux_n; c++) s[y + c * pc.total_rows] += s[pc.aux_off + c] * v;
+    bool swiglu = pc.mode == 4u;
+    // Blocks per row (the float types: 16-byte items per row).
+    uint nb = QK == 1u ? pc.row_bytes >> 4 : pc.cols / QK;
+    uint items = nb * IPB;
+    // Rows past the end repeat the last row (their sums are not stored), so
+    // every invocation runs the same loop and reaches the reductions.
+    uint row[ROWS];
+    uint blk[ROWS];
+    [[unroll]] for (uint i = 0u; i < ROWS; i++) {
+        uint r = min(r0 + i, pc.rows - 1u);
+        row[i] = base + r * pc.row_bytes;
+        blk[i] = r * nb;
+    }
+    uint up_row = pc.rows * pc.row_bytes, up_blk = pc.rows * nb;
+    float acc[NACC];
+    [[unroll]] for (uint i = 0u; i < NACC; i++) acc[i] = 0.0;
+    // UNROLL items per pass, their loads unconditional (a missing item
+    // rereads the last one and adds nothing), so all can be in flight at once.
+    for (uint c0 = lane; c0 < items; c0 += UNROLL * tpr) {
+        [[unroll]] for (uint u = 0u; u < UNROLL; u++) {
+            uint c = c0 + u * tpr;
+            bool ok = c < items;
+            c = min(c, items - 1u);
+            uint b = c / IPB, kk = c % IPB;
+            Xs xs = load_x(x, b, kk);
+            [[unroll]] for (uint i = 0u; i < ROWS; i++) {
+                float d = item_dot(row[i], blk[i] + b, b, kk, xs);
+                acc[i] += ok ? d : 0.0;
+            }
+            if (swiglu) {
+                [[unroll]] for (uint i = 0u; i < ROWS; i++) {
+                    float d = item_dot(row[i] + up_row, blk[i] + up_blk + b, b, kk, xs);
+                    acc[ROWS + i] += ok ? d : 0.0;
+                }
+            }
+        }
+    }
+    uint n_acc = swiglu ? NACC : ROWS;
+    if (tpr >= gl_SubgroupSize) {
+        [[unroll]] for (uint i = 0u; i < NACC; i++) if (i < n_acc) acc[i] = subgroupAdd(acc[i]);
+        if (tpr > gl_SubgroupSize) {
+            if (subgroupElect()) {
+                [[unroll]] for (uint i = 0u; i < NACC; i++) red_mv[gl_SubgroupID * NACC + i] = acc[i];
+            }
+            barrier();
+            if (lane == 0u) {
+                for (uint j = 1u; j < tpr / gl_SubgroupSize; j++) {
+                    [[unroll]] for (uint i = 0u; i < NACC; i++) acc[i] += red_mv[(gl_SubgroupID + j) * NACC + i];
+                }
+            }
+        }
     } else {
-        s[y] = silu(v) * u;
+        // Butterfly over the set's lanes (a set lies inside one subgroup).
+        for (uint o = tpr >> 1; o > 0u; o >>= 1) {
+            [[unroll]] for (uint i = 0u; i < NACC; i++) if (i < n_acc) acc[i] += subgroupShuffleXor(acc[i], o);
+        }
+    }
+    if (lane != 0u) return;
+    [[unroll]] for (uint i = 0u; i < ROWS; i++) {
+        uint r = r0 + i;
+        if (r >= pc.rows) break;
+        float v = acc[i];
+        uint y = pc.y_off + k * pc.y_stride + pc.row_base + r;
+        if (pc.mode == 0u) {
+            s[y] = v;
+        } else if (pc.mode == 1u) {
+            s[y] = pc.row_base + r < pc.split_row ? silu(v * pc.scale) : 2.0 * sigmoid(v * pc.scale);
+        } else if (pc.mode == 3u) {
+            for (uint c = 0u; c < pc.aux_n; c++) s[y + c * pc.total_rows] += s[pc.aux_off + c] * v;
+        } else {
+            s[y] = silu(v) * acc[ROWS + i];
+        }
     }
 }

@@ -1,85 +1,338 @@
-// Reading one row of a weight matrix stored in its file format, as 32-bit
-// words. Variants: WEIGHT_F32, WEIGHT_F16, WEIGHT_BF16, WEIGHT_Q8_0. With
-// ARENA the words come from the expert-arena slab `g_slab`.
+// Weight rows in the device layout of src/vulkan/layout.rs (payload of
+// 16-byte aligned blocks, then up to two field arrays of per-block scales),
+// one work item at a time. One type per module: WEIGHT_F32, WEIGHT_F16,
+// WEIGHT_BF16, WEIGHT_Q4_0, WEIGHT_Q4_1, WEIGHT_Q5_0, WEIGHT_Q5_1,
+// WEIGHT_Q8_0, WEIGHT_Q2_K, WEIGHT_Q3_K, WEIGHT_Q4_K, WEIGHT_Q5_K,
+// WEIGHT_Q6_K. With ARENA the bytes come from the expert-arena slab `g_slab`.
+//
+// Include after the push-constant block `pc` (uses pc.cols, pc.row_bytes).
+// Each type defines
+//   QK    values per block (the float types: per 16-byte item)
+//   IPB   work items per block
+//   XV    vec4s of activations per item
+//   Xs load_x(x, b, k)                 the activations of item k of block b
+//                                      (shared by every row the invocation handles)
+//   float item_dot(row, g, b, k, xs)   that item's share of dot(row, x)
+// with `row` the byte offset of the row's payload, `b` the block within the
+// row, `g` the block within the part (row * blocks per row + b, indexing the
+// field arrays at byte offsets F0 and F1).
+//
+// Quantized values become floats without int-to-float conversions (a
+// quarter-rate instruction on NVIDIA): a byte q ORed into the mantissa of
+// 2^23 is the float 2^23 + q, and subtracting 2^23 + bias leaves q - bias
+// exactly. Per-block scales multiply per-item sums (d * sum(q x)); minima
+// use the activations' sums (m * sum(x)), computed once per item.
 
 #ifdef ARENA
 // As many slabs as the device lets one stage bind (set at pipeline creation).
 layout(constant_id = 0) const uint MAX_SLABS = 16;
-layout(set = 1, binding = 0) readonly buffer Slab { uint w[]; } slabs[MAX_SLABS];
-layout(set = 1, binding = 0) readonly buffer Slab4 { uvec4 w[]; } slabs4[MAX_SLABS];
+layout(set = 1, binding = 0) readonly restrict buffer Slab { uint w[]; } slabs[MAX_SLABS];
+layout(set = 1, binding = 0) readonly restrict buffer Slab4 { uvec4 w[]; } slabs4[MAX_SLABS];
 uint g_slab;
 #define WORD(i) slabs[g_slab].w[i]
 #define WORD4(i) slabs4[g_slab].w[i]
 #else
-// The same buffer as words and as 16-byte vectors (for aligned rows).
-layout(set = 1, binding = 0) readonly buffer Weight { uint w[]; } weight;
-layout(set = 1, binding = 0) readonly buffer Weight4 { uvec4 w[]; } weight4;
+layout(set = 1, binding = 0) readonly restrict buffer Weight { uint w[]; } weight;
+layout(set = 1, binding = 0) readonly restrict buffer Weight4 { uvec4 w[]; } weight4;
 #define WORD(i) weight.w[i]
 #define WORD4(i) weight4.w[i]
 #endif
 
-vec4 x4(uint i) { return vec4(s[i], s[i + 1u], s[i + 2u], s[i + 3u]); }
+// The scratch buffer (set 0, binding 0) as vec4s: activations start at
+// multiples of four floats (the recorder checks).
+layout(set = 0, binding = 0) readonly buffer ScratchVec4 { vec4 s4[]; };
 
-#ifdef WEIGHT_Q8_0
-// Four bytes at any byte address (buffers are padded to whole words).
-uint word_at(uint byte_addr) {
-    uint i = byte_addr >> 2, sh = (byte_addr & 3u) * 8u;
-    return sh == 0u ? WORD(i) : (WORD(i) >> sh) | (WORD(i + 1u) << (32u - sh));
+// Byte offsets of the field arrays in the bound buffer (set by main).
+uint F0, F1;
+
+// 4 (16) bytes at a byte offset that is a multiple of 4 (16).
+uint W(uint byte) { return WORD(byte >> 2); }
+uvec4 P4(uint byte) { return WORD4(byte >> 4); }
+// The f16 at an even byte offset.
+float half_at(uint byte) { return unpackHalf2x16(W(byte) >> ((byte & 2u) << 3)).x; }
+
+// The four bytes of `w` (each below 256) as floats, minus `bias`.
+vec4 f4(uint w, float bias) {
+    uvec4 b = (uvec4(w) >> uvec4(0u, 8u, 16u, 24u)) & 0xFFu;
+    return uintBitsToFloat(b | 0x4B000000u) - (8388608.0 + bias);
 }
-#endif
 
-// This invocation's share of dot(row, x); `row_byte` is the row's first byte,
-// `x` the scratch offset of the input.
-float row_dot(uint row_byte, uint x, uint cols) {
-    float acc = 0.0;
-    uint t = gl_LocalInvocationIndex;
+// Activations x[i..i+4] (i a multiple of 4).
+vec4 xv(uint i) { return s4[i >> 2]; }
+
+float hsum(vec4 v) { return (v.x + v.y) + (v.z + v.w); }
+
+#if defined(WEIGHT_F32) || defined(WEIGHT_F16) || defined(WEIGHT_BF16)
+// Float rows are zero-padded to 16 bytes; the activations past `cols` are
+// masked (they may be anything).
+#define QK 1u
+#define IPB 1u
+#ifdef WEIGHT_F32
+#define XV 1
+#else
+#define XV 2
+#endif
+struct Xs { vec4 v[XV]; };
+
+vec4 xv_masked(uint x, uint col) {
+    if (col + 4u <= pc.cols) return xv(x + col);
+    vec4 v = vec4(0.0);
+    [[unroll]] for (uint e = 0u; e < 4u; e++) if (col + e < pc.cols) v[e] = s[x + col + e];
+    return v;
+}
+
+Xs load_x(uint x, uint b, uint k) {
+    Xs r;
+    [[unroll]] for (uint i = 0u; i < XV; i++) r.v[i] = xv_masked(x, 4u * (XV * b + i));
+    return r;
+}
+
+float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
+    uvec4 u = P4(row + 16u * b);
 #if defined(WEIGHT_F32)
-    uint base = row_byte >> 2;
-    if ((row_byte & 15u) == 0u && (cols & 3u) == 0u) {
-        for (uint i = t; i < cols / 4u; i += WG) acc += dot(uintBitsToFloat(WORD4((row_byte >> 4) + i)), x4(x + 4u * i));
-        return acc;
-    }
-    for (uint i = t; i < cols; i += WG) acc += uintBitsToFloat(WORD(base + i)) * s[x + i];
-#elif defined(WEIGHT_F16) || defined(WEIGHT_BF16)
-    uint base = row_byte >> 2;
-    if ((row_byte & 15u) == 0u && (cols & 7u) == 0u) {
-        for (uint i = t; i < cols / 8u; i += WG) {
-            uvec4 u = WORD4((row_byte >> 4) + i);
-#ifdef WEIGHT_F16
-            vec4 lo = vec4(unpackHalf2x16(u.x), unpackHalf2x16(u.y));
-            vec4 hi = vec4(unpackHalf2x16(u.z), unpackHalf2x16(u.w));
+    return dot(uintBitsToFloat(u), xs.v[0]);
+#elif defined(WEIGHT_F16)
+    return dot(vec4(unpackHalf2x16(u.x), unpackHalf2x16(u.y)), xs.v[0])
+         + dot(vec4(unpackHalf2x16(u.z), unpackHalf2x16(u.w)), xs.v[1]);
 #else
-            vec4 lo = uintBitsToFloat(uvec4(u.x << 16, u.x & 0xffff0000u, u.y << 16, u.y & 0xffff0000u));
-            vec4 hi = uintBitsToFloat(uvec4(u.z << 16, u.z & 0xffff0000u, u.w << 16, u.w & 0xffff0000u));
+    return dot(uintBitsToFloat(uvec4(u.x << 16, u.x & 0xffff0000u, u.y << 16, u.y & 0xffff0000u)), xs.v[0])
+         + dot(uintBitsToFloat(uvec4(u.z << 16, u.z & 0xffff0000u, u.w << 16, u.w & 0xffff0000u)), xs.v[1]);
 #endif
-            acc += dot(lo, x4(x + 8u * i)) + dot(hi, x4(x + 8u * i + 4u));
-        }
-        return acc;
-    }
-    for (uint p = t; p < cols / 2u; p += WG) {
-        uint u = WORD(base + p);
-#ifdef WEIGHT_F16
-        vec2 v = unpackHalf2x16(u);
-#else
-        vec2 v = vec2(uintBitsToFloat(u << 16), uintBitsToFloat(u & 0xffff0000u));
-#endif
-        acc += v.x * s[x + 2u * p] + v.y * s[x + 2u * p + 1u];
-    }
-#elif defined(WEIGHT_Q8_0)
-    for (uint b = t; b < cols / 32u; b += WG) {
-        uint a = row_byte + b * 34u;
-        float d = unpackHalf2x16((WORD(a >> 2) >> ((a & 3u) * 8u)) & 0xffffu).x;
-        float sum = 0.0;
-        for (uint j = 0u; j < 8u; j++) {
-            int q = int(word_at(a + 2u + 4u * j));
-            uint xi = x + b * 32u + 4u * j;
-            sum += float(bitfieldExtract(q, 0, 8)) * s[xi] + float(bitfieldExtract(q, 8, 8)) * s[xi + 1u]
-                 + float(bitfieldExtract(q, 16, 8)) * s[xi + 2u] + float(bitfieldExtract(q, 24, 8)) * s[xi + 3u];
-        }
-        acc += d * sum;
-    }
-#else
-#error "define one of WEIGHT_F32, WEIGHT_F16, WEIGHT_BF16, WEIGHT_Q8_0"
-#endif
-    return acc;
 }
+
+#elif defined(WEIGHT_Q4_0) || defined(WEIGHT_Q4_1) || defined(WEIGHT_Q5_0) || defined(WEIGHT_Q5_1)
+// One item per block: its 16 bytes of qs hold values j (low nibble of byte
+// j) and j + 16 (high nibble). Q5: bit j of qh is the fifth bit of value j.
+#define QK 32u
+#define IPB 1u
+#define XV 8
+#if defined(WEIGHT_Q4_0)
+#define BIAS 8.0
+#elif defined(WEIGHT_Q5_0)
+#define BIAS 16.0
+#else
+#define BIAS 0.0
+#endif
+struct Xs { vec4 v[XV]; float sum; };
+
+Xs load_x(uint x, uint b, uint k) {
+    Xs r;
+    r.sum = 0.0;
+    [[unroll]] for (uint i = 0u; i < 8u; i++) {
+        r.v[i] = xv(x + 32u * b + 4u * i);
+        r.sum += hsum(r.v[i]);
+    }
+    return r;
+}
+
+// Bits 0..3 of h moved to bit 4 of bytes 0..3.
+uint spread4(uint h) { return (((h & 0xFu) * 0x00204081u) & 0x01010101u) << 4; }
+
+float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
+    uvec4 q = P4(row + 16u * b);
+    float acc = 0.0;
+#if defined(WEIGHT_Q5_0) || defined(WEIGHT_Q5_1)
+    uint qh = W(F0 + 4u * g);
+#endif
+    [[unroll]] for (uint i = 0u; i < 4u; i++) {
+        uint lo = q[i] & 0x0F0F0F0Fu, hi = (q[i] >> 4) & 0x0F0F0F0Fu;
+#if defined(WEIGHT_Q5_0) || defined(WEIGHT_Q5_1)
+        lo |= spread4(qh >> (4u * i));
+        hi |= spread4(qh >> (16u + 4u * i));
+#endif
+        acc += dot(f4(lo, BIAS), xs.v[i]) + dot(f4(hi, BIAS), xs.v[4u + i]);
+    }
+#if defined(WEIGHT_Q4_0)
+    return half_at(F0 + 2u * g) * acc;
+#elif defined(WEIGHT_Q5_0)
+    return half_at(F1 + 2u * g) * acc;
+#elif defined(WEIGHT_Q4_1)
+    vec2 dm = unpackHalf2x16(W(F0 + 4u * g));
+    return dm.x * acc + dm.y * xs.sum;
+#else
+    vec2 dm = unpackHalf2x16(W(F1 + 4u * g));
+    return dm.x * acc + dm.y * xs.sum;
+#endif
+}
+
+#elif defined(WEIGHT_Q8_0)
+// Two items per block, 16 signed bytes each.
+#define QK 32u
+#define IPB 2u
+#define XV 4
+struct Xs { vec4 v[XV]; };
+
+Xs load_x(uint x, uint b, uint k) {
+    Xs r;
+    [[unroll]] for (uint i = 0u; i < 4u; i++) r.v[i] = xv(x + 32u * b + 16u * k + 4u * i);
+    return r;
+}
+
+float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
+    uvec4 q = P4(row + 32u * b + 16u * k);
+    float acc = 0.0;
+    // Flipping the sign bit maps int8 v to the unsigned byte v + 128.
+    [[unroll]] for (uint i = 0u; i < 4u; i++) acc += dot(f4(q[i] ^ 0x80808080u, 128.0), xs.v[i]);
+    return half_at(F0 + 2u * g) * acc;
+}
+
+#elif defined(WEIGHT_Q2_K) || defined(WEIGHT_Q3_K)
+// Four items per block: item k = 2n + kk takes the 16 qs bytes 32n + 16kk,
+// whose bits 2j..2j+1 are value 128n + 32j + 16kk + l (l the byte), with
+// scale 8n + 2j + kk. Q3_K: bit 4n + j of hmask byte 16kk + l is the
+// value's third bit.
+#define QK 256u
+#define IPB 4u
+#define XV 16
+struct Xs { vec4 v[XV]; vec4 sum; };
+
+Xs load_x(uint x, uint b, uint k) {
+    Xs r;
+    uint c0 = x + 256u * b + 128u * (k >> 1) + 16u * (k & 1u);
+    [[unroll]] for (uint j = 0u; j < 4u; j++) {
+        r.sum[j] = 0.0;
+        [[unroll]] for (uint i = 0u; i < 4u; i++) {
+            r.v[4u * j + i] = xv(c0 + 32u * j + 4u * i);
+            r.sum[j] += hsum(r.v[4u * j + i]);
+        }
+    }
+    return r;
+}
+
+float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
+    uint n = k >> 1, kk = k & 1u;
+#ifdef WEIGHT_Q2_K
+    uint blk = row + 80u * b;
+    uvec4 q = P4(blk + 16u + 16u * k);
+    uvec2 sc = uvec2(W(blk + 8u * n), W(blk + 8u * n + 4u));
+    float acc = 0.0, mins = 0.0;
+    [[unroll]] for (uint j = 0u; j < 4u; j++) {
+        uint s = (sc[j >> 1] >> (8u * (kk + 2u * (j & 1u)))) & 0xFFu;
+        float t = 0.0;
+        [[unroll]] for (uint i = 0u; i < 4u; i++) t += dot(f4((q[i] >> (2u * j)) & 0x03030303u, 0.0), xs.v[4u * j + i]);
+        acc += float(s & 0xFu) * t;
+        mins += float(s >> 4) * xs.sum[j];
+    }
+    vec2 dm = unpackHalf2x16(W(F0 + 4u * g));
+    return dm.x * acc - dm.y * mins;
+#else
+    uint blk = row + 96u * b;
+    uvec4 q = P4(blk + 32u + 16u * k);
+    uvec4 hm = P4(blk + 16u * kk);
+    uvec3 sc = uvec3(W(F0 + 12u * g), W(F0 + 12u * g + 4u), W(F0 + 12u * g + 8u));
+    float acc = 0.0;
+    [[unroll]] for (uint j = 0u; j < 4u; j++) {
+        // Six-bit scale 8n + m: four low bits from byte m (high nibble when n = 1), two high from byte 8 + (m & 3).
+        uint m = 2u * j + kk, idx = 8u * n + m;
+        uint low = (sc[m >> 2] >> (8u * (m & 3u) + 4u * n)) & 0xFu;
+        uint high = (sc.z >> (8u * (idx & 3u) + 2u * (idx >> 2))) & 3u;
+        float t = 0.0;
+        [[unroll]] for (uint i = 0u; i < 4u; i++) {
+            uint v = ((q[i] >> (2u * j)) & 0x03030303u) | (((hm[i] >> (4u * n + j)) & 0x01010101u) << 2);
+            t += dot(f4(v, 4.0), xs.v[4u * j + i]);
+        }
+        acc += float(int(low | (high << 4)) - 32) * t;
+    }
+    return half_at(F1 + 2u * g) * acc;
+#endif
+}
+
+#elif defined(WEIGHT_Q4_K) || defined(WEIGHT_Q5_K)
+// Eight items per block: item k takes the 16 qs bytes 16k; with c = k / 2
+// and l0 = 16 (k & 1) byte l holds value 64c + l0 + l (low nibble, scale
+// 2c) and 64c + 32 + l0 + l (high nibble, scale 2c + 1). Q5_K: bits 2c and
+// 2c + 1 of qh byte l0 + l are their fifth bits. Field 0 is the 16-byte
+// header (d, dmin, 12 bytes of six-bit scales and minima).
+#define QK 256u
+#define IPB 8u
+#define XV 8
+struct Xs { vec4 v[XV]; vec2 sum; };
+
+Xs load_x(uint x, uint b, uint k) {
+    Xs r;
+    uint c0 = x + 256u * b + 64u * (k >> 1) + 16u * (k & 1u);
+    r.sum = vec2(0.0);
+    [[unroll]] for (uint i = 0u; i < 4u; i++) {
+        r.v[i] = xv(c0 + 4u * i);
+        r.v[4u + i] = xv(c0 + 32u + 4u * i);
+        r.sum += vec2(hsum(r.v[i]), hsum(r.v[4u + i]));
+    }
+    return r;
+}
+
+uint byte_of(uvec3 s, uint i) { return (s[i >> 2] >> (8u * (i & 3u))) & 0xFFu; }
+
+// Scale and minimum j of the 12 packed bytes (as the CPU's scale_min_k4).
+vec2 scale_min(uvec3 s, uint j) {
+    if (j < 4u) return vec2(byte_of(s, j) & 63u, byte_of(s, j + 4u) & 63u);
+    return vec2((byte_of(s, j + 4u) & 0xFu) | ((byte_of(s, j - 4u) >> 6) << 4),
+                (byte_of(s, j + 4u) >> 4) | ((byte_of(s, j) >> 6) << 4));
+}
+
+float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
+    uint c = k >> 1;
+#ifdef WEIGHT_Q4_K
+    uvec4 q = P4(row + 128u * b + 16u * k);
+#else
+    uint blk = row + 160u * b;
+    uvec4 q = P4(blk + 32u + 16u * k);
+    uvec4 qh = P4(blk + 16u * (k & 1u));
+#endif
+    float lo = 0.0, hi = 0.0;
+    [[unroll]] for (uint i = 0u; i < 4u; i++) {
+        uint a = q[i] & 0x0F0F0F0Fu, e = (q[i] >> 4) & 0x0F0F0F0Fu;
+#ifdef WEIGHT_Q5_K
+        a |= ((qh[i] >> (2u * c)) & 0x01010101u) << 4;
+        e |= ((qh[i] >> (2u * c + 1u)) & 0x01010101u) << 4;
+#endif
+        lo += dot(f4(a, 0.0), xs.v[i]);
+        hi += dot(f4(e, 0.0), xs.v[4u + i]);
+    }
+    uvec4 h = P4(F0 + 16u * g);
+    vec2 dm = unpackHalf2x16(h.x);
+    vec2 sm1 = scale_min(h.yzw, 2u * c), sm2 = scale_min(h.yzw, 2u * c + 1u);
+    return dm.x * (sm1.x * lo + sm2.x * hi) - dm.y * (sm1.y * xs.sum.x + sm2.y * xs.sum.y);
+}
+
+#elif defined(WEIGHT_Q6_K)
+// Eight items per block: item k = 4hh + 2p + (k & 1) takes the 16 ql bytes
+// 64hh + 32p + l0 (l0 = 16 (k & 1)) and the 16 qh bytes 128 + 32hh + l0:
+// byte l holds value 128hh + 32p + l0 + l (low nibble, qh bits 2p, scale
+// 8hh + (k & 1) + 2p) and the value 64 further (high nibble, qh bits
+// 2p + 4, scale 4 further). The 16 int8 scales sit at 192 in the payload.
+#define QK 256u
+#define IPB 8u
+#define XV 8
+struct Xs { vec4 v[XV]; };
+
+Xs load_x(uint x, uint b, uint k) {
+    Xs r;
+    uint c0 = x + 256u * b + 128u * (k >> 2) + 32u * ((k >> 1) & 1u) + 16u * (k & 1u);
+    [[unroll]] for (uint i = 0u; i < 4u; i++) {
+        r.v[i] = xv(c0 + 4u * i);
+        r.v[4u + i] = xv(c0 + 64u + 4u * i);
+    }
+    return r;
+}
+
+float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
+    uint hh = k >> 2, p = (k >> 1) & 1u, l0 = 16u * (k & 1u);
+    uint blk = row + 208u * b;
+    uvec4 q = P4(blk + 64u * hh + 32u * p + l0);
+    uvec4 qh = P4(blk + 128u + 32u * hh + l0);
+    uint m = 8u * ((k & 1u) + 2u * p);
+    float sc_lo = float(bitfieldExtract(int(W(blk + 192u + 8u * hh)), int(m), 8));
+    float sc_hi = float(bitfieldExtract(int(W(blk + 196u + 8u * hh)), int(m), 8));
+    float lo = 0.0, hi = 0.0;
+    [[unroll]] for (uint i = 0u; i < 4u; i++) {
+        uint a = (q[i] & 0x0F0F0F0Fu) | (((qh[i] >> (2u * p)) & 0x03030303u) << 4);
+        uint e = ((q[i] >> 4) & 0x0F0F0F0Fu) | (((qh[i] >> (2u * p + 4u)) & 0x03030303u) << 4);
+        lo += dot(f4(a, 32.0), xs.v[i]);
+        hi += dot(f4(e, 32.0), xs.v[4u + i]);
+    }
+    return half_at(F0 + 2u * g) * (sc_lo * lo + sc_hi * hi);
+}
+
+#else
+#error "define one of the WEIGHT_* types"
+#endif

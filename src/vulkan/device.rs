@@ -134,6 +134,8 @@ pub(crate) struct Context {
     pub instance: ash::Instance,
     debug: Option<(ash::ext::debug_utils::Instance, vk::DebugUtilsMessengerEXT)>,
     pub limits: vk::PhysicalDeviceLimits,
+    /// Invocations per subgroup in compute shaders.
+    pub subgroup_size: u32,
     pub name: String,
     pub device: ash::Device,
     pub queue_family: u32,
@@ -192,10 +194,11 @@ impl Context {
                 None
             };
             match Self::open_device(instance.clone(), choice) {
-                Ok((limits, name, device, queue_family, queue, allocator)) => Ok(Context {
+                Ok(((limits, subgroup_size), name, device, queue_family, queue, allocator)) => Ok(Context {
                     instance,
                     debug,
                     limits,
+                    subgroup_size,
                     name,
                     device,
                     queue_family,
@@ -219,7 +222,7 @@ impl Context {
     unsafe fn open_device(
         instance: ash::Instance,
         choice: &DeviceChoice,
-    ) -> Result<(vk::PhysicalDeviceLimits, String, ash::Device, u32, vk::Queue, Allocator)> {
+    ) -> Result<((vk::PhysicalDeviceLimits, u32), String, ash::Device, u32, vk::Queue, Allocator)> {
         // SAFETY (whole body): valid instance; create infos outlive the calls.
         let devices = unsafe { instance.enumerate_physical_devices() }.map_err(err("listing devices"))?;
         if devices.is_empty() {
@@ -242,12 +245,12 @@ impl Context {
         let mut subgroup = vk::PhysicalDeviceSubgroupProperties::default();
         let mut props2 = vk::PhysicalDeviceProperties2::default().push_next(&mut subgroup);
         unsafe { instance.get_physical_device_properties2(physical, &mut props2) };
-        let needed = vk::SubgroupFeatureFlags::BASIC | vk::SubgroupFeatureFlags::ARITHMETIC;
+        let needed = vk::SubgroupFeatureFlags::BASIC | vk::SubgroupFeatureFlags::ARITHMETIC | vk::SubgroupFeatureFlags::SHUFFLE;
         if !subgroup.supported_operations.contains(needed)
             || !subgroup.supported_stages.contains(vk::ShaderStageFlags::COMPUTE)
             || subgroup.subgroup_size < 4
         {
-            return Err(Error::Backend(format!("Vulkan device {name} lacks subgroup arithmetic in compute shaders")));
+            return Err(Error::Backend(format!("Vulkan device {name} lacks subgroup arithmetic and shuffles in compute shaders")));
         }
         let enabled = vk::PhysicalDeviceFeatures::default().shader_storage_buffer_array_dynamic_indexing(true);
         let priorities = [1.0f32];
@@ -267,7 +270,7 @@ impl Context {
             unsafe { device.destroy_device(None) };
             Error::Backend(format!("Vulkan memory allocator: {e}"))
         })?;
-        Ok((props.limits, name, device, queue_family, queue, allocator))
+        Ok(((props.limits, subgroup.subgroup_size), name, device, queue_family, queue, allocator))
     }
 
     /// Counts `bytes` of device memory against the budget.

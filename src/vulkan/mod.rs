@@ -5,7 +5,8 @@
 //! Layers (one module each): [`device`] (instance, device, queue, allocator,
 //! validation), [`buffer`] (storage buffers and command buffers),
 //! [`pipelines`] (the table of compute pipelines and their push-constant
-//! blocks), [`matrix`] (weights split to fit a binding), [`arena`] (routed
+//! blocks), [`layout`] (weights regrouped for aligned loads), [`matrix`]
+//! (weights split to fit a binding), [`arena`] (routed
 //! experts in slots), [`model`] (a model's weights on the device), [`state`]
 //! (a sequence's buffers and the recording of one token), [`record`] (the
 //! checked dispatch).
@@ -18,6 +19,13 @@
 //! sparse gated attention over caches in VRAM), MoE (router, softmax and
 //! top-k on the GPU, expert matvecs reading the chosen ids from GPU memory),
 //! the output mixer and the LM head.
+//!
+//! Weights of every GGUF type (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+//! Q2_K..Q6_K) are uploaded in the device layout of [`layout`] and read by
+//! one matvec shader per type (shaders/matvec.comp); its work split
+//! (workgroup size, rows per row set, items per pass, invocations per row)
+//! is tuned through specialization constants and `FNX_VK_MATVEC_*` (see
+//! [`pipelines`]), and `matvec_bench` sweeps it at the real model's shapes.
 //!
 //! Snapshots, checkpoints and copies of a GPU state read its buffers back
 //! (snapshots in the CPU layout, so they move between backends).
@@ -33,7 +41,10 @@
 mod arena;
 mod buffer;
 mod device;
+mod layout;
 mod matrix;
+#[cfg(test)]
+mod matvec_bench;
 mod model;
 mod pipelines;
 mod record;

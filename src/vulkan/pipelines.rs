@@ -6,6 +6,34 @@
 //! Set 0 of every pipeline is the per-layer state set (scratch, layer state,
 //! model parameters); matvecs add set 1 with one weight buffer, the expert
 //! matvecs set 1 with the arena's slabs.
+//!
+//! # Matvec tuning
+//!
+//! The matvec pipelines (`matvec_<type>`, `expert_<type>`; shaders/matvec.comp)
+//! take specialization constants, fixed when the pipelines are created:
+//!
+//! | constant | what | default | environment override |
+//! |---|---|---|---|
+//! | 0 `MAX_SLABS` | arena slab bindings (expert pipelines) | device limit | - |
+//! | 1 workgroup size `WG` | invocations per workgroup (power of two) | 128 | `FNX_VK_MATVEC_WG` |
+//! | 2 `ROWS` | output rows per row set | 2 | `FNX_VK_MATVEC_ROWS` |
+//! | 3 `UNROLL` | work items an invocation loads per pass | 2 (1 for Q2_K, Q3_K) | `FNX_VK_MATVEC_UNROLL` |
+//!
+//! and per dispatch the recorder picks `TPR`, the invocations per row set
+//! (push constant `tpr_shift`): the largest power of two, at most `WG`,
+//! that leaves each invocation at least `MIN_ITEMS` work items of the row
+//! (default 4, `FNX_VK_MATVEC_ITEMS`), or a fixed power of two
+//! (`FNX_VK_MATVEC_TPR`). A workgroup covers `WG / TPR * ROWS` rows. For the
+//! real model's 2560-wide rows that gives TPR 16 (Q4_K, Q5_K, Q6_K, Q4_0,
+//! Q5_0: 80 items of 16 bytes), 32 (Q8_0: 160 items) and 8 (Q2_K, Q3_K: 40
+//! items of 64 weights); for the 640-wide expert down rows TPR 4.
+//!
+//! Each variable holds a number for every matvec pipeline, or a list such
+//! as `FNX_VK_MATVEC_ROWS=4,q8_0=2,expert_q5_0=1,expert=2`: an entry names a
+//! pipeline (`expert_q5_0`), a weight type (`q8_0`, both pipelines) or a
+//! kind (`matvec`, `expert`); the most specific entry wins, a bare number
+//! applies to the rest. Values are rounded to what the device allows
+//! (powers of two, the workgroup-size and shared-memory limits).
 
 use super::device::{err, Context};
 use crate::error::Result;
@@ -56,7 +84,7 @@ macro_rules! push_block {
 push_block!(/// shaders/matvec.comp
 MatvecPush { rows: u32, cols: u32, row_bytes: u32, row_base: u32, x_off: u32, y_off: u32, mode: u32, scale: f32,
     aux_off: u32, aux_n: u32, total_rows: u32, expert_off: u32, x_stride: u32, y_stride: u32, slot_table: u32,
-    slots_per_slab: u32, slot_bytes: u32, part_off: u32, split_row: u32 });
+    slots_per_slab: u32, slot_bytes: u32, part_off: u32, split_row: u32, tpr_shift: u32, fld0: u32, fld1: u32 });
 push_block!(/// shaders/hc_norm.comp
 HcNormPush { x_off: u32, gamma: u32, y_off: u32, n: u32, eps: f32 });
 push_block!(/// shaders/hc_combine.comp
@@ -106,7 +134,8 @@ pub(crate) struct Spec {
     spirv: &'static [u8],
     pub sets: Sets,
     pub push_size: usize,
-    /// Invocations per workgroup (`local_size_x` of the shader).
+    /// Invocations per workgroup (`local_size_x` of the shader; for the
+    /// matvecs only the shader's default: see [`Pipelines::tuning`]).
     pub workgroup: u32,
 }
 
@@ -128,14 +157,32 @@ macro_rules! pipes {
 }
 
 pipes! {
-    MatvecF32 = "matvec_f32", StateWeight, MatvecPush, 64;
-    MatvecF16 = "matvec_f16", StateWeight, MatvecPush, 64;
-    MatvecBf16 = "matvec_bf16", StateWeight, MatvecPush, 64;
-    MatvecQ8_0 = "matvec_q8_0", StateWeight, MatvecPush, 64;
-    ExpertF32 = "expert_f32", StateArena, MatvecPush, 64;
-    ExpertF16 = "expert_f16", StateArena, MatvecPush, 64;
-    ExpertBf16 = "expert_bf16", StateArena, MatvecPush, 64;
-    ExpertQ8_0 = "expert_q8_0", StateArena, MatvecPush, 64;
+    MatvecF32 = "matvec_f32", StateWeight, MatvecPush, 128;
+    MatvecF16 = "matvec_f16", StateWeight, MatvecPush, 128;
+    MatvecBf16 = "matvec_bf16", StateWeight, MatvecPush, 128;
+    MatvecQ4_0 = "matvec_q4_0", StateWeight, MatvecPush, 128;
+    MatvecQ4_1 = "matvec_q4_1", StateWeight, MatvecPush, 128;
+    MatvecQ5_0 = "matvec_q5_0", StateWeight, MatvecPush, 128;
+    MatvecQ5_1 = "matvec_q5_1", StateWeight, MatvecPush, 128;
+    MatvecQ8_0 = "matvec_q8_0", StateWeight, MatvecPush, 128;
+    MatvecQ2K = "matvec_q2_k", StateWeight, MatvecPush, 128;
+    MatvecQ3K = "matvec_q3_k", StateWeight, MatvecPush, 128;
+    MatvecQ4K = "matvec_q4_k", StateWeight, MatvecPush, 128;
+    MatvecQ5K = "matvec_q5_k", StateWeight, MatvecPush, 128;
+    MatvecQ6K = "matvec_q6_k", StateWeight, MatvecPush, 128;
+    ExpertF32 = "expert_f32", StateArena, MatvecPush, 128;
+    ExpertF16 = "expert_f16", StateArena, MatvecPush, 128;
+    ExpertBf16 = "expert_bf16", StateArena, MatvecPush, 128;
+    ExpertQ4_0 = "expert_q4_0", StateArena, MatvecPush, 128;
+    ExpertQ4_1 = "expert_q4_1", StateArena, MatvecPush, 128;
+    ExpertQ5_0 = "expert_q5_0", StateArena, MatvecPush, 128;
+    ExpertQ5_1 = "expert_q5_1", StateArena, MatvecPush, 128;
+    ExpertQ8_0 = "expert_q8_0", StateArena, MatvecPush, 128;
+    ExpertQ2K = "expert_q2_k", StateArena, MatvecPush, 128;
+    ExpertQ3K = "expert_q3_k", StateArena, MatvecPush, 128;
+    ExpertQ4K = "expert_q4_k", StateArena, MatvecPush, 128;
+    ExpertQ5K = "expert_q5_k", StateArena, MatvecPush, 128;
+    ExpertQ6K = "expert_q6_k", StateArena, MatvecPush, 128;
     HcNorm = "hc_norm", State, HcNormPush, 256;
     HcCombine = "hc_combine", State, HcCombinePush, 64;
     PleMix = "ple_mix", State, PleMixPush, 256;
@@ -156,19 +203,146 @@ impl Pipe {
     }
 
     /// The matvec pipeline for weights of `ty` (plain or through the expert arena).
-    pub fn matvec(ty: GgmlType, arena: bool) -> Option<Pipe> {
-        Some(match (ty, arena) {
+    pub fn matvec(ty: GgmlType, arena: bool) -> Pipe {
+        match (ty, arena) {
             (GgmlType::F32, false) => Pipe::MatvecF32,
             (GgmlType::F16, false) => Pipe::MatvecF16,
             (GgmlType::BF16, false) => Pipe::MatvecBf16,
+            (GgmlType::Q4_0, false) => Pipe::MatvecQ4_0,
+            (GgmlType::Q4_1, false) => Pipe::MatvecQ4_1,
+            (GgmlType::Q5_0, false) => Pipe::MatvecQ5_0,
+            (GgmlType::Q5_1, false) => Pipe::MatvecQ5_1,
             (GgmlType::Q8_0, false) => Pipe::MatvecQ8_0,
+            (GgmlType::Q2K, false) => Pipe::MatvecQ2K,
+            (GgmlType::Q3K, false) => Pipe::MatvecQ3K,
+            (GgmlType::Q4K, false) => Pipe::MatvecQ4K,
+            (GgmlType::Q5K, false) => Pipe::MatvecQ5K,
+            (GgmlType::Q6K, false) => Pipe::MatvecQ6K,
             (GgmlType::F32, true) => Pipe::ExpertF32,
             (GgmlType::F16, true) => Pipe::ExpertF16,
             (GgmlType::BF16, true) => Pipe::ExpertBf16,
+            (GgmlType::Q4_0, true) => Pipe::ExpertQ4_0,
+            (GgmlType::Q4_1, true) => Pipe::ExpertQ4_1,
+            (GgmlType::Q5_0, true) => Pipe::ExpertQ5_0,
+            (GgmlType::Q5_1, true) => Pipe::ExpertQ5_1,
             (GgmlType::Q8_0, true) => Pipe::ExpertQ8_0,
-            _ => return None,
-        })
+            (GgmlType::Q2K, true) => Pipe::ExpertQ2K,
+            (GgmlType::Q3K, true) => Pipe::ExpertQ3K,
+            (GgmlType::Q4K, true) => Pipe::ExpertQ4K,
+            (GgmlType::Q5K, true) => Pipe::ExpertQ5K,
+            (GgmlType::Q6K, true) => Pipe::ExpertQ6K,
+        }
     }
+}
+
+/// How a matvec pipeline splits its work (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct MatvecTuning {
+    /// Invocations per workgroup (specialization constant 1).
+    pub wg: u32,
+    /// Output rows per row set (specialization constant 2).
+    pub rows: u32,
+    /// Work items per pass (specialization constant 3).
+    pub unroll: u32,
+    /// Invocations per row set, when fixed; otherwise chosen per dispatch.
+    pub tpr: Option<u32>,
+    /// The least work items per invocation when the recorder picks TPR.
+    pub min_items: u32,
+}
+
+/// The defaults, in the syntax of the environment overrides:
+/// (variable, default list).
+const DEFAULTS: [(&str, &str); 5] = [
+    ("FNX_VK_MATVEC_WG", "128"),
+    ("FNX_VK_MATVEC_ROWS", "2"),
+    ("FNX_VK_MATVEC_UNROLL", "2, q2_k=1, q3_k=1"),
+    ("FNX_VK_MATVEC_TPR", ""),
+    ("FNX_VK_MATVEC_ITEMS", "4"),
+];
+
+impl MatvecTuning {
+    /// The tuning of pipeline `name`: the defaults, with the
+    /// `FNX_VK_MATVEC_*` overrides that apply to it when `env`.
+    pub fn for_pipeline(name: &str, env: bool) -> MatvecTuning {
+        let get = |i: usize| {
+            let (var, default) = DEFAULTS[i];
+            let set = if env { std::env::var(var).ok().and_then(|list| tuning_entry(&list, name)) } else { None };
+            set.or_else(|| tuning_entry(default, name))
+        };
+        MatvecTuning {
+            wg: get(0).unwrap_or(128),
+            rows: get(1).unwrap_or(2),
+            unroll: get(2).unwrap_or(1),
+            tpr: get(3),
+            min_items: get(4).unwrap_or(4),
+        }
+    }
+
+    /// The defaults and environment overrides of pipeline `name`.
+    pub fn from_env(name: &str) -> MatvecTuning {
+        Self::for_pipeline(name, true)
+    }
+
+    /// Rounded to what `ctx` allows: a power-of-two workgroup of at least the
+    /// subgroup size within the device limits, shared memory for the
+    /// reduction (`WG / 4 * 2 * ROWS` floats) within the limit, TPR a power
+    /// of two no larger than the workgroup.
+    fn fit(self, ctx: &Context) -> MatvecTuning {
+        let l = &ctx.limits;
+        let max_wg = l.max_compute_work_group_size[0].min(l.max_compute_work_group_invocations).min(1024);
+        let pow2_floor = |v: u32| if v == 0 { 1 } else { 1 << (31 - v.leading_zeros()) };
+        let wg = pow2_floor(self.wg.clamp(ctx.subgroup_size.max(4), max_wg.max(4)));
+        // Leave room for common.glsl's reduction slots.
+        let shared_floats = (l.max_compute_shared_memory_size / 4).saturating_sub(64);
+        let rows = self.rows.clamp(1, 16).min((shared_floats / (wg / 2)).max(1));
+        MatvecTuning {
+            wg,
+            rows,
+            unroll: self.unroll.clamp(1, 8),
+            tpr: self.tpr.map(|t| pow2_floor(t).min(wg)),
+            min_items: self.min_items.max(1),
+        }
+    }
+
+    /// log2 of the invocations per row set for rows of `items` work items.
+    pub fn tpr_shift(&self, items: usize) -> u32 {
+        let tpr = match self.tpr {
+            Some(t) => t,
+            None => {
+                let want = (items / self.min_items as usize).clamp(1, self.wg as usize) as u32;
+                1 << (31 - want.leading_zeros())
+            }
+        };
+        tpr.min(self.wg).trailing_zeros()
+    }
+
+    /// Output rows one workgroup covers with `1 << tpr_shift` invocations per row set.
+    pub fn rows_per_workgroup(&self, tpr_shift: u32) -> u32 {
+        (self.wg >> tpr_shift).max(1) * self.rows
+    }
+}
+
+/// The value a `FNX_VK_MATVEC_*` list gives pipeline `name` (`matvec_q4_k`):
+/// the entry naming the pipeline, else its type (`q4_k`), else its kind
+/// (`matvec`), else a bare number.
+fn tuning_entry(list: &str, name: &str) -> Option<u32> {
+    let (kind, ty) = name.split_once('_').unwrap_or((name, ""));
+    let mut best: Option<(u32, u32)> = None;
+    for entry in list.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        let (rank, value) = match entry.split_once('=') {
+            None => (0, entry),
+            Some((n, v)) if n.trim() == name => (3, v),
+            Some((n, v)) if n.trim() == ty => (2, v),
+            Some((n, v)) if n.trim() == kind => (1, v),
+            Some(_) => continue,
+        };
+        if let Ok(v) = value.trim().parse::<u32>() {
+            if best.is_none() || best.is_some_and(|(r, _)| rank >= r) {
+                best = Some((rank, v));
+            }
+        }
+    }
+    best.map(|(_, v)| v)
 }
 
 /// The created pipelines and their descriptor-set layouts.
@@ -180,6 +354,8 @@ pub(crate) struct Pipelines {
     pub max_slabs: u32,
     pub layouts: Vec<vk::PipelineLayout>,
     pub pipelines: Vec<vk::Pipeline>,
+    /// The work split of each pipeline (meaningful for the matvecs).
+    pub tuning: Vec<MatvecTuning>,
     ctx: Arc<Context>,
 }
 
@@ -201,7 +377,13 @@ fn set_layout(ctx: &Context, counts: &[u32]) -> Result<vk::DescriptorSetLayout> 
 }
 
 impl Pipelines {
+    /// Every pipeline, the matvecs tuned by the defaults and `FNX_VK_MATVEC_*`.
     pub fn new(ctx: &Arc<Context>) -> Result<Pipelines> {
+        Self::tuned(ctx, MatvecTuning::from_env)
+    }
+
+    /// Every pipeline, the matvecs tuned by `tuning(name)` (rounded to the device's limits).
+    pub fn tuned(ctx: &Arc<Context>, tuning: impl Fn(&str) -> MatvecTuning) -> Result<Pipelines> {
         let mut p = Pipelines {
             state_layout: set_layout(ctx, &[1, 1, 1])?,
             weight_layout: vk::DescriptorSetLayout::null(),
@@ -209,17 +391,20 @@ impl Pipelines {
             max_slabs: max_slabs(ctx),
             layouts: Vec::new(),
             pipelines: Vec::new(),
+            tuning: Vec::new(),
             ctx: ctx.clone(),
         };
         p.weight_layout = set_layout(ctx, &[1])?;
         p.arena_layout = set_layout(ctx, &[p.max_slabs])?;
         for spec in TABLE {
-            p.create(spec)?;
+            let t = tuning(spec.name).fit(ctx);
+            p.tuning.push(t);
+            p.create(spec, t)?;
         }
         Ok(p)
     }
 
-    fn create(&mut self, spec: &Spec) -> Result<()> {
+    fn create(&mut self, spec: &Spec, tuning: MatvecTuning) -> Result<()> {
         let d = &self.ctx.device;
         let sets: Vec<_> = match spec.sets {
             Sets::State => vec![self.state_layout],
@@ -235,12 +420,15 @@ impl Pipelines {
                 .map_err(err(spec.name))?;
             self.layouts.push(layout);
             let module = d.create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&words), None).map_err(err(spec.name))?;
-            let slabs = self.max_slabs.to_le_bytes();
-            let entries = [vk::SpecializationMapEntry { constant_id: 0, offset: 0, size: 4 }];
-            let special = vk::SpecializationInfo::default().map_entries(&entries).data(&slabs);
+            // Constants 0 (MAX_SLABS), 1 (workgroup size), 2 (ROWS), 3 (UNROLL); a module ignores those it lacks.
+            let data: Vec<u8> =
+                [self.max_slabs, tuning.wg, tuning.rows, tuning.unroll].iter().flat_map(|v| v.to_le_bytes()).collect();
+            let entries: Vec<_> =
+                (0..4).map(|i| vk::SpecializationMapEntry { constant_id: i, offset: 4 * i, size: 4 }).collect();
+            let special = vk::SpecializationInfo::default().map_entries(&entries).data(&data);
             let mut stage =
                 vk::PipelineShaderStageCreateInfo::default().stage(vk::ShaderStageFlags::COMPUTE).module(module).name(c"main");
-            if spec.sets == Sets::StateArena {
+            if spec.sets != Sets::State {
                 stage = stage.specialization_info(&special);
             }
             let info = [vk::ComputePipelineCreateInfo::default().stage(stage).layout(layout)];
@@ -267,5 +455,40 @@ impl Drop for Pipelines {
                 d.destroy_descriptor_set_layout(l, None);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tuning_lists_pick_the_most_specific_entry() {
+        let list = "4, q8_0=2, expert_q5_0=1, expert=3";
+        assert_eq!(tuning_entry(list, "matvec_q4_k"), Some(4));
+        assert_eq!(tuning_entry(list, "matvec_q8_0"), Some(2));
+        assert_eq!(tuning_entry(list, "expert_q8_0"), Some(2));
+        assert_eq!(tuning_entry(list, "expert_q5_0"), Some(1));
+        assert_eq!(tuning_entry(list, "expert_q4_k"), Some(3));
+        assert_eq!(tuning_entry("q4_k=8", "matvec_q6_k"), None);
+        assert_eq!(tuning_entry("junk", "matvec_q6_k"), None);
+    }
+
+    #[test]
+    fn defaults_per_type() {
+        let q4 = MatvecTuning::for_pipeline("matvec_q4_k", false);
+        assert_eq!((q4.wg, q4.rows, q4.unroll, q4.tpr, q4.min_items), (128, 2, 2, None, 4));
+        assert_eq!(MatvecTuning::for_pipeline("expert_q2_k", false).unroll, 1);
+    }
+
+    #[test]
+    fn threads_per_row_leave_min_items_each() {
+        let t = MatvecTuning::for_pipeline("matvec_q4_k", false);
+        // 2560-wide rows: Q4_K 80 items, Q8_0 160, Q2_K 40; 640-wide Q5_0 20.
+        assert_eq!([80, 160, 40, 20, 1].map(|n| 1u32 << t.tpr_shift(n)), [16, 32, 8, 4, 1]);
+        assert_eq!(1 << t.tpr_shift(100_000), t.wg);
+        let forced = MatvecTuning { tpr: Some(8), ..t };
+        assert_eq!(forced.tpr_shift(80), 3);
+        assert_eq!(forced.rows_per_workgroup(3), 128 / 8 * 2);
     }
 }

@@ -4,9 +4,11 @@
 //! compute-to-compute barrier after it; the counts are the token's stats.
 
 use super::device::{err, Context};
+use super::layout::PartLayout;
 use super::matrix::GpuMatrix;
-use super::pipelines::{MatvecPush, Pipe, Pipelines, Push};
+use super::pipelines::{MatvecTuning, MatvecPush, Pipe, Pipelines, Push};
 use crate::error::Result;
+use crate::gguf::GgmlType;
 use ash::vk;
 
 /// GPU work of one decoded token.
@@ -26,13 +28,15 @@ pub(crate) struct Recorder<'a> {
     pub stats: TokenStats,
     /// When profiling: the query pool and the pipeline of each timestamp after the first.
     timestamps: Option<(vk::QueryPool, Vec<Pipe>)>,
+    /// Invocations per matvec row set for every matvec (tests), instead of the tuning's choice.
+    pub force_tpr: Option<u32>,
 }
 
 /// Timestamps one token may write when profiling (one per dispatch, plus the start).
 pub(crate) const MAX_TIMESTAMPS: u32 = 8192;
 
-/// Workgroups along x that cover `n` rows; beyond the device limit the
-/// rest go to z (the shaders index row = x + z * num_x).
+/// `n` workgroups along x; beyond the device limit the rest go to z (the
+/// shaders index workgroup = x + z * num_x).
 fn grid(ctx: &Context, n: usize, y: u32) -> [u32; 3] {
     let max_x = ctx.limits.max_compute_work_group_count[0].min(65535) as usize;
     [n.min(max_x).max(1) as u32, y, n.div_ceil(max_x).max(1) as u32]
@@ -40,7 +44,7 @@ fn grid(ctx: &Context, n: usize, y: u32) -> [u32; 3] {
 
 impl<'a> Recorder<'a> {
     pub fn new(ctx: &'a Context, pipes: &'a Pipelines, cmd: vk::CommandBuffer) -> Self {
-        Recorder { ctx, pipes, cmd, stats: TokenStats::default(), timestamps: None }
+        Recorder { ctx, pipes, cmd, stats: TokenStats::default(), timestamps: None, force_tpr: None }
     }
 
     /// Writes a timestamp after every dispatch into `pool` (reset here), for
@@ -103,22 +107,38 @@ impl<'a> Recorder<'a> {
         self.stats.barriers += 1;
     }
 
-    /// `y = W x` over every chunk of `m`, `experts` times (arena matvecs pass
-    /// their own set 1 and `experts > 1`). The caller fills the offsets and epilogue of `push`.
+    /// Fills the work split and layout fields of a matvec push for `part`
+    /// and returns the workgroup grid for `experts` (grid y).
+    fn matvec_split(&self, pipe: Pipe, part: &PartLayout, push: &mut MatvecPush, experts: u32) -> [u32; 3] {
+        assert!(push.x_off % 4 == 0 && push.x_stride % 4 == 0, "matvec activations must start at multiples of 4 floats");
+        let tuning = match self.force_tpr {
+            Some(t) => MatvecTuning { tpr: Some(t), ..self.pipes.tuning[pipe as usize] },
+            None => self.pipes.tuning[pipe as usize],
+        };
+        let shift = tuning.tpr_shift(part.items);
+        push.tpr_shift = shift;
+        push.cols = part.cols as u32;
+        push.row_bytes = part.row_bytes as u32;
+        push.fld0 = part.fields[0] as u32;
+        push.fld1 = part.fields[1] as u32;
+        let per_group = tuning.rows_per_workgroup(shift) as usize;
+        grid(self.ctx, (push.rows as usize).div_ceil(per_group), experts)
+    }
+
+    /// `y = W x` over every chunk of `m`. The caller fills the offsets and epilogue of `push`.
     pub fn matvec(&mut self, m: &GpuMatrix, state_set: vk::DescriptorSet, mut push: MatvecPush) {
         let swiglu = push.mode == 4;
         assert!(!swiglu || m.chunks.len() == 1, "{}: a SwiGLU matrix is never split", m.name);
-        let pipe = Pipe::matvec(m.ty, false).expect("type checked at upload");
-        push.cols = m.cols as u32;
-        push.row_bytes = m.row_bytes as u32;
+        let pipe = Pipe::matvec(m.ty, false);
         push.total_rows = m.rows as u32;
         push.scale = if push.scale == 0.0 { 1.0 } else { push.scale };
         for c in &m.chunks {
             push.rows = if swiglu { c.rows / 2 } else { c.rows } as u32;
             push.row_base = c.first_row as u32;
-            self.dispatch(pipe, &[state_set, c.set], &push, grid(self.ctx, push.rows as usize, 1));
+            let groups = self.matvec_split(pipe, &c.layout, &mut push, 1);
+            self.dispatch(pipe, &[state_set, c.set], &push, groups);
         }
-        self.stats.weight_bytes += (m.rows * m.row_bytes) as u64;
+        self.stats.weight_bytes += m.device_bytes();
     }
 
     /// Matvecs of matrices whose rows are consecutive outputs (one fused
@@ -132,11 +152,15 @@ impl<'a> Recorder<'a> {
         }
     }
 
-    /// A matvec over `experts` arena slots (ids in scratch at `push.expert_off`).
-    pub fn expert_matvec(&mut self, pipe: Pipe, sets: [vk::DescriptorSet; 2], push: MatvecPush, experts: usize, bytes: u64) {
-        let g = grid(self.ctx, push.rows as usize, experts as u32);
+    /// A matvec of the arena part `part` (at `push.part_off` of each slot) for
+    /// `experts` experts (ids in scratch at `push.expert_off`); `push.rows` is
+    /// the part's output rows (its gate rows with SwiGLU).
+    pub fn expert_matvec(&mut self, ty: GgmlType, sets: [vk::DescriptorSet; 2], mut push: MatvecPush, part: &PartLayout, experts: usize) {
+        let pipe = Pipe::matvec(ty, true);
+        push.total_rows = push.rows;
+        let g = self.matvec_split(pipe, part, &mut push, experts as u32);
         self.dispatch(pipe, &sets, &push, g);
-        self.stats.weight_bytes += bytes;
+        self.stats.weight_bytes += (experts * part.bytes) as u64;
     }
 }
 

@@ -121,7 +121,7 @@ impl ScratchLayout {
         let k = cfg.n_experts_used + 1;
         l.ids = next(k);
         l.weights = next(k);
-        l.exp_h = next(k * cfg.expert_ff);
+        l.exp_h = next(k * exp_h_stride(cfg) as usize);
         l.exp_y = next(k * h);
         l.sh_h = next(cfg.shared_ff);
         l.sh_y = next(h);
@@ -136,6 +136,12 @@ impl ScratchLayout {
         }
         Ok(l)
     }
+}
+
+/// Floats between consecutive experts' hidden activations: the expert width
+/// rounded up to 4, as the down matvec reads its input in vec4s.
+fn exp_h_stride(cfg: &Config) -> u32 {
+    cfg.expert_ff.div_ceil(4) as u32 * 4
 }
 
 /// Float offsets inside an attention layer's state buffer.
@@ -723,8 +729,7 @@ impl GpuState {
         };
         rec.dispatch(Pipe::MoeRoute, &[set], &route, [1, 1, 1]);
         let experts = k + ar.shared_in_arena as usize;
-        let gate_pipe = Pipe::matvec(ar.gate_ty, true).expect("arena types checked at load");
-        let down_pipe = Pipe::matvec(ar.down_ty, true).expect("arena types checked at load");
+        let part = &ar.layers[layer];
         let base = MatvecPush {
             expert_off: l.ids,
             slot_table: w.slot_table,
@@ -733,30 +738,21 @@ impl GpuState {
             scale: 1.0,
             ..Default::default()
         };
-        let gate_up = MatvecPush {
-            rows: f as u32,
-            cols: h as u32,
-            row_bytes: ar.gate_row_bytes as u32,
-            x_off: l.input,
-            y_off: l.exp_h,
-            y_stride: f as u32,
-            mode: 4,
-            ..base
-        };
+        let f_stride = exp_h_stride(cfg);
+        let gate_up =
+            MatvecPush { rows: f as u32, x_off: l.input, y_off: l.exp_h, y_stride: f_stride, mode: 4, ..base };
         let sets = [set, ar.set];
-        rec.expert_matvec(gate_pipe, sets, gate_up, experts, (experts * 2 * f * ar.gate_row_bytes) as u64);
+        rec.expert_matvec(part.gate_ty, sets, gate_up, &part.gate, experts);
         let down = MatvecPush {
             rows: h as u32,
-            cols: f as u32,
-            row_bytes: ar.down_row_bytes as u32,
             x_off: l.exp_h,
-            x_stride: f as u32,
+            x_stride: f_stride,
             y_off: l.exp_y,
             y_stride: h as u32,
-            part_off: (2 * f * ar.gate_row_bytes) as u32,
+            part_off: part.gate.bytes as u32,
             ..base
         };
-        rec.expert_matvec(down_pipe, sets, down, experts, (experts * h * ar.down_row_bytes) as u64);
+        rec.expert_matvec(part.down_ty, sets, down, &part.down, experts);
         if let Some(sh) = &w.shared {
             rec.matvec(&sh.gate_up, set, MatvecPush { x_off: l.input, y_off: l.sh_h, mode: 4, ..Default::default() });
             rec.matvec(&sh.down, set, MatvecPush { x_off: l.sh_h, y_off: l.sh_y, ..Default::default() });
