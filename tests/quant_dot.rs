@@ -273,12 +273,23 @@ fn activation_rounding() {
                 assert_eq!(format!("{a:?}"), format!("{b:?}"), "{kind:?} {}", isa.name());
             }
         }
-        let mut x = vec![0f32; 512];
+        // Ties (amax 127: x * 127 / amax is x), signed zeros, a NaN block,
+        // an infinite block, a zero block: the same bytes at every level.
+        let mut x = vec![0f32; 1024];
+        for (i, v) in x[..256].iter_mut().enumerate() {
+            *v = [127.0, -0.5, 0.5, 1.5, 2.5, -2.5, -0.0, 126.5][i % 8];
+        }
         x[300] = f32::NAN;
-        let a = Activation::new(Isa::detect(), kind, &x);
+        x[600] = f32::INFINITY;
+        let a = Activation::new(Isa::Scalar, kind, &x);
+        for &isa in &Isa::available()[1..] {
+            assert_eq!(format!("{a:?}"), format!("{:?}", Activation::new(isa, kind, &x)), "{kind:?} {}", isa.name());
+        }
         let r = a.dequantize();
-        assert!(r[..256].iter().all(|&v| v == 0.0), "zero block stays zero");
+        assert_eq!(&r[..8], &[127.0, -0.0, 0.0, 2.0, 2.0, -2.0, 0.0, 126.0], "{kind:?}: halves round to even");
         assert!(r[300].is_nan(), "NaN reaches the products");
+        assert!(r[600].is_nan(), "inf reaches the products (as NaN: d = inf, q = 0)");
+        assert!(r[768..].iter().all(|&v| v == 0.0), "zero block stays zero");
     }
 }
 

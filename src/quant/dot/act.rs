@@ -52,9 +52,7 @@ impl Q8Blocks {
         match isa {
             // SAFETY: `isa` comes from `Isa::available`, so the CPU has the features.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { q8_avx2(x, &mut a) },
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Avx512Vnni => unsafe { q8_avx512(x, &mut a) },
+            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vnni => unsafe { q8_avx2(x, &mut a) },
             _ => q8_generic(x, &mut a),
         }
         a
@@ -80,9 +78,7 @@ impl Q8KBlocks {
         match isa {
             // SAFETY: `isa` comes from `Isa::available`, so the CPU has the features.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { q8k_avx2(x, &mut a) },
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Avx512Vnni => unsafe { q8k_avx512(x, &mut a) },
+            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vnni => unsafe { q8k_avx2(x, &mut a) },
             _ => q8k_generic(x, &mut a),
         }
         a
@@ -116,7 +112,6 @@ fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
     }
 }
 
-#[inline(always)]
 fn q8_generic(x: &[f32], a: &mut Q8Blocks) {
     for (b, (xs, qs)) in x.chunks_exact(QK8).zip(a.qs.chunks_exact_mut(QK8)).enumerate() {
         let d = quantize_block(xs, qs);
@@ -126,7 +121,6 @@ fn q8_generic(x: &[f32], a: &mut Q8Blocks) {
     }
 }
 
-#[inline(always)]
 fn q8k_generic(x: &[f32], a: &mut Q8KBlocks) {
     for (b, (xs, qs)) in x.chunks_exact(QK_K).zip(a.qs.chunks_exact_mut(QK_K)).enumerate() {
         a.d[b] = quantize_block(xs, qs);
@@ -136,26 +130,73 @@ fn q8k_generic(x: &[f32], a: &mut Q8KBlocks) {
     }
 }
 
+/// [`quantize_block`] with AVX2 (`x.len()` a multiple of 32): the same
+/// operations lane by lane (`vmaxps` with the running maximum second ignores
+/// NaN as `f32::max` does; `vroundps` rounds half to even; NaN lanes become
+/// 0 as `as i8` makes them), so the same bytes. `sums(k, s)` receives the
+/// i32 sum of the levels of every 16 values `16 k..16 k + 16`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn quantize_block_avx2(x: &[f32], q: &mut [i8], mut sums: impl FnMut(usize, i32)) -> f32 {
+    use std::arch::x86_64::*;
+    assert!(x.len() % 32 == 0 && q.len() == x.len());
+    let sign = _mm256_set1_ps(-0.0);
+    let (mut m, mut nan) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    for c in x.chunks_exact(8) {
+        // SAFETY: `c` holds 8 floats.
+        let v = unsafe { _mm256_loadu_ps(c.as_ptr()) };
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, v), m);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+    }
+    // The maximum of the lanes (none is NaN; max is exact in any order).
+    let m = _mm256_max_ps(m, _mm256_permute2f128_ps::<1>(m, m));
+    let m = _mm256_max_ps(m, _mm256_permute_ps::<0x4e>(m));
+    let amax = _mm256_cvtss_f32(_mm256_max_ps(m, _mm256_permute_ps::<0xb1>(m)));
+    let id = _mm256_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
+    let level = |c: &[f32]| {
+        // SAFETY: `c` holds 8 floats.
+        let v = _mm256_mul_ps(unsafe { _mm256_loadu_ps(c.as_ptr()) }, id);
+        let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
+        _mm256_cvtps_epi32(_mm256_and_ps(r, _mm256_cmp_ps::<_CMP_ORD_Q>(r, r)))
+    };
+    let hsum = |v: __m256i| {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0x4e>(s));
+        _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0xb1>(s)))
+    };
+    for (k, (c, out)) in x.chunks_exact(32).zip(q.chunks_exact_mut(32)).enumerate() {
+        let l = [level(&c[..8]), level(&c[8..16]), level(&c[16..24]), level(&c[24..])];
+        let (ab, cd) = (_mm256_packs_epi32(l[0], l[1]), _mm256_packs_epi32(l[2], l[3]));
+        let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        // SAFETY: `out` holds 32 bytes.
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, bytes) };
+        sums(2 * k, hsum(_mm256_add_epi32(l[0], l[1])));
+        sums(2 * k + 1, hsum(_mm256_add_epi32(l[2], l[3])));
+    }
+    if _mm256_movemask_ps(nan) != 0 {
+        f32::NAN
+    } else {
+        amax / 127.0
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn q8_avx2(x: &[f32], a: &mut Q8Blocks) {
-    q8_generic(x, a)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn q8_avx512(x: &[f32], a: &mut Q8Blocks) {
-    q8_generic(x, a)
+fn q8_avx2(x: &[f32], a: &mut Q8Blocks) {
+    for (b, (xs, qs)) in x.chunks_exact(QK8).zip(a.qs.chunks_exact_mut(QK8)).enumerate() {
+        let mut sum = 0i32;
+        let d = quantize_block_avx2(xs, qs, |_, s| sum += s);
+        a.d[b] = d;
+        a.ds[b] = d * sum as f32;
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn q8k_avx2(x: &[f32], a: &mut Q8KBlocks) {
-    q8k_generic(x, a)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn q8k_avx512(x: &[f32], a: &mut Q8KBlocks) {
-    q8k_generic(x, a)
+fn q8k_avx2(x: &[f32], a: &mut Q8KBlocks) {
+    for (b, (xs, qs)) in x.chunks_exact(QK_K).zip(a.qs.chunks_exact_mut(QK_K)).enumerate() {
+        let bsums = &mut a.bsums[16 * b..16 * b + 16];
+        a.d[b] = quantize_block_avx2(xs, qs, |k, s| bsums[k] = s as i16);
+    }
 }
