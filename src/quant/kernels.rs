@@ -310,8 +310,12 @@ pub fn with_kernels<R>(kernels: Kernels, f: impl FnOnce() -> R) -> R {
 /// per-task cost (well under a microsecond) is small next to streaming it
 /// (about 8 us at 8 GB/s per core), small enough that 16 threads get about
 /// 15 chunks each of a top-10 expert batch (20 x 0.9 MB) and share its tail
-/// evenly. Products below this size run on the calling thread.
+/// evenly. Batches of at most one chunk run on the calling thread.
 pub const CHUNK_BYTES: usize = 64 << 10;
+
+/// Batches of fewer multiply-adds than this also run on the calling thread:
+/// waking the pool costs more than it saves (and tiny models never start it).
+const PAR_MIN_WEIGHTS: usize = 1 << 16;
 
 /// One matrix-vector product: `y[r] = rows[r] · x`, where `rows` holds
 /// `y.len()` consecutive rows of `x.len()` values of `ty`.
@@ -361,11 +365,12 @@ pub fn matvec_batch_with(kernels: Kernels, isa: Isa, jobs: &mut [MatVec<'_>]) {
     let mut inputs: Vec<(*const f32, usize, ActKind)> = Vec::new();
     let mut acts: Vec<Activation> = Vec::new();
     let mut job_act: Vec<Option<usize>> = Vec::with_capacity(jobs.len());
-    let mut total = 0usize;
+    let (mut total, mut weights) = (0usize, 0usize);
     for j in jobs.iter() {
         let rb = j.ty.row_bytes(j.x.len()).expect("row length is a whole number of blocks");
         assert_eq!(j.rows.len(), rb * j.y.len(), "{} matvec: {} bytes for {} rows", j.ty, j.rows.len(), j.y.len());
         total += j.rows.len();
+        weights += j.x.len() * j.y.len();
         let kind = ActKind::of(j.ty).filter(|_| kernels == Kernels::Fast && !j.y.is_empty());
         job_act.push(kind.map(|kind| {
             let key = (j.x.as_ptr(), j.x.len(), kind);
@@ -388,7 +393,7 @@ pub fn matvec_batch_with(kernels: Kernels, isa: Isa, jobs: &mut [MatVec<'_>]) {
             chunks.push(Chunk { ty: j.ty, rows, x: j.x, act, y });
         }
     }
-    if total <= CHUNK_BYTES || chunks.len() == 1 {
+    if total <= CHUNK_BYTES || weights < PAR_MIN_WEIGHTS || chunks.len() == 1 {
         chunks.iter_mut().for_each(|c| c.run(isa));
     } else {
         chunks.par_iter_mut().for_each(|c| c.run(isa));

@@ -25,22 +25,23 @@ pub const QK8: usize = 32;
 /// Values per super-block of [`Q8KBlocks`].
 pub const QK_K: usize = 256;
 
-/// `x` in blocks of 32: `x[32 b + j] ~ d[b] * qs[32 b + j]`.
+/// `x` in blocks of 32: `x[32 b + j] ~ d[b] * qs[32 b + j]`. The fields
+/// are private: the kernels load whole blocks relying on their lengths.
 #[derive(Clone, Debug, Default)]
 pub struct Q8Blocks {
-    pub qs: Vec<i8>,
-    pub d: Vec<f32>,
+    pub(super) qs: Vec<i8>,
+    pub(super) d: Vec<f32>,
     /// `d[b] * sum(qs[32 b..32 b + 32])`.
-    pub ds: Vec<f32>,
+    pub(super) ds: Vec<f32>,
 }
 
 /// `x` in super-blocks of 256: `x[256 b + j] ~ d[b] * qs[256 b + j]`.
 #[derive(Clone, Debug, Default)]
 pub struct Q8KBlocks {
-    pub qs: Vec<i8>,
-    pub d: Vec<f32>,
+    pub(super) qs: Vec<i8>,
+    pub(super) d: Vec<f32>,
     /// `sum(qs[16 k..16 k + 16])` for every 16 values.
-    pub bsums: Vec<i16>,
+    pub(super) bsums: Vec<i16>,
 }
 
 impl Q8Blocks {
@@ -61,6 +62,11 @@ impl Q8Blocks {
     /// Number of blocks.
     pub fn blocks(&self) -> usize {
         self.d.len()
+    }
+
+    /// The levels, the block scales and `d * sum(levels)` per block.
+    pub fn parts(&self) -> (&[i8], &[f32], &[f32]) {
+        (&self.qs, &self.d, &self.ds)
     }
 
     /// The values the quantized vector stands for, `d * q`.
@@ -87,6 +93,11 @@ impl Q8KBlocks {
     /// Number of super-blocks.
     pub fn blocks(&self) -> usize {
         self.d.len()
+    }
+
+    /// The levels, the super-block scales and the sums of every 16 levels.
+    pub fn parts(&self) -> (&[i8], &[f32], &[i16]) {
+        (&self.qs, &self.d, &self.bsums)
     }
 
     /// The values the quantized vector stands for, `d * q`.
