@@ -4,6 +4,12 @@
 # run (docs/BENCHMARKS.md, "Quantized weights").
 #
 #   scripts/bench-kernels.sh [--seconds S] [--lm-head-fraction F] [--threads N]
+#       [--kernels exact|fast|both] [--types q4_k,q8_0,...] [--isa avx2+fma|avx512|avx512+vnni]
+#       [--per-core-only]
+#
+# Both CPU kernel families by default: "exact" (weights decoded to f32) and
+# "fast" (activations rounded to 8 bits, integer dot products: the default
+# path, as llama.cpp), then a single-thread in-cache table per type.
 #
 # With LLAMA_CPP set to a llama.cpp tree built in build-cpu/ (or
 # TEST_BACKEND_OPS set to its test-backend-ops binary), also runs its CPU

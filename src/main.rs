@@ -68,6 +68,18 @@ enum Command {
         /// Worker threads (0 = all cores).
         #[arg(long, default_value_t = 0)]
         threads: usize,
+        /// Kernel family: exact (f32 decode), fast (8-bit activations, integer dot products) or both.
+        #[arg(long, default_value = "both")]
+        kernels: String,
+        /// Only these types (comma-separated, e.g. q4_k,q8_0; default all quantized types).
+        #[arg(long, value_delimiter = ',')]
+        types: Vec<String>,
+        /// Only the single-thread, in-cache throughput table.
+        #[arg(long)]
+        per_core_only: bool,
+        /// Kernel level: scalar, avx2+fma, avx512 or avx512+vnni (default: the widest this CPU has).
+        #[arg(long)]
+        isa: Option<String>,
     },
     /// The main job: one chat turn, text in and text out, on a model (by
     /// default the embedded tiny model), with load time and speed.
@@ -187,8 +199,8 @@ fn main() -> ExitCode {
         Command::Quantize { input, output, preset, tensor_types, quiet } => {
             quant_cli::run_quantize(&input, &output, preset, tensor_types, quiet)
         }
-        Command::BenchKernels { seconds, lm_head_fraction, threads } => {
-            quant_cli::run_bench_kernels(seconds, lm_head_fraction, threads)
+        Command::BenchKernels { seconds, lm_head_fraction, threads, kernels, types, per_core_only, isa } => {
+            quant_cli::run_bench_kernels(seconds, lm_head_fraction, threads, &kernels, &types, per_core_only, isa.as_deref())
         }
         Command::Synth { out, layers, out_type, tensor_types, ple_rows, seed, dims, quiet } => {
             let opts = flashnext::synth::SynthOptions { layers, out_type, tensor_types, ple_rows, seed, dims: Default::default() };

@@ -32,12 +32,51 @@ pub fn run_quantize(
     Ok(())
 }
 
-pub fn run_bench_kernels(seconds: f64, lm_head_fraction: f64, threads: usize) -> flashnext::Result<()> {
+pub fn run_bench_kernels(
+    seconds: f64,
+    lm_head_fraction: f64,
+    threads: usize,
+    kernels: &str,
+    types: &[String],
+    per_core_only: bool,
+    isa: Option<&str>,
+) -> flashnext::Result<()> {
     if threads > 0 {
         // Only fails when the pool was already built, which nothing here does.
         let _ = rayon::ThreadPoolBuilder::new().num_threads(threads).build_global();
     }
-    let opts = KernelBenchOptions { seconds, lm_head_fraction, ..KernelBenchOptions::default() };
+    use flashnext::quant::kernels::Kernels;
+    let kernels = match kernels {
+        "both" => vec![Kernels::Exact, Kernels::Fast],
+        k => vec![Kernels::parse(k)
+            .ok_or_else(|| flashnext::Error::arg(format!("--kernels {k:?}: expected exact, fast or both")))?],
+    };
+    use flashnext::quant::kernels::Isa;
+    let isa = match isa {
+        None => None,
+        Some(name) => match Isa::parse(name) {
+            Some(i) if i.supported() => Some(i),
+            Some(_) => return Err(flashnext::Error::arg(format!("--isa {name}: this CPU cannot run it"))),
+            None => {
+                return Err(flashnext::Error::arg(format!(
+                    "--isa {name:?}: expected scalar, avx2+fma, avx512 or avx512+vnni"
+                )))
+            }
+        },
+    };
+    let mut opts =
+        KernelBenchOptions { seconds, lm_head_fraction, kernels, per_core_only, isa, ..KernelBenchOptions::default() };
+    if !types.is_empty() {
+        opts.types = types
+            .iter()
+            .map(|t| {
+                flashnext::quant::QUANT_TYPES
+                    .into_iter()
+                    .find(|q| q.name().eq_ignore_ascii_case(t))
+                    .ok_or_else(|| flashnext::Error::arg(format!("--types: {t:?} is not a quantized type")))
+            })
+            .collect::<flashnext::Result<_>>()?;
+    }
     print!("{}", run_kernels(&opts)?);
     Ok(())
 }

@@ -1,10 +1,13 @@
 //! Weight tensors as zero-copy views into the memory-mapped model file, and
 //! the row-parallel matrix-vector products the CPU forward pass is built on.
 //!
-//! Each row's dot product is one call into [`crate::quant::kernels`], which
-//! decodes the row block by block (every storage type, bit-exact with ggml's
-//! dequantizers) and accumulates in f32 with SIMD picked at run time; the
-//! summation order differs from PyTorch's BLAS only by rounding, ~1e-7 relative.
+//! The products run on [`crate::quant::kernels`]: for the quantized types by
+//! default the integer kernels against an 8-bit rounding of `x` (ggml's
+//! scheme, within `amax / 254` per activation: see [`crate::quant::dot`]),
+//! else (F32/F16/BF16 always, quantized types with `Kernels::Exact`) by
+//! decoding each row bit-exactly and accumulating in f32, which differs from
+//! PyTorch's BLAS only by rounding, ~1e-7 relative. SIMD is picked at run
+//! time. Products that share a layer step go through [`matvec_all`] together.
 
 use crate::gguf::{GgmlType, Storage, TensorInfo};
 use crate::quant::kernels::{matvec_batch, MatVec};
@@ -82,11 +85,17 @@ impl Tensor {
 
     /// `y = W[rows] · x` for the `y.len()` rows starting at `first_row`.
     pub fn matvec_rows(&self, first_row: usize, x: &[f32], y: &mut [f32]) {
+        matvec_batch(&mut [self.matvec_job(first_row, x, y)]);
+    }
+
+    /// The product `y = W[rows] · x` (rows from `first_row`) as a job for
+    /// [`matvec_all`].
+    pub fn matvec_job<'a>(&'a self, first_row: usize, x: &'a [f32], y: &'a mut [f32]) -> MatVec<'a> {
         assert_eq!(x.len(), self.cols(), "{}: input length", self.name);
         assert!(first_row + y.len() <= self.rows(), "{}: rows out of range", self.name);
         let rb = self.row_bytes();
         let rows = &self.bytes()[first_row * rb..(first_row + y.len()) * rb];
-        matvec_batch(&mut [MatVec { ty: self.ty, rows, x, y }]);
+        MatVec { ty: self.ty, rows, x, y }
     }
 
     /// `y = W · x` over all rows.
@@ -94,4 +103,11 @@ impl Tensor {
         assert_eq!(y.len(), self.rows(), "{}: output length", self.name);
         self.matvec_rows(0, x, y);
     }
+}
+
+/// Runs several products in one parallel region (inputs shared between jobs
+/// are rounded once on the fast path); the numbers are those of separate
+/// [`Tensor::matvec_rows`] calls.
+pub fn matvec_all(jobs: &mut [MatVec<'_>]) {
+    matvec_batch(jobs);
 }

@@ -3,28 +3,43 @@
 //! quantized with every preset exactly as `llama-quantize` would (the files
 //! are byte-identical to its output; `tools/quant/check_llama_quantize.sh`).
 //!
-//! * Kernels: the quantized file decodes to the same logits as its own
+//! * Kernels, exact path (`Kernels::Exact`, weights decoded bit-exactly):
+//!   the quantized file decodes to the same logits as its own
 //!   dequantized-F32 twin (every weight dequantized to f32, computed by the
 //!   F32 path): within 1e-4 of max|logit| at every position.
-//! * Quality: KL divergence from the transformers reference distribution and
-//!   top-1 agreement, over the positions the golden tests check, within the
-//!   bounds of [`bound`]. These random tiny models are far more fragile than
-//!   trained ones (see tests/reference.rs), and their small rows fall back to
-//!   the 32-element types much as `llama-quantize` does on them.
+//! * Kernels, fast path (the default: activations rounded to 8 bits per
+//!   block of 32 or 256, integer dot products): no pointwise bound holds
+//!   here, since the rounding moves every product by up to 0.4% and these
+//!   models amplify that (recurrent state; discrete top-k choices of the
+//!   router and the QSA indexer flip, so single positions move by up to
+//!   ~max|logit|; median ~1% of max|logit| on tiny_flat, ~15% on
+//!   tiny_native). Rounding the activations to 8 bits per 32 is the same
+//!   perturbation as rounding the weights to Q8_0, so the check is that it
+//!   costs no more than Q8_0 does: mean KLD from the twin and top-1
+//!   agreement with it within the q8_0 preset's quality bound (measured
+//!   worst: KLD 0.054, agreement 0.739, both on tiny_native, against Q8_0's
+//!   0.042 / 0.749 from the reference).
+//! * Quality, on both paths: KL divergence from the transformers reference
+//!   distribution and top-1 agreement, over the positions the golden tests
+//!   check, within the bounds of [`bound`]. These random tiny models are far
+//!   more fragile than trained ones (see tests/reference.rs), and their
+//!   small rows fall back to the 32-element types much as `llama-quantize`
+//!   does on them.
 
 mod golden;
 
 use flashnext::convert::{convert, ConvertOptions, OutType};
 use golden::Manifest;
 use flashnext::model::{LoadOptions, Model, State};
+use flashnext::quant::kernels::Kernels;
 use flashnext::quant::policy::Preset;
 use flashnext::quant::requantize::{quantize_file, QuantizeOptions};
 use std::path::{Path, PathBuf};
 
 
-/// Logits at every checked position of every sequence.
-fn decode(gguf: &Path, m: &Manifest) -> Vec<Vec<f32>> {
-    let model = Model::load(gguf, &LoadOptions::default()).unwrap();
+/// Logits at every checked position of every sequence, on the given CPU kernels.
+fn decode(gguf: &Path, m: &Manifest, kernels: Kernels) -> Vec<Vec<f32>> {
+    let model = Model::load(gguf, &LoadOptions { cpu_kernels: Some(kernels), ..Default::default() }).unwrap();
     assert_eq!(model.vocab_size(), m.vocab_size);
     let mut state = State::new(model).unwrap();
     let mut out = Vec::new();
@@ -101,23 +116,40 @@ fn presets_on_reference_fixtures() {
             quantize_file(&f32_path, &q, &QuantizeOptions { preset, tensor_types: vec![] }).unwrap();
             let to_f32 = vec![".*=F32".parse().unwrap()];
             quantize_file(&q, &deq, &QuantizeOptions { preset, tensor_types: to_f32 }).unwrap();
-            let (got, twin) = (decode(&q, &m), decode(&deq, &m));
-            let mut kernel_err = 0f32;
-            let (mut kl, mut top1) = (0f64, 0usize);
-            for ((g, t), w) in got.iter().zip(&twin).zip(&want) {
-                let scale = t.iter().fold(0f32, |a, v| a.max(v.abs()));
-                kernel_err = kernel_err.max(g.iter().zip(t).fold(0f32, |a, (x, y)| a.max((x - y).abs())) / scale);
-                kl += kld(w, g);
-                top1 += (argmax(g) == argmax(w)) as usize;
-            }
-            let n = got.len();
-            let (kl, top1) = (kl / n as f64, top1 as f64 / n as f64);
-            println!("{name} {preset}: mean KLD {kl:.4}, top-1 {top1:.3} over {n} positions; kernel vs dequantized-F32 {kernel_err:.1e}");
-            let (max_kl, min_top1) = bound(preset);
-            if kernel_err > 1e-4 || kl > max_kl || top1 < min_top1 {
-                failures.push(format!(
-                    "{name} {preset}: KLD {kl} (max {max_kl}), top-1 {top1} (min {min_top1}), kernel {kernel_err}"
-                ));
+            let twin = decode(&deq, &m, Kernels::Exact);
+            for kernels in [Kernels::Exact, Kernels::Fast] {
+                let got = decode(&q, &m, kernels);
+                let mut kernel_err = 0f32;
+                let (mut kl, mut top1, mut kl_twin, mut agree) = (0f64, 0usize, 0f64, 0usize);
+                for ((g, t), w) in got.iter().zip(&twin).zip(&want) {
+                    let scale = t.iter().fold(0f32, |a, v| a.max(v.abs()));
+                    kernel_err = kernel_err.max(g.iter().zip(t).fold(0f32, |a, (x, y)| a.max((x - y).abs())) / scale);
+                    kl += kld(w, g);
+                    top1 += (argmax(g) == argmax(w)) as usize;
+                    kl_twin += kld(t, g);
+                    agree += (argmax(g) == argmax(t)) as usize;
+                }
+                let n = got.len() as f64;
+                let (kl, top1, kl_twin, agree) = (kl / n, top1 as f64 / n, kl_twin / n, agree as f64 / n);
+                let k = kernels.name();
+                println!(
+                    "{name} {preset} {k}: mean KLD {kl:.4}, top-1 {top1:.3} over {n} positions; \
+                     vs dequantized-F32: max error {kernel_err:.1e}, mean KLD {kl_twin:.1e}, top-1 {agree:.3}"
+                );
+                let (max_kl, min_top1) = bound(preset);
+                let kernel_ok = match kernels {
+                    Kernels::Exact => kernel_err <= 1e-4,
+                    Kernels::Fast => {
+                        let (max_kl, min_top1) = bound(Preset::Q8_0);
+                        kl_twin <= max_kl && agree >= min_top1
+                    }
+                };
+                if !kernel_ok || kl > max_kl || top1 < min_top1 {
+                    failures.push(format!(
+                        "{name} {preset} {k}: KLD {kl} (max {max_kl}), top-1 {top1} (min {min_top1}), \
+                         vs dequantized-F32: max error {kernel_err}, KLD {kl_twin}, top-1 {agree}"
+                    ));
+                }
             }
         }
         std::fs::remove_dir_all(&dir).ok();

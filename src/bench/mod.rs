@@ -145,6 +145,9 @@ pub struct BenchReport {
     pub layers: usize,
     pub tensor_types: Vec<(String, usize)>,
     pub backend: String,
+    /// The CPU kernels of the quantized weights (`fast` or `exact`; see
+    /// `quant::kernels`), what the CPU backend ran.
+    pub cpu_kernels: String,
     pub threads: usize,
     pub load_seconds: f64,
     pub prompt_tokens: usize,
@@ -279,6 +282,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
             .map(|(t, n)| (t.name().to_string(), *n))
             .collect(),
         backend: if model.gpu.is_some() { "vulkan" } else { "cpu" }.into(),
+        cpu_kernels: model.cpu_kernels.name().into(),
         threads,
         load_seconds,
         prompt_tokens: prompt.len(),
@@ -332,7 +336,7 @@ impl BenchReport {
             .map(|c| format!("{} hits, {} misses", c.hits, c.misses));
         let lines = [
             format!("machine: {} ({} threads), {:.0} GiB RAM", self.machine.cpu, self.machine.logical_cpus, self.machine.mem_total_bytes as f64 / (1u64 << 30) as f64),
-            format!("model: {} ({:.2} GB, {} layers), backend {}, {} threads, loaded in {:.2} s", self.model, gb(self.file_bytes), self.layers, self.backend, self.threads, self.load_seconds),
+            format!("model: {} ({:.2} GB, {} layers), backend {} ({} CPU kernels), {} threads, loaded in {:.2} s", self.model, gb(self.file_bytes), self.layers, self.backend, self.cpu_kernels, self.threads, self.load_seconds),
             format!("prompt: {} tokens at {:.2} tok/s", self.prompt_tokens, self.prompt_tok_s),
             format!(
                 "decode: {:.3} tok/s median ({:.1} ms), min {:.3}, max {:.3} over {} tokens after {} warm-up",

@@ -215,6 +215,7 @@ pub unsafe extern "C" fn fnx_load(
                 backend,
                 device_index,
                 vram_budget_mb: p.vram_budget_mb,
+                cpu_kernels: None,
             };
             let start = std::time::Instant::now();
             let model = match Model::load(Path::new(path), &opts) {

@@ -15,6 +15,7 @@ use super::ops::{l2_normalize, rms_norm, sigmoid, silu, softplus};
 use super::weights::Gdn;
 use super::state::zeros;
 use crate::error::Result;
+use crate::tensor::matvec_all;
 use rayon::prelude::*;
 
 /// Recurrent state of one GDN layer.
@@ -43,13 +44,15 @@ pub fn forward(w: &Gdn, cfg: &Config, st: &mut GdnState, x: &[f32]) -> Vec<f32> 
     let (nk, nv, d, kc) = (cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_dim, cfg.ssm_conv);
     let dc = cfg.ssm_conv_dim();
     let mut qkv = vec![0f32; dc];
-    w.qkv.matvec(x, &mut qkv);
     let mut z = vec![0f32; nv * d];
-    w.z.matvec(x, &mut z);
     let mut b = vec![0f32; nv];
-    w.beta.matvec(x, &mut b);
     let mut a = vec![0f32; nv];
-    w.alpha.matvec(x, &mut a);
+    matvec_all(&mut [
+        w.qkv.matvec_job(0, x, &mut qkv),
+        w.z.matvec_job(0, x, &mut z),
+        w.beta.matvec_job(0, x, &mut b),
+        w.alpha.matvec_job(0, x, &mut a),
+    ]);
 
     // Depthwise causal conv over [history..., current], then SiLU.
     let mut c = vec![0f32; dc];

@@ -26,6 +26,7 @@ pub use weights::Weights;
 
 use crate::error::{Error, Result};
 use crate::gguf::{GgmlType, GgufFile, Metadata};
+use crate::quant::kernels::{with_kernels, Kernels};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -63,6 +64,10 @@ pub struct LoadOptions {
     pub n_threads: usize,
     /// Called as the load advances; returning `false` cancels it (see [`ProgressFn`]).
     pub progress: Option<ProgressFn>,
+    /// CPU kernels for the quantized weights (see `quant::kernels`): `None`
+    /// takes the environment's `FNX_CPU_KERNELS=exact|fast`, else fast (8-bit
+    /// activations, integer dot products); an explicit choice wins.
+    pub cpu_kernels: Option<crate::quant::kernels::Kernels>,
 }
 
 impl std::fmt::Debug for LoadOptions {
@@ -73,6 +78,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("backend", &self.backend)
             .field("device_index", &self.device_index)
             .field("vram_budget_mb", &self.vram_budget_mb)
+            .field("cpu_kernels", &self.cpu_kernels)
             .field("progress", &self.progress.as_ref().map(|_| "Fn(f32) -> bool"))
             .finish()
     }
@@ -96,6 +102,10 @@ impl LoadOptions {
         }
         if let Some(v) = env_value("FNX_VRAM_BUDGET_MB") {
             o.vram_budget_mb = v.parse().map_err(|_| Error::arg(format!("FNX_VRAM_BUDGET_MB={v:?}: expected MiB")))?;
+        }
+        if let Some(v) = env_value("FNX_CPU_KERNELS") {
+            let k = Kernels::parse(&v).ok_or_else(|| Error::arg(format!("FNX_CPU_KERNELS={v:?}: expected exact or fast")))?;
+            o.cpu_kernels = o.cpu_kernels.or(Some(k));
         }
         Ok(o)
     }
@@ -233,6 +243,8 @@ pub struct Model {
     backend_note: String,
     /// Number of tensors of each type in the file, most common first.
     tensor_types: Vec<(GgmlType, usize)>,
+    /// The CPU kernels of the quantized weights.
+    pub cpu_kernels: Kernels,
 }
 
 impl Model {
@@ -310,6 +322,7 @@ impl Model {
             fingerprint,
             file_size,
             tensor_types: census,
+            cpu_kernels: opts.cpu_kernels.unwrap_or_else(Kernels::from_env),
         }))
     }
 
@@ -370,8 +383,11 @@ impl Model {
         self.metadata.get(key).and_then(|v| v.as_u64()).and_then(|v| u32::try_from(v).ok())
     }
 
-    /// Runs `f` on this model's thread pool (or the global one).
+    /// Runs `f` on this model's thread pool (or the global one), its
+    /// matrix products on this model's CPU kernels.
     pub(crate) fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        let kernels = self.cpu_kernels;
+        let f = move || with_kernels(kernels, f);
         match &self.pool {
             Some(p) => p.install(f),
             None => f(),

@@ -5,8 +5,7 @@
 use super::config::Config;
 use super::ops::{dot, sigmoid, silu, softmax};
 use super::weights::{ExpertGateUp, Moe};
-use crate::tensor::Tensor;
-use rayon::prelude::*;
+use crate::tensor::matvec_all;
 
 /// The router's choice for one token: expert ids and their normalised weights.
 pub fn route(w: &Moe, cfg: &Config, x: &[f32]) -> Vec<(usize, f32)> {
@@ -20,53 +19,58 @@ pub fn route(w: &Moe, cfg: &Config, x: &[f32]) -> Vec<(usize, f32)> {
     order.into_iter().map(|e| (e, p[e] / total)).collect()
 }
 
-/// `down(silu(gate x) * up x)` for an FFN whose gate/up rows start at the given rows.
-fn swiglu(gate: (&Tensor, usize), up: (&Tensor, usize), down: (&Tensor, usize), ff: usize, x: &[f32], out: &mut [f32]) {
-    let mut g = vec![0f32; ff];
-    gate.0.matvec_rows(gate.1, x, &mut g);
-    let mut u = vec![0f32; ff];
-    up.0.matvec_rows(up.1, x, &mut u);
-    for (gv, uv) in g.iter_mut().zip(&u) {
-        *gv = silu(*gv) * uv;
-    }
-    down.0.matvec_rows(down.1, &g, out);
-}
-
+/// The routed experts and the shared expert, in two parallel regions: gate
+/// and up of all of them (one rounded `x` on the fast path), then all the
+/// down projections.
 pub fn forward(w: &Moe, cfg: &Config, x: &[f32]) -> Vec<f32> {
-    let (h, f) = (cfg.hidden, cfg.expert_ff);
+    let (h, f, fs) = (cfg.hidden, cfg.expert_ff, cfg.shared_ff);
     let routes = route(w, cfg, x);
-    let expert = |&(e, weight): &(usize, f32)| {
-        let (gate, up) = match &w.gate_up {
-            ExpertGateUp::Separate { gate, up } => ((gate, e * f), (up, e * f)),
-            ExpertGateUp::Fused(t) => ((t, e * 2 * f), (t, e * 2 * f + f)),
-        };
-        let mut y = vec![0f32; h];
-        swiglu(gate, up, (&w.down, e * h), f, x, &mut y);
-        y.iter_mut().for_each(|v| *v *= weight);
-        y
-    };
-    let outs: Vec<Vec<f32>> = if routes.len() * 3 * h * f >= 1 << 16 {
-        routes.par_iter().map(expert).collect()
-    } else {
-        routes.iter().map(expert).collect()
-    };
-    let mut out = vec![0f32; h];
-    for y in &outs {
-        for (o, v) in out.iter_mut().zip(y) {
-            *o += v;
+    // Per routed expert `[gate | up]` (2f), then the shared expert's (2fs).
+    let mut gu = vec![0f32; routes.len() * 2 * f + 2 * fs];
+    {
+        let (experts, shared) = gu.split_at_mut(routes.len() * 2 * f);
+        let mut jobs = Vec::with_capacity(2 * routes.len() + 2);
+        for (&(e, _), buf) in routes.iter().zip(experts.chunks_exact_mut(2 * f)) {
+            match &w.gate_up {
+                ExpertGateUp::Fused(t) => jobs.push(t.matvec_job(e * 2 * f, x, buf)),
+                ExpertGateUp::Separate { gate, up } => {
+                    let (g, u) = buf.split_at_mut(f);
+                    jobs.push(gate.matvec_job(e * f, x, g));
+                    jobs.push(up.matvec_job(e * f, x, u));
+                }
+            }
+        }
+        let (g, u) = shared.split_at_mut(fs);
+        jobs.push(w.shared_gate_proj.matvec_job(0, x, g));
+        jobs.push(w.shared_up.matvec_job(0, x, u));
+        matvec_all(&mut jobs);
+    }
+    let (experts, shared) = gu.split_at_mut(routes.len() * 2 * f);
+    for (buf, n) in experts.chunks_exact_mut(2 * f).map(|b| (b, f)).chain(std::iter::once((&mut *shared, fs))) {
+        let (g, u) = buf.split_at_mut(n);
+        for (gv, uv) in g.iter_mut().zip(u.iter()) {
+            *gv = silu(*gv) * uv;
         }
     }
-    let mut shared = vec![0f32; h];
-    swiglu(
-        (&w.shared_gate_proj, 0),
-        (&w.shared_up, 0),
-        (&w.shared_down, 0),
-        cfg.shared_ff,
-        x,
-        &mut shared,
-    );
+    // Per routed expert its output (h), then the shared expert's.
+    let mut ys = vec![0f32; (routes.len() + 1) * h];
+    {
+        let (outs, shared_out) = ys.split_at_mut(routes.len() * h);
+        let mut jobs = Vec::with_capacity(routes.len() + 1);
+        for ((&(e, _), g), y) in routes.iter().zip(experts.chunks_exact(2 * f)).zip(outs.chunks_exact_mut(h)) {
+            jobs.push(w.down.matvec_job(e * h, &g[..f], y));
+        }
+        jobs.push(w.shared_down.matvec_job(0, &shared[..fs], shared_out));
+        matvec_all(&mut jobs);
+    }
+    let mut out = vec![0f32; h];
+    for (&(_, weight), y) in routes.iter().zip(ys.chunks_exact(h)) {
+        for (o, v) in out.iter_mut().zip(y) {
+            *o += v * weight;
+        }
+    }
     let s = sigmoid(dot(&w.shared_gate, x));
-    for (o, v) in out.iter_mut().zip(&shared) {
+    for (o, v) in out.iter_mut().zip(&ys[routes.len() * h..]) {
         *o += s * v;
     }
     out

@@ -21,6 +21,7 @@ use super::config::Config;
 use super::ops::{dot, rms_norm, sigmoid, softmax, Rope};
 use super::weights::{Attention, Indexer};
 use crate::error::{Error, Result};
+use crate::tensor::matvec_all;
 use rayon::prelude::*;
 
 /// KV and indexer caches of one attention layer; they grow with the sequence.
@@ -113,11 +114,9 @@ fn select_tokens(ix: &Indexer, cfg: &Config, ratio: usize, rope: &Rope, st: &mut
 pub fn forward(w: &Attention, cfg: &Config, ratio: usize, rope: &Rope, st: &mut AttnState, x: &[f32], t: usize) -> Vec<f32> {
     let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
     let mut qg = vec![0f32; 2 * nh * hd];
-    w.q.matvec(x, &mut qg);
     let mut k = vec![0f32; nkv * hd];
-    w.k.matvec(x, &mut k);
     let mut v = vec![0f32; nkv * hd];
-    w.v.matvec(x, &mut v);
+    matvec_all(&mut [w.q.matvec_job(0, x, &mut qg), w.k.matvec_job(0, x, &mut k), w.v.matvec_job(0, x, &mut v)]);
 
     let mut q = vec![0f32; nh * hd];
     let mut gate = vec![0f32; nh * hd];

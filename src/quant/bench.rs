@@ -13,8 +13,14 @@
 //!   expert down projection), and the row says so.
 //! * Weights are valid blocks (a few quantized random rows, tiled): the
 //!   kernels' speed does not depend on the values.
+//! * Both kernel families ([`Kernels`]): the integer ("fast") path, the
+//!   default, and the exact f32-decode path, side by side.
+//! * Per core: one thread, a 256 KiB matrix of 2560-wide rows (in L2) and a
+//!   fresh activation per call (so the 8-bit rounding is counted): what one
+//!   core computes when memory is not the limit. A machine streams its
+//!   bandwidth `B` with `n` cores only if this is at least `B / n`.
 
-use super::kernels::{matvec_batch, Isa, MatVec};
+use super::kernels::{matvec_batch_with, Isa, Kernels, MatVec};
 use super::policy::fallback_type;
 use super::{quantize_row, QUANT_TYPES};
 use crate::error::Result;
@@ -27,15 +33,34 @@ use std::time::{Duration, Instant};
 #[derive(Clone, Debug)]
 pub struct KernelBenchOptions {
     pub types: Vec<GgmlType>,
+    /// The kernel families to time (exact, fast or both).
+    pub kernels: Vec<Kernels>,
     /// Seconds spent timing each (type, shape) pair.
     pub seconds: f64,
     /// Fraction of the lm_head's 248320 rows to use (1.0 = all; less on small machines).
     pub lm_head_fraction: f64,
+    /// Only the single-thread in-cache table (no bandwidth, no model shapes).
+    pub per_core_only: bool,
+    /// Kernel level (`None` = the widest this CPU has).
+    pub isa: Option<Isa>,
 }
 
 impl Default for KernelBenchOptions {
     fn default() -> Self {
-        KernelBenchOptions { types: QUANT_TYPES.to_vec(), seconds: 1.0, lm_head_fraction: 1.0 }
+        KernelBenchOptions {
+            types: QUANT_TYPES.to_vec(),
+            kernels: vec![Kernels::Exact, Kernels::Fast],
+            seconds: 1.0,
+            lm_head_fraction: 1.0,
+            per_core_only: false,
+            isa: None,
+        }
+    }
+}
+
+impl KernelBenchOptions {
+    fn isa(&self) -> Isa {
+        self.isa.unwrap_or_else(Isa::detect)
     }
 }
 
@@ -73,7 +98,19 @@ pub struct KernelResult {
     pub rows: usize,
     /// Weight bytes read per call.
     pub bytes: usize,
+    pub kernels: Kernels,
     pub seconds_per_call: f64,
+}
+
+/// One type's single-thread, in-cache throughput.
+#[derive(Clone, Debug)]
+pub struct CoreResult {
+    pub ty: GgmlType,
+    pub kernels: Kernels,
+    /// Weight bytes per second, 10^9.
+    pub gbps: f64,
+    /// Weights per second, 10^9.
+    pub gweights: f64,
 }
 
 impl KernelResult {
@@ -89,6 +126,7 @@ pub struct KernelReport {
     /// Read bandwidth of this machine, GB/s (10^9 bytes).
     pub bandwidth_gbps: f64,
     pub results: Vec<KernelResult>,
+    pub per_core: Vec<CoreResult>,
 }
 
 /// Median seconds of `f` over repeated calls for about `seconds` (at least 3 calls).
@@ -141,74 +179,138 @@ fn weights(ty: GgmlType, rows: usize, cols: usize) -> Result<Vec<u8>> {
     Ok(w)
 }
 
-fn bench_one(ty: GgmlType, shape: Shape, rows: usize, seconds: f64) -> Result<KernelResult> {
+fn activation(cols: usize) -> Vec<f32> {
+    (0..cols).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect()
+}
+
+fn bench_one(ty: GgmlType, shape: Shape, rows: usize, opts: &KernelBenchOptions) -> Result<Vec<KernelResult>> {
     let stored = fallback_type(ty, shape.cols);
     let rb = stored.row_bytes(shape.cols).expect("fallback_type picked a fitting type");
     let matrix = rows * rb;
     let w = weights(stored, rows * shape.pool, shape.cols)?;
-    let x: Vec<f32> = (0..shape.cols).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect();
+    let x = activation(shape.cols);
     let mut y = vec![0f32; rows * shape.count];
-    let mut pick = 0usize;
-    let seconds_per_call = time_median(seconds, || {
-        let mut jobs: Vec<MatVec<'_>> = y
-            .chunks_exact_mut(rows)
-            .enumerate()
-            .map(|(k, y)| {
-                // Distinct experts, a different set each call.
-                let e = (pick + k * 7) % shape.pool;
-                MatVec { ty: stored, rows: &w[e * matrix..(e + 1) * matrix], x: &x, y }
-            })
-            .collect();
-        matvec_batch(&mut jobs);
-        pick += 11;
+    let mut out = Vec::new();
+    for &kernels in &opts.kernels {
+        let mut pick = 0usize;
+        let seconds_per_call = time_median(opts.seconds, || {
+            let mut jobs: Vec<MatVec<'_>> = y
+                .chunks_exact_mut(rows)
+                .enumerate()
+                .map(|(k, y)| {
+                    // Distinct experts, a different set each call.
+                    let e = (pick + k * 7) % shape.pool;
+                    MatVec { ty: stored, rows: &w[e * matrix..(e + 1) * matrix], x: &x, y }
+                })
+                .collect();
+            matvec_batch_with(kernels, opts.isa(), &mut jobs);
+            pick += 11;
+        });
+        std::hint::black_box(&y);
+        out.push(KernelResult { ty, stored, shape, rows, bytes: matrix * shape.count, kernels, seconds_per_call });
+    }
+    Ok(out)
+}
+
+/// Single-thread throughput of `ty` on a 256 KiB matrix of 2560-wide rows.
+fn bench_core(ty: GgmlType, kernels: Kernels, opts: &KernelBenchOptions) -> Result<CoreResult> {
+    const COLS: usize = 2560;
+    let rb = ty.row_bytes(COLS).expect("every type fits 2560-wide rows");
+    let rows = ((256 << 10) / rb).max(1);
+    let w = weights(ty, rows, COLS)?;
+    let x = activation(COLS);
+    let mut y = vec![0f32; rows];
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .map_err(|e| crate::error::Error::arg(format!("one-thread pool: {e}")))?;
+    let t = pool.install(|| {
+        time_median(opts.seconds, || {
+            matvec_batch_with(kernels, opts.isa(), &mut [MatVec { ty, rows: &w, x: &x, y: &mut y }])
+        })
     });
     std::hint::black_box(&y);
-    Ok(KernelResult { ty, stored, shape, rows, bytes: matrix * shape.count, seconds_per_call })
+    Ok(CoreResult { ty, kernels, gbps: w.len() as f64 / t / 1e9, gweights: (rows * COLS) as f64 / t / 1e9 })
 }
 
 /// Measures the read bandwidth, then every requested type on every shape.
 pub fn run_kernels(opts: &KernelBenchOptions) -> Result<KernelReport> {
-    let bandwidth_gbps = read_bandwidth(opts.seconds);
+    let bandwidth_gbps = if opts.per_core_only { f64::NAN } else { read_bandwidth(opts.seconds) };
     let mut results = Vec::new();
-    for shape in SHAPES {
+    for shape in SHAPES.into_iter().filter(|_| !opts.per_core_only) {
         let rows = if shape.pool == 1 && shape.rows > 100_000 {
             ((shape.rows as f64 * opts.lm_head_fraction) as usize).max(1)
         } else {
             shape.rows
         };
         for &ty in &opts.types {
-            results.push(bench_one(ty, shape, rows, opts.seconds)?);
+            results.extend(bench_one(ty, shape, rows, opts)?);
         }
     }
-    Ok(KernelReport { isa: Isa::detect(), threads: rayon::current_num_threads(), bandwidth_gbps, results })
+    let mut per_core = Vec::new();
+    for &ty in &opts.types {
+        for &kernels in &opts.kernels {
+            per_core.push(bench_core(ty, kernels, opts)?);
+        }
+    }
+    Ok(KernelReport { isa: opts.isa(), threads: rayon::current_num_threads(), bandwidth_gbps, results, per_core })
 }
 
 impl fmt::Display for KernelReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
-            f,
-            "read bandwidth: {:.1} GB/s ({} threads, kernels: {})",
-            self.bandwidth_gbps,
-            self.threads,
-            self.isa.name()
-        )?;
-        writeln!(
-            f,
-            "{:<32} {:<6} {:<6} {:>10} {:>10} {:>8} {:>7}",
-            "shape", "type", "stored", "MB/call", "ms/call", "GB/s", "% bw"
-        )?;
-        for r in &self.results {
+        if self.results.is_empty() {
+            writeln!(f, "kernels: {}", self.isa.name())?;
+        } else {
             writeln!(
                 f,
-                "{:<32} {:<6} {:<6} {:>10.2} {:>10.3} {:>8.1} {:>6.0}%",
-                r.shape.name,
-                r.ty.name(),
-                r.stored.name(),
-                r.bytes as f64 / 1e6,
-                r.seconds_per_call * 1e3,
-                r.gbps(),
-                100.0 * r.gbps() / self.bandwidth_gbps
+                "read bandwidth: {:.1} GB/s ({} threads, kernels: {})",
+                self.bandwidth_gbps,
+                self.threads,
+                self.isa.name()
             )?;
+        }
+        // One line per (shape, type), a column group per kernel family.
+        let families: Vec<Kernels> = self.results.iter().map(|r| r.kernels).chain(self.per_core.iter().map(|r| r.kernels)).fold(Vec::new(), |mut v, k| {
+            if !v.contains(&k) {
+                v.push(k);
+            }
+            v
+        });
+        if !self.results.is_empty() {
+            write!(f, "{:<32} {:<6} {:<6} {:>8}", "shape", "type", "stored", "MB/call")?;
+            for k in &families {
+                write!(f, " {:>9} {:>7} {:>5}", format!("{} ms", k.name()), "GB/s", "% bw")?;
+            }
+            writeln!(f)?;
+        }
+        for group in self.results.chunk_by(|a, b| a.shape.name == b.shape.name && a.ty == b.ty) {
+            let r = &group[0];
+            write!(f, "{:<32} {:<6} {:<6} {:>8.2}", r.shape.name, r.ty.name(), r.stored.name(), r.bytes as f64 / 1e6)?;
+            for r in group {
+                write!(
+                    f,
+                    " {:>9.3} {:>7.1} {:>4.0}%",
+                    r.seconds_per_call * 1e3,
+                    r.gbps(),
+                    100.0 * r.gbps() / self.bandwidth_gbps
+                )?;
+            }
+            writeln!(f)?;
+        }
+        if !self.per_core.is_empty() {
+            writeln!(f, "per core (1 thread, 256 KiB of 2560-wide rows in cache):")?;
+            write!(f, "{:<6}", "type")?;
+            for k in &families {
+                write!(f, " {:>12} {:>11}", format!("{} GB/s", k.name()), "G weights/s")?;
+            }
+            writeln!(f)?;
+            for group in self.per_core.chunk_by(|a, b| a.ty == b.ty) {
+                write!(f, "{:<6}", group[0].ty.name())?;
+                for r in group {
+                    write!(f, " {:>12.1} {:>11.1}", r.gbps, r.gweights)?;
+                }
+                writeln!(f)?;
+            }
         }
         Ok(())
     }

@@ -1,7 +1,23 @@
-//! Dot products of stored rows with an f32 vector, for every storage type,
-//! with runtime CPU-feature dispatch.
+//! Matrix-vector products of stored rows with an f32 vector, for every
+//! storage type, with runtime CPU-feature dispatch, and their scheduling on
+//! the rayon pool ([`matvec_batch`]).
 //!
-//! # Design: dequantize in registers, accumulate in f32
+//! Two kernel families ([`Kernels`]):
+//!
+//! * **fast** (the default for the quantized types): the activation vector
+//!   is rounded to 8 bits once per product and each block is an integer dot
+//!   product, ggml's scheme; see [`super::dot`] for the design and its
+//!   accuracy (at most `amax / 254` per activation, 0.4% of
+//!   `sum |w| max |x|` in the worst case);
+//! * **exact** (always for F32/F16/BF16, and for the quantized types when
+//!   asked): the weights are dequantized bit-exactly and multiplied with the
+//!   f32 activations, below.
+//!
+//! `FNX_CPU_KERNELS=exact|fast` sets the process default (read once); Rust
+//! code picks per call with [`matvec_batch_with`], per scope with
+//! [`with_kernels`], and per model with `LoadOptions::cpu_kernels`.
+//!
+//! # Exact kernels: dequantize in registers, accumulate in f32
 //!
 //! A row is walked one block at a time: the block is decoded by the same
 //! (bit-exact) dequantizer as [`super::dequantize_row`] into a small stack
@@ -12,13 +28,20 @@
 //! storage-order decoders and the accumulation. [`Isa::detect`] picks the
 //! widest the CPU has, once.
 //!
-//! Accuracy: the weights are exactly the dequantized values (no activation
-//! quantization, unlike ggml's `vec_dot_*_q8_K`), so the only difference from
-//! an exact dot product of the dequantized row is f32 summation order and
-//! fused rounding: about 1e-7 of `sum |w_i x_i|` per row, the same as the
-//! F32 path. llama.cpp instead rounds the activations to 8 bits per block
-//! (Q8_K / Q8_0), which adds ~0.4% relative error per product.
+//! Accuracy: the weights are exactly the dequantized values and the
+//! activations are not rounded, so the only difference from an exact dot
+//! product of the dequantized row is f32 summation order and fused rounding:
+//! about 1e-7 of `sum |w_i x_i|` per row, the same as the F32 path.
+//!
+//! # Scheduling
+//!
+//! [`matvec_batch`] runs all its jobs (e.g. gate and up of the ten routed
+//! experts) in one parallel region: the rows of every job are cut into
+//! chunks of about [`CHUNK_BYTES`] of weights, and rayon spreads the chunks
+//! of all jobs over its threads. The fast path rounds each distinct input
+//! vector once (jobs whose `x` is the same slice share it).
 
+use super::dot::{self, ActKind, Activation};
 use crate::gguf::GgmlType;
 use std::sync::OnceLock;
 
@@ -27,8 +50,12 @@ use std::sync::OnceLock;
 pub enum Isa {
     /// Portable code, no fused multiply-add: the test reference.
     Scalar,
+    /// AVX2, FMA and F16C.
     Avx2,
+    /// AVX-512 F, BW and VL (and AVX2, FMA, F16C).
     Avx512,
+    /// [`Isa::Avx512`] with AVX512-VNNI (the exact kernels run as `Avx512`).
+    Avx512Vnni,
 }
 
 impl Isa {
@@ -40,20 +67,42 @@ impl Isa {
 
     /// Every level this CPU can run, narrowest first.
     pub fn available() -> Vec<Isa> {
-        let mut v = vec![Isa::Scalar];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                v.push(Isa::Avx2);
-                if is_x86_feature_detected!("avx512f")
-                    && is_x86_feature_detected!("avx512bw")
-                    && is_x86_feature_detected!("avx512vl")
+        static AVAILABLE: OnceLock<Vec<Isa>> = OnceLock::new();
+        AVAILABLE
+            .get_or_init(|| {
+                let mut v = vec![Isa::Scalar];
+                #[cfg(target_arch = "x86_64")]
                 {
-                    v.push(Isa::Avx512);
+                    if is_x86_feature_detected!("avx2")
+                        && is_x86_feature_detected!("fma")
+                        && is_x86_feature_detected!("f16c")
+                    {
+                        v.push(Isa::Avx2);
+                        if is_x86_feature_detected!("avx512f")
+                            && is_x86_feature_detected!("avx512bw")
+                            && is_x86_feature_detected!("avx512vl")
+                        {
+                            v.push(Isa::Avx512);
+                            if is_x86_feature_detected!("avx512vnni") {
+                                v.push(Isa::Avx512Vnni);
+                            }
+                        }
+                    }
                 }
-            }
-        }
-        v
+                v
+            })
+            .clone()
+    }
+
+    /// Whether this CPU can run `self`.
+    pub fn supported(self) -> bool {
+        static MASK: OnceLock<u32> = OnceLock::new();
+        *MASK.get_or_init(|| Isa::available().iter().fold(0, |m, &i| m | 1 << i as u32)) & (1 << self as u32) != 0
+    }
+
+    /// The level called `name` (as [`Isa::name`] spells it).
+    pub fn parse(name: &str) -> Option<Isa> {
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni].into_iter().find(|i| i.name() == name)
     }
 
     pub fn name(self) -> &'static str {
@@ -61,6 +110,7 @@ impl Isa {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2+fma",
             Isa::Avx512 => "avx512",
+            Isa::Avx512Vnni => "avx512+vnni",
         }
     }
 }
@@ -158,7 +208,7 @@ fn dot_isa<U: Unit>(isa: Isa, row: &[u8], x: &[f32]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { dot_avx2::<U>(row, x) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { dot_avx512::<U>(row, x) },
+        Isa::Avx512 | Isa::Avx512Vnni => unsafe { dot_avx512::<U>(row, x) },
         #[cfg(not(target_arch = "x86_64"))]
         _ => dot_generic::<U, false>(row, x),
     }
@@ -168,7 +218,7 @@ fn dot_isa<U: Unit>(isa: Isa, row: &[u8], x: &[f32]) -> f32 {
 /// `isa` (the same code [`matvec_batch`] runs at [`Isa::detect`]). Panics if the CPU lacks `isa` or `row` is
 /// not one row of `x.len()` values of `ty`.
 pub fn dot_row_with(isa: Isa, ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
-    assert!(Isa::available().contains(&isa), "this CPU cannot run {}", isa.name());
+    assert!(isa.supported(), "this CPU cannot run {}", isa.name());
     dot_isa_checked(isa, ty, row, x)
 }
 
@@ -192,11 +242,80 @@ fn dot_isa_checked(isa: Isa, ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
     }
 }
 
-/// Below this many multiply-adds a matvec runs on the calling thread: rayon's
-/// fork-join costs more than it saves.
-const PAR_THRESHOLD: usize = 1 << 16;
-/// Rows per rayon task: enough bytes per task to amortize scheduling.
-const MIN_ROWS_PER_TASK: usize = 16;
+/// Which kernels the quantized types use (F32/F16/BF16 always run exact).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernels {
+    /// Dequantize bit-exactly, multiply with the f32 activations.
+    Exact,
+    /// Integer dot products against 8-bit activations ([`super::dot`]).
+    Fast,
+}
+
+thread_local! {
+    static KERNELS: std::cell::Cell<Option<Kernels>> = const { std::cell::Cell::new(None) };
+}
+
+impl Kernels {
+    /// `"exact"` or `"fast"`.
+    pub fn parse(s: &str) -> Option<Kernels> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "exact" => Some(Kernels::Exact),
+            "fast" => Some(Kernels::Fast),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernels::Exact => "exact",
+            Kernels::Fast => "fast",
+        }
+    }
+
+    /// The process default: `FNX_CPU_KERNELS=exact|fast`, read once; fast
+    /// when unset (an unknown value is reported on stderr and ignored).
+    pub fn from_env() -> Kernels {
+        static DEFAULT: OnceLock<Kernels> = OnceLock::new();
+        *DEFAULT.get_or_init(|| match std::env::var("FNX_CPU_KERNELS") {
+            Ok(v) if !v.is_empty() => Kernels::parse(&v).unwrap_or_else(|| {
+                eprintln!("flashnext: FNX_CPU_KERNELS={v:?} is not exact or fast; using fast");
+                Kernels::Fast
+            }),
+            _ => Kernels::Fast,
+        })
+    }
+
+    /// What [`matvec_batch`] uses on this thread: the innermost
+    /// [`with_kernels`], else [`Kernels::from_env`].
+    pub fn current() -> Kernels {
+        KERNELS.with(|k| k.get()).unwrap_or_else(Kernels::from_env)
+    }
+}
+
+/// Runs `f` with [`matvec_batch`] calls made on this thread using `kernels`
+/// (calls from other threads, e.g. inside a rayon job started by `f`, are
+/// not affected).
+pub fn with_kernels<R>(kernels: Kernels, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<Kernels>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            KERNELS.with(|k| k.set(self.0));
+        }
+    }
+    let _restore = Restore(KERNELS.with(|k| k.replace(Some(kernels))));
+    f()
+}
+
+/// Weight bytes per unit of parallel work: large enough that rayon's
+/// per-task cost (well under a microsecond) is small next to streaming it
+/// (about 8 us at 8 GB/s per core), small enough that 16 threads get about
+/// 15 chunks each of a top-10 expert batch (20 x 0.9 MB) and share its tail
+/// evenly. Batches of at most one chunk run on the calling thread.
+pub const CHUNK_BYTES: usize = 64 << 10;
+
+/// Batches of fewer multiply-adds than this also run on the calling thread:
+/// waking the pool costs more than it saves (and tiny models never start it).
+const PAR_MIN_WEIGHTS: usize = 1 << 16;
 
 /// One matrix-vector product: `y[r] = rows[r] · x`, where `rows` holds
 /// `y.len()` consecutive rows of `x.len()` values of `ty`.
@@ -207,31 +326,76 @@ pub struct MatVec<'a> {
     pub y: &'a mut [f32],
 }
 
-/// Runs `jobs` together: all their rows are spread over the rayon pool in one
-/// parallel region (the routed experts of a layer are one call), on the
-/// CPU's widest kernel level.
+/// Runs `jobs` together with [`Kernels::current`] on the CPU's widest
+/// level: all their rows are spread over the rayon pool in one parallel
+/// region (the routed experts of a layer are one call).
 pub fn matvec_batch(jobs: &mut [MatVec<'_>]) {
+    matvec_batch_with(Kernels::current(), Isa::detect(), jobs)
+}
+
+/// A piece of one job: consecutive rows and their outputs.
+struct Chunk<'a> {
+    ty: GgmlType,
+    rows: &'a [u8],
+    x: &'a [f32],
+    act: Option<&'a Activation>,
+    y: &'a mut [f32],
+}
+
+impl Chunk<'_> {
+    fn run(&mut self, isa: Isa) {
+        match self.act {
+            Some(act) => dot::dot_rows(isa, self.ty, self.rows, act, self.y),
+            None => {
+                let rb = self.rows.len() / self.y.len();
+                for (y, row) in self.y.iter_mut().zip(self.rows.chunks_exact(rb)) {
+                    *y = dot_isa_checked(isa, self.ty, row, self.x);
+                }
+            }
+        }
+    }
+}
+
+/// [`matvec_batch`] with the kernels and level given (panics if the CPU
+/// lacks `isa`).
+pub fn matvec_batch_with(kernels: Kernels, isa: Isa, jobs: &mut [MatVec<'_>]) {
     use rayon::prelude::*;
-    let work: usize = jobs.iter().map(|j| j.y.len() * j.x.len()).sum();
-    let isa = Isa::detect();
-    let run = |j: &mut MatVec<'_>| {
+    assert!(isa.supported(), "this CPU cannot run {}", isa.name());
+    // Round each distinct (input, layout) once.
+    let mut inputs: Vec<(*const f32, usize, ActKind)> = Vec::new();
+    let mut acts: Vec<Activation> = Vec::new();
+    let mut job_act: Vec<Option<usize>> = Vec::with_capacity(jobs.len());
+    let (mut total, mut weights) = (0usize, 0usize);
+    for j in jobs.iter() {
         let rb = j.ty.row_bytes(j.x.len()).expect("row length is a whole number of blocks");
         assert_eq!(j.rows.len(), rb * j.y.len(), "{} matvec: {} bytes for {} rows", j.ty, j.rows.len(), j.y.len());
-        if work < PAR_THRESHOLD {
-            for (y, row) in j.y.iter_mut().zip(j.rows.chunks_exact(rb)) {
-                *y = dot_isa_checked(isa, j.ty, row, j.x);
-            }
-        } else {
-            let (ty, x) = (j.ty, j.x);
-            j.y.par_iter_mut()
-                .zip(j.rows.par_chunks_exact(rb))
-                .with_min_len(MIN_ROWS_PER_TASK)
-                .for_each(|(y, row)| *y = dot_isa_checked(isa, ty, row, x));
+        total += j.rows.len();
+        weights += j.x.len() * j.y.len();
+        let kind = ActKind::of(j.ty).filter(|_| kernels == Kernels::Fast && !j.y.is_empty());
+        job_act.push(kind.map(|kind| {
+            let key = (j.x.as_ptr(), j.x.len(), kind);
+            inputs.iter().position(|k| *k == key).unwrap_or_else(|| {
+                inputs.push(key);
+                acts.push(Activation::new(isa, kind, j.x));
+                acts.len() - 1
+            })
+        }));
+    }
+    let mut chunks: Vec<Chunk<'_>> = Vec::new();
+    for (j, a) in jobs.iter_mut().zip(job_act) {
+        if j.y.is_empty() {
+            continue;
         }
-    };
-    if work < PAR_THRESHOLD || jobs.len() == 1 {
-        jobs.iter_mut().for_each(run);
+        let rb = j.rows.len() / j.y.len();
+        let per = CHUNK_BYTES.div_ceil(rb.max(1)).max(1);
+        let act = a.map(|a| &acts[a]);
+        for (rows, y) in j.rows.chunks(per * rb).zip(j.y.chunks_mut(per)) {
+            chunks.push(Chunk { ty: j.ty, rows, x: j.x, act, y });
+        }
+    }
+    if total <= CHUNK_BYTES || weights < PAR_MIN_WEIGHTS || chunks.len() == 1 {
+        chunks.iter_mut().for_each(|c| c.run(isa));
     } else {
-        jobs.par_iter_mut().for_each(run);
+        chunks.par_iter_mut().for_each(|c| c.run(isa));
     }
 }

@@ -17,6 +17,7 @@
 //! K-quant reference quantizers share.
 
 pub mod bench;
+pub mod dot;
 pub mod kernels;
 pub mod kquants;
 pub mod legacy;
