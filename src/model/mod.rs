@@ -66,7 +66,8 @@ pub struct LoadOptions {
     pub progress: Option<ProgressFn>,
     /// CPU kernels for the quantized weights (see `quant::kernels`): `None`
     /// takes the environment's `FNX_CPU_KERNELS=exact|fast`, else fast (8-bit
-    /// activations, integer dot products); an explicit choice wins.
+    /// activations, integer dot products) where the CPU has AVX2; an
+    /// explicit choice wins.
     pub cpu_kernels: Option<crate::quant::kernels::Kernels>,
 }
 

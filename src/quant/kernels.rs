@@ -4,11 +4,12 @@
 //!
 //! Two kernel families ([`Kernels`]):
 //!
-//! * **fast** (the default for the quantized types): the activation vector
-//!   is rounded to 8 bits once per product and each block is an integer dot
-//!   product, ggml's scheme; see [`super::dot`] for the design and its
-//!   accuracy (at most `amax / 254` per activation, 0.4% of
-//!   `sum |w| max |x|` in the worst case);
+//! * **fast** (the default for the quantized types on x86-64 with AVX2):
+//!   the activation vector is rounded to 8 bits once per product and each
+//!   block is an integer dot product, ggml's scheme; see [`super::dot`] for
+//!   the design and its accuracy (at most `amax / 254` per activation, 0.4%
+//!   of `sum |w| max |x|` in the worst case, about 0.5-0.8% of the output's
+//!   spread typically);
 //! * **exact** (always for F32/F16/BF16, and for the quantized types when
 //!   asked): the weights are dequantized bit-exactly and multiplied with the
 //!   f32 activations, below.
@@ -272,16 +273,21 @@ impl Kernels {
         }
     }
 
-    /// The process default: `FNX_CPU_KERNELS=exact|fast`, read once; fast
-    /// when unset (an unknown value is reported on stderr and ignored).
+    /// The process default: `FNX_CPU_KERNELS=exact|fast`, read once; when
+    /// unset (or unknown, which is reported on stderr), fast on CPUs with
+    /// SIMD integer kernels (AVX2 and up) and exact elsewhere, where the
+    /// plain-Rust integer reference is no faster than decoding to f32.
     pub fn from_env() -> Kernels {
         static DEFAULT: OnceLock<Kernels> = OnceLock::new();
-        *DEFAULT.get_or_init(|| match std::env::var("FNX_CPU_KERNELS") {
-            Ok(v) if !v.is_empty() => Kernels::parse(&v).unwrap_or_else(|| {
-                eprintln!("flashnext: FNX_CPU_KERNELS={v:?} is not exact or fast; using fast");
-                Kernels::Fast
-            }),
-            _ => Kernels::Fast,
+        *DEFAULT.get_or_init(|| {
+            let default = if Isa::detect() == Isa::Scalar { Kernels::Exact } else { Kernels::Fast };
+            match std::env::var("FNX_CPU_KERNELS") {
+                Ok(v) if !v.is_empty() => Kernels::parse(&v).unwrap_or_else(|| {
+                    eprintln!("flashnext: FNX_CPU_KERNELS={v:?} is not exact or fast; using {}", default.name());
+                    default
+                }),
+                _ => default,
+            }
         })
     }
 
