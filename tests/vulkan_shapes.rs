@@ -8,8 +8,8 @@ mod common;
 mod vulkan_util;
 
 use common::{TinyConfig, TinyModel};
-use flashnext::model::{Backend, LoadOptions, Model, State};
-use vulkan_util::{load_gpu, rel_err};
+use flashnext::model::{Model, State};
+use vulkan_util::{cpu_twin, load_gpu, rel_err};
 
 #[test]
 fn real_head_sizes_match_cpu() {
@@ -43,7 +43,7 @@ fn real_head_sizes_match_cpu() {
     let path = dir.join("model.gguf");
     TinyModel::build(&cfg).write(&path);
     let Some(gpu_model) = load_gpu(&path) else { return };
-    let cpu_model = Model::load(&path, &LoadOptions { backend: Backend::Cpu, ..Default::default() }).unwrap();
+    let cpu_model = Model::load(&path, &cpu_twin()).unwrap();
     let (mut gpu, mut cpu) = (State::new(gpu_model).unwrap(), State::new(cpu_model).unwrap());
     let mut worst = 0f32;
     // 80 tokens: 20 QSA blocks per attention layer, more than the 4 the budget keeps.

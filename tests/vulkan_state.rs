@@ -10,7 +10,7 @@ use flashnext::capi::*;
 use flashnext::convert::OutType;
 use flashnext::model::{Backend, LoadOptions, Model, State};
 use std::path::Path;
-use vulkan_util::{converted, load_gpu, rel_err};
+use vulkan_util::{converted, cpu_twin, load_gpu, rel_err};
 
 /// Tokens of a sequence long enough to complete several QSA blocks.
 fn tokens(n: usize) -> Vec<u32> {
@@ -23,7 +23,7 @@ fn logits(s: &State) -> Vec<f32> {
 
 /// A split model against the CPU, and state copies taken halfway.
 fn split_and_copies(path: &Path, gpu_model: std::sync::Arc<Model>) {
-    let cpu_model = Model::load(path, &LoadOptions { backend: Backend::Cpu, ..Default::default() }).unwrap();
+    let cpu_model = Model::load(path, &cpu_twin()).unwrap();
     let seq = tokens(40);
     let (mut gpu, mut cpu) = (State::new(gpu_model.clone()).unwrap(), State::new(cpu_model.clone()).unwrap());
     for &t in &seq[..20] {

@@ -97,10 +97,13 @@ fn tensor(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Tensor {
     Tensor::new(Arc::new(bytes), &info)
 }
 
-/// The CPU's `W x` and, per row, `sum_i |w_i x_i|`.
+/// The CPU's `W x` on the exact kernels (dequantized weights times f32
+/// activations, as the shaders compute; the default fast kernels round the
+/// activations to 8 bits) and, per row, `sum_i |w_i x_i|`.
 fn cpu(w: &Tensor, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    use crate::quant::kernels::{with_kernels, Kernels};
     let mut y = vec![0f32; w.rows()];
-    w.matvec(x, &mut y);
+    with_kernels(Kernels::Exact, || w.matvec(x, &mut y));
     let mut row = vec![0f32; w.cols()];
     let abs = (0..w.rows())
         .map(|r| {

@@ -54,3 +54,12 @@ pub fn converted(fixture: &str, ty: OutType) -> PathBuf {
     gguf
 }
 
+
+/// Load options of the GPU's CPU twin: the CPU backend with the exact
+/// kernels (the shaders multiply the dequantized weights with f32
+/// activations, as those do; the CPU's default fast kernels round the
+/// activations to 8 bits first).
+#[allow(dead_code)] // not every test compares with the CPU
+pub fn cpu_twin() -> LoadOptions {
+    LoadOptions { backend: Backend::Cpu, cpu_kernels: Some(flashnext::quant::kernels::Kernels::Exact), ..Default::default() }
+}
