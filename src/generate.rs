@@ -161,7 +161,7 @@ impl StopMatcher {
             }
             if let Some(p) = window[from..].windows(s.len()).position(|w| w == &s[..]) {
                 let end = from + p + s.len();
-                if best.map_or(true, |(e, _)| end < e) {
+                if best.is_none_or(|(e, _)| end < e) {
                     best = Some((end, i));
                 }
             }

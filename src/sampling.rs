@@ -281,7 +281,7 @@ pub fn min_p(cands: &mut Vec<Candidate>, p: f32, temperature: f32) {
 pub fn argmax(logits: &[f32]) -> Option<u32> {
     let mut best: Option<(usize, f32)> = None;
     for (i, &l) in logits.iter().enumerate() {
-        if best.map_or(true, |(_, b)| l > b) {
+        if best.is_none_or(|(_, b)| l > b) {
             best = Some((i, l));
         }
     }

@@ -21,17 +21,17 @@ fn decode_all(s: *mut fnx_state, tokens: &[i32]) {
 fn null_arguments_are_reported() {
     let m = load(fixture_gguf(), None).unwrap();
     let s = new_state(m);
-    let mut out_m = 0x1 as *mut fnx_model;
-    let mut out_s = 0x1 as *mut fnx_state;
+    let mut out_m = std::ptr::dangling_mut::<fnx_model>();
+    let mut out_s = std::ptr::dangling_mut::<fnx_state>();
     unsafe {
         assert_eq!(fnx_load(std::ptr::null(), std::ptr::null(), &mut out_m), FNX_ERR_NULL_ARGUMENT);
         assert!(last_error().contains("path is NULL"), "{}", last_error());
-        assert_eq!(out_m, 0x1 as *mut fnx_model, "out_model written on failure");
+        assert_eq!(out_m, std::ptr::dangling_mut::<fnx_model>(), "out_model written on failure");
         let p = std::ffi::CString::new(fixture_gguf().to_str().unwrap()).unwrap();
         assert_eq!(fnx_load(p.as_ptr(), std::ptr::null(), null_mut()), FNX_ERR_NULL_ARGUMENT);
         assert_eq!(fnx_new_state(null_mut(), &mut out_s), FNX_ERR_NULL_ARGUMENT);
         assert_eq!(fnx_new_state(m, null_mut()), FNX_ERR_NULL_ARGUMENT);
-        assert_eq!(out_s, 0x1 as *mut fnx_state);
+        assert_eq!(out_s, std::ptr::dangling_mut::<fnx_state>());
         assert_eq!(fnx_decode_token(null_mut(), 1), FNX_ERR_NULL_ARGUMENT);
         assert_eq!(fnx_get_logits(std::ptr::null(), null_mut(), 0), FNX_ERR_NULL_ARGUMENT);
         assert_eq!(fnx_get_logits(s, null_mut(), 10), FNX_ERR_NULL_ARGUMENT);

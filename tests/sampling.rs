@@ -142,7 +142,7 @@ fn repetition_penalty_divides_positive_and_multiplies_negative_logits() {
         p.penalty_last_n = usize::MAX
     }))
     .unwrap();
-    for t in [3].into_iter().chain(std::iter::repeat(4).take(1000)) {
+    for t in [3].into_iter().chain(std::iter::repeat_n(4, 1000)) {
         s.accept(t);
     }
     assert_eq!(s.penalized(&logits), [2.0, -1.0, 0.5, 1.5, 0.0]);
@@ -524,7 +524,7 @@ fn c_params_defaults_and_presets() {
 
 #[test]
 fn c_sampler_new_checks_its_params() {
-    let mut out = 0x1 as *mut fnx_sampler;
+    let mut out = std::ptr::dangling_mut::<fnx_sampler>();
     unsafe {
         assert_eq!(fnx_sampler_new(null(), null_mut()), FNX_ERR_NULL_ARGUMENT);
         type Edit = Box<dyn Fn(&mut fnx_sampler_params)>;
@@ -555,7 +555,7 @@ fn c_sampler_new_checks_its_params() {
                 "{field}"
             );
             assert!(last_error().contains(field), "{field}: {}", last_error());
-            assert_eq!(out, 0x1 as *mut fnx_sampler, "out written on failure");
+            assert_eq!(out, std::ptr::dangling_mut::<fnx_sampler>(), "out written on failure");
         }
         // NULL params: the defaults.
         assert_eq!(fnx_sampler_new(null(), &mut out), FNX_OK);

@@ -493,7 +493,7 @@ fn c_snapshot_misuse() {
     let snap = c_save(s);
     let mut size = 7usize;
     let mut written = 7usize;
-    let mut copy = 0x1 as *mut fnx_state;
+    let mut copy = std::ptr::dangling_mut::<fnx_state>();
     let mut buf = vec![0x55u8; snap.len()];
     unsafe {
         assert_eq!(
@@ -531,7 +531,7 @@ fn c_snapshot_misuse() {
         assert_eq!(fnx_state_load(s, null(), 10), FNX_ERR_NULL_ARGUMENT);
         assert_eq!(fnx_state_copy(null(), &mut copy), FNX_ERR_NULL_ARGUMENT);
         assert_eq!(fnx_state_copy(s, null_mut()), FNX_ERR_NULL_ARGUMENT);
-        assert_eq!(copy, 0x1 as *mut fnx_state);
+        assert_eq!(copy, std::ptr::dangling_mut::<fnx_state>());
 
         // Wrong handles.
         let wrong = m.cast::<fnx_state>();
@@ -561,7 +561,7 @@ fn c_snapshot_misuse() {
             FNX_ERR_MODEL_FREED
         );
         assert_eq!(fnx_state_copy(s, &mut copy), FNX_ERR_MODEL_FREED);
-        assert_eq!(copy, 0x1 as *mut fnx_state);
+        assert_eq!(copy, std::ptr::dangling_mut::<fnx_state>());
         assert_eq!((size, written), (7, 7));
         fnx_free_state(s);
     }

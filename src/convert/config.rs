@@ -345,7 +345,7 @@ impl HfConfig {
             return Err(Error::convert(format!("config.json: ngram_size {} is outside [2, 8]", ple.ngram_size)));
         }
         let hp = ple.heads();
-        if hp == 0 || hp > 64 || ple.embed_dim % hp != 0 {
+        if hp == 0 || hp > 64 || !ple.embed_dim.is_multiple_of(hp) {
             return Err(Error::convert(format!(
                 "config.json: (ngram_size-1)*heads_per_ngram = {hp} must be in [1, 64] and divide ple_embed_dim {}",
                 ple.embed_dim
@@ -400,7 +400,7 @@ impl HfConfig {
         if self.n_expert_used == 0 || self.n_expert_used > self.n_expert {
             return bad(format!("num_experts_per_tok {} must be in [1, {}]", self.n_expert_used, self.n_expert));
         }
-        if self.n_head % self.n_head_kv != 0 {
+        if !self.n_head.is_multiple_of(self.n_head_kv) {
             return bad(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.n_head, self.n_head_kv
@@ -412,7 +412,7 @@ impl HfConfig {
                 self.lin_k_dim, self.lin_v_dim
             ));
         }
-        if self.lin_v_heads % self.lin_k_heads != 0 {
+        if !self.lin_v_heads.is_multiple_of(self.lin_k_heads) {
             return bad(format!(
                 "linear_num_value_heads {} is not a multiple of linear_num_key_heads {}",
                 self.lin_v_heads, self.lin_k_heads
@@ -421,13 +421,13 @@ impl HfConfig {
         if self.idx_ratio > 64 {
             return bad(format!("indexer_compress_ratio {} exceeds llama.cpp's limit of 64", self.idx_ratio));
         }
-        if self.idx_budget % self.idx_ratio != 0 {
+        if !self.idx_budget.is_multiple_of(self.idx_ratio) {
             return bad(format!(
                 "indexer_budget {} is not a multiple of indexer_compress_ratio {}",
                 self.idx_budget, self.idx_ratio
             ));
         }
-        if self.n_rot > self.idx_head_dim || self.n_rot > self.head_dim || self.n_rot % 2 != 0 {
+        if self.n_rot > self.idx_head_dim || self.n_rot > self.head_dim || !self.n_rot.is_multiple_of(2) {
             return bad(format!(
                 "rotary dims {} must be even and fit head_dim {} and indexer_head_dim {}",
                 self.n_rot, self.head_dim, self.idx_head_dim

@@ -266,7 +266,7 @@ impl Config {
             }
             for l in &layers {
                 if let LayerKind::Attention { compress_ratio: r } = l {
-                    if *r > 0 && q.budget % r != 0 {
+                    if *r > 0 && !q.budget.is_multiple_of(*r) {
                         return Err(Error::model(format!("indexer budget {} is not a multiple of ratio {r}", q.budget)));
                     }
                 }

@@ -297,7 +297,7 @@ impl Weights {
                 let rows = info.dims[1] as u64;
                 for hd in 0..p.n_heads() {
                     let end = p.head_offsets[hd].checked_add(p.head_vocab[hd]);
-                    if end.map_or(true, |e| e > rows) {
+                    if end.is_none_or(|e| e > rows) {
                         return Err(Error::model(format!(
                             "PLE head {hd} (offset {}, size {}) runs past the table's {rows} rows",
                             p.head_offsets[hd], p.head_vocab[hd]

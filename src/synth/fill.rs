@@ -86,7 +86,7 @@ fn scale_fields(ty: GgmlType) -> &'static [usize] {
 /// (or 1 when a row is shorter than that).
 fn unit_elems(ty: GgmlType, ne0: usize) -> usize {
     match ty.block_size() {
-        1 if ne0 % 32 == 0 => 32,
+        1 if ne0.is_multiple_of(32) => 32,
         b => b,
     }
 }

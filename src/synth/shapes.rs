@@ -129,13 +129,13 @@ fn is_prime(v: u64) -> bool {
     if v < 2 {
         return false;
     }
-    if v % 2 == 0 {
+    if v.is_multiple_of(2) {
         return v == 2;
     }
     (3..)
         .step_by(2)
         .take_while(|d| d * d <= v)
-        .all(|d| v % d != 0)
+        .all(|d| !v.is_multiple_of(d))
 }
 
 /// transformers' `_build_layer_multipliers` for PLE layer index 0.

@@ -110,7 +110,7 @@ impl<'a> Recorder<'a> {
     /// Fills the work split and layout fields of a matvec push for `part`
     /// and returns the workgroup grid for `experts` (grid y).
     fn matvec_split(&self, pipe: Pipe, part: &PartLayout, push: &mut MatvecPush, experts: u32) -> [u32; 3] {
-        assert!(push.x_off % 4 == 0 && push.x_stride % 4 == 0, "matvec activations must start at multiples of 4 floats");
+        assert!(push.x_off.is_multiple_of(4) && push.x_stride.is_multiple_of(4), "matvec activations must start at multiples of 4 floats");
         let tuning = match self.force_tpr {
             Some(t) => MatvecTuning { tpr: Some(t), ..self.pipes.tuning[pipe as usize] },
             None => self.pipes.tuning[pipe as usize],

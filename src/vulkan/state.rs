@@ -515,7 +515,7 @@ impl GpuState {
             LayerKind::Linear => None,
         });
         for (i, ratio) in attn.enumerate() {
-            if ratio > 0 && (pos + 1) % ratio == 0 {
+            if ratio > 0 && (pos + 1).is_multiple_of(ratio) {
                 let at = l.block_rope as usize + i * cfg.rope_dims;
                 table(&mut v[at..at + cfg.rope_dims], pos + 1 - ratio);
             }
@@ -665,7 +665,7 @@ impl GpuState {
                 raw_keys: a.raw_keys,
                 block_keys: a.block_keys,
                 pos: pos as u32,
-                block: if n_tokens % ratio == 0 { (n_complete - 1) as u32 } else { u32::MAX },
+                block: if n_tokens.is_multiple_of(ratio) { (n_complete - 1) as u32 } else { u32::MAX },
                 eps: cfg.eps,
             };
             rec.dispatch(Pipe::QsaIndex, &[set], &index, [1, 1, 1]);

@@ -151,7 +151,7 @@ fn q8k_generic(x: &[f32], a: &mut Q8KBlocks) {
 #[target_feature(enable = "avx2,fma")]
 fn quantize_block_avx2(x: &[f32], q: &mut [i8], mut sums: impl FnMut(usize, i32)) -> f32 {
     use std::arch::x86_64::*;
-    assert!(x.len() % 32 == 0 && q.len() == x.len());
+    assert!(x.len().is_multiple_of(32) && q.len() == x.len());
     let sign = _mm256_set1_ps(-0.0);
     let (mut m, mut nan) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     for c in x.chunks_exact(8) {
