@@ -28,6 +28,7 @@ layout(push_constant) uniform Push {
 } pc;
 
 shared float p_sh[WG];
+shared uint v_sh[WG];
 
 uint token(uint i) {
     uint nb = pc.keep * pc.ratio;
@@ -44,12 +45,23 @@ void main() {
     float m = -1.0 / 0.0;
     uint lane = gl_SubgroupInvocationID;
     for (uint base = 0u; base < n; base += WG) {
-        for (uint x = gl_SubgroupID; x < WG && base + x < n; x += gl_NumSubgroups) {
-            uint k = pc.keys_off + token(base + x) * stride + kvh * hd;
-            float dot = 0.0;
-            for (uint j = lane; j < hd; j += gl_SubgroupSize) dot += s[pc.q_off + h * hd + j] * st[k + j];
-            float score = subgroupAdd(dot) * pc.scale;
-            if (subgroupElect()) p_sh[x] = score;
+        // Four key rows in flight per subgroup (independent loads).
+        for (uint x = gl_SubgroupID; x < WG && base + x < n; x += 4u * gl_NumSubgroups) {
+            float dot[4] = float[4](0.0, 0.0, 0.0, 0.0);
+            uint k[4];
+            for (uint u = 0u; u < 4u; u++) {
+                uint xi = min(x + u * gl_NumSubgroups, n - 1u - base);
+                k[u] = pc.keys_off + token(base + xi) * stride + kvh * hd;
+            }
+            for (uint j = lane; j < hd; j += gl_SubgroupSize) {
+                float qj = s[pc.q_off + h * hd + j];
+                for (uint u = 0u; u < 4u; u++) dot[u] += qj * st[k[u] + j];
+            }
+            for (uint u = 0u; u < 4u; u++) {
+                float score = subgroupAdd(dot[u]) * pc.scale;
+                uint xu = x + u * gl_NumSubgroups;
+                if (subgroupElect() && xu < WG && base + xu < n) p_sh[xu] = score;
+            }
         }
         barrier();
         if (base + t < n) {
@@ -68,13 +80,26 @@ void main() {
     sum = wg_sum(sum);
     float acc[4] = float[4](0.0, 0.0, 0.0, 0.0);  // columns t, t+WG, ... (hd <= 4*WG)
     for (uint base = 0u; base < n; base += WG) {
-        if (base + t < n) p_sh[t] = s[tmp + base + t] / sum;
+        // The tile's probabilities and value-row offsets, then four rows in
+        // flight per step (independent loads).
+        if (base + t < n) {
+            p_sh[t] = s[tmp + base + t] / sum;
+            v_sh[t] = pc.values_off + token(base + t) * stride + kvh * hd;
+        }
         barrier();
-        for (uint i = base; i < min(base + WG, n); i++) {
-            uint v = pc.values_off + token(i) * stride + kvh * hd;
+        uint end = min(WG, n - base), i = 0u;
+        for (; i + 4u <= end; i += 4u) {
             for (uint c = 0u; c < 4u; c++) {
                 uint j = t + c * WG;
-                if (j < hd) acc[c] += p_sh[i - base] * st[v + j];
+                if (j < hd)
+                    acc[c] += p_sh[i] * st[v_sh[i] + j] + p_sh[i + 1u] * st[v_sh[i + 1u] + j]
+                            + p_sh[i + 2u] * st[v_sh[i + 2u] + j] + p_sh[i + 3u] * st[v_sh[i + 3u] + j];
+            }
+        }
+        for (; i < end; i++) {
+            for (uint c = 0u; c < 4u; c++) {
+                uint j = t + c * WG;
+                if (j < hd) acc[c] += p_sh[i] * st[v_sh[i] + j];
             }
         }
         barrier();

@@ -1,7 +1,7 @@
 #version 450
 // MoE router after its matvec, one workgroup: softmax over the expert
 // logits (in place, and in shared memory), top-k by probability (ties to
-// the lower expert id; each expert counts its rank in one pass),
+// the lower expert id; k rounds of a subgroup-reduced argmax),
 // weights renormalised over the chosen k. Writes ids (as float bits) and
 // weights. With `shared_in_arena` the shared expert follows as expert k:
 // id n_experts (its slot-table entry), weight sigmoid(shared_gate . x).
@@ -24,6 +24,8 @@ layout(push_constant) uniform Push {
 
 shared float prob[MAX_EXPERTS];
 shared float chosen[MAX_K];
+shared float red_v[WG / 4];
+shared uint red_i[WG / 4];
 
 void main() {
     uint t = gl_LocalInvocationIndex, n = pc.n_experts, l = pc.logits_off;
@@ -42,21 +44,37 @@ void main() {
         s[l + i] = prob[i];
     }
     barrier();
-    // An expert's rank is the number of experts with a higher probability,
-    // or an equal one and a lower id; counting stops once it reaches k.
-    for (uint i = t; i < n; i += WG) {
-        float v = prob[i];
-        uint rank = 0u;
-        for (uint j = 0u; j < n && rank < pc.k; j++) {
-            float o = prob[j];
-            rank += (o > v || (o == v && j < i)) ? 1u : 0u;
+    // k rounds of a workgroup argmax: each invocation scans the experts it
+    // owns (i = t mod WG, ascending, so a tie keeps the lower id), subgroups
+    // reduce (max value, then the lowest id holding it), and every
+    // invocation merges the subgroups' winners; the owner marks the winner
+    // taken. Two barriers a round.
+    for (uint r = 0u; r < pc.k; r++) {
+        float bv = -1.0;
+        uint bi = 0xffffffffu;
+        for (uint i = t; i < n; i += WG) {
+            float v = prob[i];
+            if (v > bv) { bv = v; bi = i; }
         }
-        if (rank < pc.k) {
-            chosen[rank] = v;
-            s[pc.ids_off + rank] = uintBitsToFloat(i);
+        float sv = subgroupMax(bv);
+        uint si = subgroupMin(bv == sv ? bi : 0xffffffffu);
+        if (subgroupElect()) {
+            red_v[gl_SubgroupID] = sv;
+            red_i[gl_SubgroupID] = si;
         }
+        barrier();
+        float wv = red_v[0];
+        uint wi = red_i[0];
+        for (uint g = 1u; g < gl_NumSubgroups; g++) {
+            if (red_v[g] > wv || (red_v[g] == wv && red_i[g] < wi)) { wv = red_v[g]; wi = red_i[g]; }
+        }
+        if (t == 0u) {
+            chosen[r] = wv;
+            s[pc.ids_off + r] = uintBitsToFloat(wi);
+        }
+        if (wi % WG == t) prob[wi] = -1.0;
+        barrier();
     }
-    barrier();
     if (pc.shared_in_arena == 1u) {
         float g = 0.0;
         for (uint i = t; i < pc.h; i += WG) g += prm[pc.shared_gate + i] * s[pc.x_off + i];

@@ -17,7 +17,7 @@
 //! | 0 `MAX_SLABS` | arena slab bindings (expert pipelines) | device limit | - |
 //! | 1 workgroup size `WG` | invocations per workgroup (power of two) | 128 | `FNX_VK_MATVEC_WG` |
 //! | 2 `ROWS` | output rows per row set | 2 | `FNX_VK_MATVEC_ROWS` |
-//! | 3 `UNROLL` | work items an invocation loads per pass | 2 (1 for Q2_K, Q3_K) | `FNX_VK_MATVEC_UNROLL` |
+//! | 3 `UNROLL` | work items an invocation loads per pass | 1 (the H200 sweep: 2 was 5-15% slower at every real shape) | `FNX_VK_MATVEC_UNROLL` |
 //!
 //! and per dispatch the recorder picks `TPR`, the invocations per row set
 //! (push constant `tpr_shift`): the largest power of two, at most `WG`,
@@ -255,7 +255,7 @@ pub(crate) struct MatvecTuning {
 const DEFAULTS: [(&str, &str); 5] = [
     ("FNX_VK_MATVEC_WG", "128"),
     ("FNX_VK_MATVEC_ROWS", "2"),
-    ("FNX_VK_MATVEC_UNROLL", "2, q2_k=1, q3_k=1"),
+    ("FNX_VK_MATVEC_UNROLL", "1"),
     ("FNX_VK_MATVEC_TPR", ""),
     ("FNX_VK_MATVEC_ITEMS", "4"),
 ];
