@@ -477,8 +477,9 @@ mod tests {
     #[test]
     fn defaults_per_type() {
         let q4 = MatvecTuning::for_pipeline("matvec_q4_k", false);
-        assert_eq!((q4.wg, q4.rows, q4.unroll, q4.tpr, q4.min_items), (128, 2, 2, None, 4));
+        assert_eq!((q4.wg, q4.rows, q4.unroll, q4.tpr, q4.min_items), (128, 2, 1, None, 4));
         assert_eq!(MatvecTuning::for_pipeline("expert_q2_k", false).unroll, 1);
+        assert_eq!(MatvecTuning::for_pipeline("matvec_q8_0", false).unroll, 1);
     }
 
     #[test]
