@@ -37,21 +37,10 @@ use ash::vk;
 use gpu_allocator::MemoryLocation;
 use std::sync::Arc;
 
-const ALL_TYPES: [GgmlType; 13] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q2K,
-    GgmlType::Q3K,
-    GgmlType::Q4K,
-    GgmlType::Q5K,
-    GgmlType::Q6K,
-];
+/// The float types, then every quantized type.
+fn all_types() -> impl Iterator<Item = GgmlType> {
+    [GgmlType::F32, GgmlType::F16, GgmlType::BF16].into_iter().chain(crate::quant::QUANT_TYPES)
+}
 
 const TOL: f32 = 4e-6;
 
@@ -271,7 +260,7 @@ fn matvec_matches_cpu_for_every_type() {
     let twin = Twin { ctx: &ctx, pipes: &pipes };
     let sg = ctx.subgroup_size;
     let mut report = Vec::new();
-    for ty in ALL_TYPES {
+    for ty in all_types() {
         let mut e = 0f32;
         for &cols in shapes(ty) {
             for rows in [1, 37, 70] {
@@ -308,7 +297,7 @@ fn matvec_other_tunings_and_split_matrices() {
     ] {
         let pipes = Pipelines::tuned(&ctx, |_| tuning).unwrap();
         let twin = Twin { ctx: &ctx, pipes: &pipes };
-        for ty in ALL_TYPES {
+        for ty in all_types() {
             let cols = shapes(ty)[1];
             let w = tensor(ty, 101, cols, 5);
             let runs = [Run { tpr: None, mode: 0 }, Run { tpr: Some(ctx.subgroup_size * 2), mode: 3 }];
@@ -410,7 +399,7 @@ fn expert_arena_matvecs_match_cpu() {
     let Some(ctx) = context() else { return };
     let pipes = Pipelines::tuned(&ctx, |name| MatvecTuning::for_pipeline(name, false)).unwrap();
     let mut report = Vec::new();
-    for ty in ALL_TYPES {
+    for ty in all_types() {
         let f = if ty.block_size() == 256 { 256 } else { 96 };
         let e = arena_case(&ctx, &pipes, &[(ty, ty)], 512, f);
         report.push(format!("{ty} {e:.3}"));

@@ -187,26 +187,28 @@ enum RowFn {
     Q8K(fn(&[u8], &Q8KBlocks) -> f32),
 }
 
+/// The table of kernels, one per quantized type: `$wrap!(kernel, activation
+/// blocks)` names the kernel of one level as a plain function pointer.
+macro_rules! kernel_table {
+    ($ty:expr, $wrap:ident) => {
+        match $ty {
+            GgmlType::Q4_0 => RowFn::Q8($wrap!(q4_0, Q8Blocks)),
+            GgmlType::Q4_1 => RowFn::Q8($wrap!(q4_1, Q8Blocks)),
+            GgmlType::Q5_0 => RowFn::Q8($wrap!(q5_0, Q8Blocks)),
+            GgmlType::Q5_1 => RowFn::Q8($wrap!(q5_1, Q8Blocks)),
+            GgmlType::Q8_0 => RowFn::Q8($wrap!(q8_0, Q8Blocks)),
+            GgmlType::Q2K => RowFn::Q8K($wrap!(q2_k, Q8KBlocks)),
+            GgmlType::Q3K => RowFn::Q8K($wrap!(q3_k, Q8KBlocks)),
+            GgmlType::Q4K => RowFn::Q8K($wrap!(q4_k, Q8KBlocks)),
+            GgmlType::Q5K => RowFn::Q8K($wrap!(q5_k, Q8KBlocks)),
+            GgmlType::Q6K => RowFn::Q8K($wrap!(q6_k, Q8KBlocks)),
+            other => panic!("{other} has no integer kernel"),
+        }
+    };
+}
+
 /// The integer kernel of quantized type `ty` at level `isa`.
 fn row_fn(isa: Isa, ty: GgmlType) -> RowFn {
-    use RowFn::{Q8, Q8K};
-    macro_rules! pick {
-        ($m:ident) => {
-            match ty {
-                GgmlType::Q4_0 => Q8($m::q4_0),
-                GgmlType::Q4_1 => Q8($m::q4_1),
-                GgmlType::Q5_0 => Q8($m::q5_0),
-                GgmlType::Q5_1 => Q8($m::q5_1),
-                GgmlType::Q8_0 => Q8($m::q8_0),
-                GgmlType::Q2K => Q8K($m::q2_k),
-                GgmlType::Q3K => Q8K($m::q3_k),
-                GgmlType::Q4K => Q8K($m::q4_k),
-                GgmlType::Q5K => Q8K($m::q5_k),
-                GgmlType::Q6K => Q8K($m::q6_k),
-                _ => panic!("{ty} has no integer kernel"),
-            }
-        };
-    }
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => avx2_fns(ty),
@@ -214,7 +216,14 @@ fn row_fn(isa: Isa, ty: GgmlType) -> RowFn {
         Isa::Avx512 => avx512_fns::<false>(ty),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => avx512_fns::<true>(ty),
-        _ => pick!(scalar),
+        _ => {
+            macro_rules! plain {
+                ($f:ident, $a:ty) => {
+                    scalar::$f
+                };
+            }
+            kernel_table!(ty, plain)
+        }
     }
 }
 
@@ -231,19 +240,7 @@ fn avx2_fns(ty: GgmlType) -> RowFn {
             f
         }};
     }
-    match ty {
-        GgmlType::Q4_0 => RowFn::Q8(wrap!(q4_0, Q8Blocks)),
-        GgmlType::Q4_1 => RowFn::Q8(wrap!(q4_1, Q8Blocks)),
-        GgmlType::Q5_0 => RowFn::Q8(wrap!(q5_0, Q8Blocks)),
-        GgmlType::Q5_1 => RowFn::Q8(wrap!(q5_1, Q8Blocks)),
-        GgmlType::Q8_0 => RowFn::Q8(wrap!(q8_0, Q8Blocks)),
-        GgmlType::Q2K => RowFn::Q8K(wrap!(q2_k, Q8KBlocks)),
-        GgmlType::Q3K => RowFn::Q8K(wrap!(q3_k, Q8KBlocks)),
-        GgmlType::Q4K => RowFn::Q8K(wrap!(q4_k, Q8KBlocks)),
-        GgmlType::Q5K => RowFn::Q8K(wrap!(q5_k, Q8KBlocks)),
-        GgmlType::Q6K => RowFn::Q8K(wrap!(q6_k, Q8KBlocks)),
-        _ => panic!("{ty} has no integer kernel"),
-    }
+    kernel_table!(ty, wrap)
 }
 
 /// The AVX-512 kernels (with VNNI when `VNNI`) as plain function pointers.
@@ -265,19 +262,7 @@ fn avx512_fns<const VNNI: bool>(ty: GgmlType) -> RowFn {
             f::<VNNI>
         }};
     }
-    match ty {
-        GgmlType::Q4_0 => RowFn::Q8(wrap!(q4_0, Q8Blocks)),
-        GgmlType::Q4_1 => RowFn::Q8(wrap!(q4_1, Q8Blocks)),
-        GgmlType::Q5_0 => RowFn::Q8(wrap!(q5_0, Q8Blocks)),
-        GgmlType::Q5_1 => RowFn::Q8(wrap!(q5_1, Q8Blocks)),
-        GgmlType::Q8_0 => RowFn::Q8(wrap!(q8_0, Q8Blocks)),
-        GgmlType::Q2K => RowFn::Q8K(wrap!(q2_k, Q8KBlocks)),
-        GgmlType::Q3K => RowFn::Q8K(wrap!(q3_k, Q8KBlocks)),
-        GgmlType::Q4K => RowFn::Q8K(wrap!(q4_k, Q8KBlocks)),
-        GgmlType::Q5K => RowFn::Q8K(wrap!(q5_k, Q8KBlocks)),
-        GgmlType::Q6K => RowFn::Q8K(wrap!(q6_k, Q8KBlocks)),
-        _ => panic!("{ty} has no integer kernel"),
-    }
+    kernel_table!(ty, wrap)
 }
 
 /// `y[r] = rows[r] · act` for consecutive rows of `ty` (each `act.len()`
