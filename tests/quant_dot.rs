@@ -56,17 +56,6 @@ fn level_bytes(ty: GgmlType) -> std::ops::Range<usize> {
     }
 }
 
-/// Byte offsets of the f16 block scales (d, and dmin / m where present).
-fn f16_fields(ty: GgmlType) -> &'static [usize] {
-    match ty {
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
-        GgmlType::Q2K => &[80, 82],
-        GgmlType::Q3K => &[108],
-        GgmlType::Q6K => &[208],
-        _ => unreachable!(),
-    }
-}
 
 /// A row of `n` values of `ty`, block by block one of several kinds.
 fn make_row(ty: GgmlType, n: usize, rng: &mut Rng, kind: usize) -> Vec<u8> {
@@ -88,7 +77,7 @@ fn make_row(ty: GgmlType, n: usize, rng: &mut Rng, kind: usize) -> Vec<u8> {
             // Random bytes with finite scales of either sign.
             2 => {
                 b.iter_mut().for_each(|v| *v = rng.byte());
-                for &o in f16_fields(ty) {
+                for &o in flashnext::quant::scale_fields(ty) {
                     b[o..o + 2].copy_from_slice(&f16_bytes(4.0 * rng.f()));
                 }
             }
@@ -98,21 +87,21 @@ fn make_row(ty: GgmlType, n: usize, rng: &mut Rng, kind: usize) -> Vec<u8> {
                 if ty == GgmlType::Q8_0 {
                     b[2..].fill(0x80); // -128, the extreme signed level
                 }
-                for &o in f16_fields(ty) {
+                for &o in flashnext::quant::scale_fields(ty) {
                     b[o..o + 2].copy_from_slice(&f16_bytes(if o == 0 { 1.5 } else { -2.0 }));
                 }
             }
             // Zero scales over random levels.
             4 => {
                 b.iter_mut().for_each(|v| *v = rng.byte());
-                for &o in f16_fields(ty) {
+                for &o in flashnext::quant::scale_fields(ty) {
                     b[o..o + 2].fill(0);
                 }
             }
             // Negative mins / scales over random levels.
             _ => {
                 b.iter_mut().for_each(|v| *v = rng.byte());
-                for &o in f16_fields(ty) {
+                for &o in flashnext::quant::scale_fields(ty) {
                     b[o..o + 2].copy_from_slice(&f16_bytes(-0.75 - rng.f()));
                 }
             }

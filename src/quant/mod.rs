@@ -32,6 +32,20 @@ use crate::gguf::GgmlType;
 /// Elements per K-quant super-block.
 pub const QK_K: usize = 256;
 
+/// Byte offsets of a block's f16 scale fields, which every value of the
+/// block is linear in (`d`, and `dmin` / `m` where the type has one); none
+/// for the float types.
+pub fn scale_fields(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
+        GgmlType::Q2K => &[80, 82],
+        GgmlType::Q3K => &[108],
+        GgmlType::Q6K => &[208],
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => &[],
+    }
+}
+
 /// The quantized types (everything but the float types).
 pub const QUANT_TYPES: [GgmlType; 10] = [
     GgmlType::Q4_0,

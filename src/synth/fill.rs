@@ -70,17 +70,6 @@ pub(crate) fn tensor_seed(seed: u64, name: &str) -> u64 {
     crate::sampling::splitmix64(&mut s)
 }
 
-/// Byte offsets of the f16 scale fields every value of a block is linear in.
-fn scale_fields(ty: GgmlType) -> &'static [usize] {
-    match ty {
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
-        GgmlType::Q2K => &[80, 82],
-        GgmlType::Q3K => &[108],
-        GgmlType::Q6K => &[208],
-        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => &[],
-    }
-}
 
 /// Pool units of a type: one block for block types, 32 values for float types
 /// (or 1 when a row is shorter than that).
@@ -129,7 +118,7 @@ impl Pools {
         let unit = unit_elems(ty, ne0);
         let ub = ty.row_bytes(unit).expect("a unit is whole blocks");
         let (values, bytes) = self.get(ty, unit)?;
-        let fields = scale_fields(ty);
+        let fields = crate::quant::scale_fields(ty);
         if fields.is_empty() {
             let scaled: Vec<f32> = values.iter().map(|v| v * std).collect();
             let mut out = vec![0u8; bytes.len()];

@@ -188,7 +188,7 @@ struct Bindings {
 }
 
 impl Bindings {
-    fn new(g: &GpuModel, scratch: &Buffer, layer_state: &[Buffer], n_layers: usize, dummy: &Buffer) -> Result<Bindings> {
+    fn new(g: &GpuModel, scratch: &Buffer, layer_state: &[&Buffer], n_layers: usize, dummy: &Buffer) -> Result<Bindings> {
         let n_sets = n_layers + 2;
         let pool = DescriptorPool::new(&g.ctx, n_sets as u32, 3 * n_sets as u32)?;
         let state_set = |b: &Buffer| pool.set(g.pipes.state_layout, &[&[scratch.info()], &[b.info()], &[g.params.info()]]);
@@ -224,7 +224,7 @@ pub struct GpuState {
     upload: Buffer,
     readback: Buffer,
     scratch: Buffer,
-    _dummy: Buffer,
+    dummy: Buffer,
     cmds: Commands,
 }
 
@@ -271,7 +271,7 @@ impl GpuState {
             let n = (p.conv_kernel - 1) * p.ngram * cfg.hc * cfg.hidden;
             layer_state.push(Buffer::new(ctx, "PLE conv history", f(n), MemoryLocation::GpuOnly)?);
         }
-        let bindings = Bindings::new(g, &scratch, &layer_state, cfg.n_layers, &dummy)?;
+        let bindings = Bindings::new(g, &scratch, &layer_state.iter().collect::<Vec<_>>(), cfg.n_layers, &dummy)?;
         let cmds = Commands::new(ctx)?;
         let mut s = GpuState {
             layout,
@@ -287,7 +287,7 @@ impl GpuState {
             upload,
             readback,
             scratch,
-            _dummy: dummy,
+            dummy,
             cmds,
         };
         s.reset()?;
@@ -371,27 +371,14 @@ impl GpuState {
             }
         }
         self.cmds.submit()?;
-        let mut layer_state = std::mem::take(&mut self.layer_state);
-        let mut old = Vec::with_capacity(grown.len());
+        // Bind the new buffers before replacing anything: on error the state is as it was.
+        let bound: Vec<&Buffer> = (0..self.layer_state.len())
+            .map(|i| grown.iter().find(|(g, _)| *g == i).map_or(&self.layer_state[i], |(_, b)| b))
+            .collect();
+        let bindings = Bindings::new(g, &scratch, &bound, cfg.n_layers, &self.dummy)?;
         for (i, buffer) in grown {
-            old.push(std::mem::replace(&mut layer_state[i], buffer));
+            self.layer_state[i] = buffer;
         }
-        let bindings = match Bindings::new(g, &scratch, &layer_state, cfg.n_layers, &self._dummy) {
-            Ok(b) => b,
-            Err(e) => {
-                // Put the old buffers back: the state is as it was.
-                let mut k = 0;
-                for (i, kind) in cfg.layers.iter().enumerate() {
-                    if matches!(kind, LayerKind::Attention { .. }) {
-                        std::mem::swap(&mut layer_state[i], &mut old[k]);
-                        k += 1;
-                    }
-                }
-                self.layer_state = layer_state;
-                return Err(e);
-            }
-        };
-        self.layer_state = layer_state;
         self.sets = bindings.sets.clone();
         self.bindings = bindings;
         self.scratch = scratch;
