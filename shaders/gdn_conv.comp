@@ -1,6 +1,8 @@
 #version 450
-// Gated DeltaNet depthwise causal conv + SiLU over [history, current]; the
-// history (first (Kc-1)*Dc floats of the layer state) shifts by one token.
+// Gated DeltaNet depthwise causal conv + SiLU over the inputs of positions
+// pos-Kc+1..pos; the history is a ring of `rows` rows by position (the first
+// rows*Dc floats of the layer state; see src/model/backend.rs), and this
+// token's input goes to row pos % rows.
 #define WG 64
 #include "common.glsl"
 
@@ -10,16 +12,21 @@ layout(push_constant) uniform Push {
     uint taps;    // params offset, [Dc][Kc]
     uint dc;
     uint kc;
+    uint rows;    // ring rows (>= Kc)
+    uint pos;
 } pc;
 
 void main() {
     uint c = gl_GlobalInvocationID.x;
     if (c >= pc.dc) return;
-    uint kc = pc.kc;
+    uint kc = pc.kc, rows = pc.rows;
     float x = s[pc.x_off + c];
     float acc = prm[pc.taps + c * kc + kc - 1u] * x;
-    for (uint k = 0u; k + 1u < kc; k++) acc += prm[pc.taps + c * kc + k] * st[k * pc.dc + c];
+    // Tap k reads the input kc-1-k positions back (rows before the start hold zeros).
+    for (uint k = 0u; k + 1u < kc; k++) {
+        uint row = (pc.pos + rows - (kc - 1u - k)) % rows;
+        acc += prm[pc.taps + c * kc + k] * st[row * pc.dc + c];
+    }
     s[pc.y_off + c] = silu(acc);
-    for (uint k = 0u; k + 2u < kc; k++) st[k * pc.dc + c] = st[(k + 1u) * pc.dc + c];
-    if (kc > 1u) st[(kc - 2u) * pc.dc + c] = x;
+    st[(pc.pos % rows) * pc.dc + c] = x;
 }

@@ -1,7 +1,9 @@
 #version 450
 // Gated DeltaNet delta rule for one value head per workgroup, then the gated
 // RMSNorm. Invocation j owns column j of the head's [dk][dv] state, so the
-// state update needs no reduction. Head dims up to WG.
+// state update needs no reduction. Head dims up to WG. The state is read
+// from one plane and written to another (one per position of the rewind
+// window; see src/model/backend.rs).
 #define WG 128
 #include "common.glsl"
 
@@ -14,7 +16,8 @@ layout(push_constant) uniform Push {
     uint nk;
     uint nv;
     uint d;
-    uint rec_off;   // layer-state offset of the [nv][d][d] recurrent state
+    uint rec_in;    // layer-state offset of the [nv][d][d] state before this token
+    uint rec_out;   // ... and of the plane it writes
     uint decay_a;   // params: -exp(A_log) [nv]
     uint dt_bias;   // params [nv]
     uint norm;      // params [d]
@@ -39,15 +42,15 @@ void main() {
     barrier();
     float decay = exp(prm[pc.decay_a + h] * softplus(s[pc.a_off + h] + prm[pc.dt_bias + h]));
     float beta = sigmoid(s[pc.b_off + h]);
-    uint base = pc.rec_off + h * d * d + j;
+    uint from = pc.rec_in + h * d * d + j, to = pc.rec_out + h * d * d + j;
     float o = 0.0;
     if (on) {
         float mem = 0.0;
-        for (uint i = 0u; i < d; i++) mem += (st[base + i * d] * decay) * ks[i];
+        for (uint i = 0u; i < d; i++) mem += (st[from + i * d] * decay) * ks[i];
         float delta = (v - mem) * beta;
         for (uint i = 0u; i < d; i++) {
-            float x = st[base + i * d] * decay + ks[i] * delta;
-            st[base + i * d] = x;
+            float x = st[from + i * d] * decay + ks[i] * delta;
+            st[to + i * d] = x;
             o += x * qs[i];
         }
     }

@@ -1,7 +1,8 @@
 #version 450
-// The PLE injection after its key/value projections (see src/model/ple.rs):
+// The PLE injection after its key/value projections (see src/cpu/ple.rs):
 // per stream the gated value, its norm, the dilated depthwise conv over the
-// layer-state history, the residual update and the history shift. One
+// history (a ring of `rows` rows by position in the layer state), the
+// residual update and this token's row of the ring. One
 // workgroup per stream (the streams share nothing but the value vector);
 // each invocation owns the same elements in every pass.
 #define WG 256
@@ -20,12 +21,13 @@ layout(push_constant) uniform Push {
     uint streams;
     uint kernel;
     uint dilation;
+    uint rows;        // ring rows (>= (kernel-1)*dilation + 1)
+    uint pos;
     float eps;
 } pc;
 
 void main() {
-    uint h = pc.h, ch = h * pc.streams, kp = pc.kernel;
-    uint hist_rows = (kp - 1u) * pc.dilation;
+    uint h = pc.h, ch = h * pc.streams, kp = pc.kernel, rows = pc.rows;
     {
         uint c = gl_WorkGroupID.x, b = c * h;
         float kss = 0.0, qss = 0.0;
@@ -53,13 +55,13 @@ void main() {
             float gated = s[pc.tmp_off + e];
             float normed = gated * rg * prm[pc.norm_conv + e];
             float acc = prm[pc.conv + e * kp + kp - 1u] * normed;
+            // Tap k reads the input (kp-1-k)*dilation positions back.
             for (uint k = 0u; k + 1u < kp; k++) {
-                uint back = (kp - 1u - k) * pc.dilation;
-                acc += prm[pc.conv + e * kp + k] * st[(hist_rows - back) * ch + e];
+                uint row = (pc.pos + rows - (kp - 1u - k) * pc.dilation) % rows;
+                acc += prm[pc.conv + e * kp + k] * st[row * ch + e];
             }
             s[pc.res_off + e] += gated + silu(acc);
-            for (uint r = 0u; r + 1u < hist_rows; r++) st[r * ch + e] = st[(r + 1u) * ch + e];
-            if (hist_rows > 0u) st[(hist_rows - 1u) * ch + e] = normed;
+            st[(pc.pos % rows) * ch + e] = normed;
         }
     }
 }

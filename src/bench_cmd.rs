@@ -2,7 +2,7 @@
 //! saves) its report.
 
 use flashnext::bench::{self, BenchOptions, DEFAULT_PROMPT};
-use flashnext::model::Backend;
+use flashnext::Backend;
 use std::path::PathBuf;
 
 fn parse_backend(s: &str) -> flashnext::Result<Backend> {

@@ -35,6 +35,16 @@ pub enum Error {
     /// Memory for weights or state could not be obtained.
     #[error("out of memory: {0}")]
     OutOfMemory(String),
+    /// A device failed part way through work on a state: the state is
+    /// unusable until it is reset or a snapshot is loaded into it.
+    #[error("the state is lost: {0}")]
+    StateLost(String),
+    /// The caller's abort callback asked to stop; nothing was changed.
+    #[error("aborted by the abort callback; the state is unchanged")]
+    Aborted,
+    /// A state snapshot was refused (the state is unchanged).
+    #[error(transparent)]
+    Snapshot(#[from] crate::model::SnapshotError),
 }
 
 impl Error {
@@ -56,3 +66,21 @@ impl Error {
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// A zeroed buffer of `n` floats, or an error instead of an allocation abort
+/// (sizes come from the model file, which may be hostile; `None` = overflowed).
+pub fn zeros(n: Option<usize>, what: &str) -> Result<Vec<f32>> {
+    let n = n.ok_or_else(|| Error::OutOfMemory(format!("{what}: size overflows")))?;
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| Error::OutOfMemory(format!("{what}: cannot allocate {n} floats")))?;
+    v.resize(n, 0.0);
+    Ok(v)
+}
+
+/// A copy of `v`, or an out-of-memory error instead of an allocation abort.
+pub fn copy_of(v: &[f32], what: &str) -> Result<Vec<f32>> {
+    let mut c = Vec::new();
+    c.try_reserve_exact(v.len()).map_err(|_| Error::OutOfMemory(format!("{what}: cannot allocate {} floats", v.len())))?;
+    c.extend_from_slice(v);
+    Ok(c)
+}

@@ -11,7 +11,7 @@
 //! request takes effect within one token's decode time.
 
 use crate::error::{Error, Result};
-use crate::model::{Model, State};
+use crate::model::State;
 use crate::sampling::{argmax, Sampler};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
@@ -66,23 +66,13 @@ impl Detokenize for TokenText<'_> {
     }
 }
 
-/// The text step for `model`: [`TokenText`] when the file has a tokenizer
+/// The text step for a model: [`TokenText`] when its file has a tokenizer
 /// flashnext can use, otherwise [`NoText`].
-pub fn model_text(model: &Model) -> Box<dyn Detokenize + '_> {
-    match model.tokenizer() {
-        Ok(t) => Box::new(TokenText::new(t)),
-        Err(_) => Box::new(NoText),
+pub fn model_text(tokenizer: Option<&Tokenizer>) -> Box<dyn Detokenize + '_> {
+    match tokenizer {
+        Some(t) => Box::new(TokenText::new(t)),
+        None => Box::new(NoText),
     }
-}
-
-/// Why [`decode_tokens`] or [`generate`] failed.
-#[derive(Debug, thiserror::Error)]
-pub enum GenerateError {
-    /// The abort callback asked to stop; nothing was changed.
-    #[error("aborted by the abort callback")]
-    Aborted,
-    #[error(transparent)]
-    Failed(#[from] Error),
 }
 
 /// What [`generate`] does besides sampling.
@@ -174,32 +164,28 @@ impl StopMatcher {
 
 /// Decodes `tokens` in order (the logits are the last one's). Every token and
 /// the context room are checked first; `abort` is polled before each token.
-/// On any error, including [`GenerateError::Aborted`], the state is unchanged.
+/// On any error, including [`Error::Aborted`], the state is unchanged.
 pub fn decode_tokens(
     state: &mut State,
     tokens: &[u32],
     abort: &mut dyn FnMut() -> bool,
-) -> std::result::Result<(), GenerateError> {
+) -> Result<()> {
     state.check_tokens(tokens)?;
     if tokens.is_empty() {
         return Ok(());
     }
     if abort() {
-        return Err(GenerateError::Aborted);
+        return Err(Error::Aborted);
     }
     if tokens.len() == 1 {
         // One decode step changes nothing when it fails.
-        return Ok(state.decode(tokens[0])?);
+        return state.decode(tokens[0]);
     }
-    let checkpoint = state.checkpoint()?;
+    let undo = state.undo_point(Some(tokens.len()))?;
     for (i, &t) in tokens.iter().enumerate() {
-        let step = if i > 0 && abort() {
-            Err(GenerateError::Aborted)
-        } else {
-            state.decode(t).map_err(Into::into)
-        };
+        let step = if i > 0 && abort() { Err(Error::Aborted) } else { state.decode(t) };
         if let Err(e) = step {
-            state.rollback(checkpoint);
+            state.undo(&undo)?;
             return Err(e);
         }
     }
@@ -223,25 +209,22 @@ pub fn generate(
     detok: &mut dyn Detokenize,
     abort: &mut dyn FnMut() -> bool,
     on_token: &mut dyn FnMut(u32, &[u8]) -> bool,
-) -> std::result::Result<Generation, GenerateError> {
+) -> Result<Generation> {
     state.check_tokens(prompt)?;
     if prompt.is_empty() && state.logits().is_none() {
-        return Err(Error::arg(
-            "nothing to generate from: the prompt is empty and no token has been decoded",
-        )
-        .into());
+        return Err(Error::arg("nothing to generate from: the prompt is empty and no token has been decoded"));
     }
     let mut matcher = StopMatcher::new(opts.stop_strings.clone())?;
     if abort() {
-        return Err(GenerateError::Aborted);
+        return Err(Error::Aborted);
     }
-    let checkpoint = state.checkpoint()?;
+    let undo = state.undo_point(None)?;
     let sampler_before = sampler.as_deref().cloned();
 
-    let mut run = || -> std::result::Result<Generation, GenerateError> {
+    let mut run = || -> Result<Generation> {
         for (i, &t) in prompt.iter().enumerate() {
             if i > 0 && abort() {
-                return Err(GenerateError::Aborted);
+                return Err(Error::Aborted);
             }
             state.decode(t)?;
         }
@@ -260,7 +243,7 @@ pub fn generate(
                 });
             }
             if (!prompt.is_empty() || !tokens.is_empty()) && abort() {
-                return Err(GenerateError::Aborted);
+                return Err(Error::Aborted);
             }
             let logits = state.logits().expect("a token has been decoded");
             let token = match sampler.as_deref_mut() {
@@ -297,7 +280,7 @@ pub fn generate(
     };
     let result = run();
     if result.is_err() {
-        state.rollback(checkpoint);
+        state.undo(&undo)?;
         if let (Some(s), Some(before)) = (sampler, sampler_before) {
             *s = before;
         }

@@ -58,7 +58,7 @@ pub enum TokenKind {
 }
 
 /// A byte-level BPE tokenizer built from GGUF metadata. Immutable and shareable
-/// between threads; build it once per model ([`Model::tokenizer`] caches it).
+/// between threads; build it once per model ([`SharedTokenizer`] keeps it).
 pub struct Tokenizer {
     bpe: tokenizers::Tokenizer,
     /// Added tokens (CONTROL and USER_DEFINED), matched leftmost-longest in raw text.
@@ -485,12 +485,39 @@ impl StreamDecoder {
     }
 }
 
-impl Model {
-    /// The model's tokenizer, built from its metadata on first use and kept.
-    pub fn tokenizer(&self) -> Result<&Tokenizer> {
-        self.tokenizer
-            .get_or_init(|| Tokenizer::from_metadata(&self.metadata).map_err(|e| e.to_string()))
+/// A model's tokenizer, built from the model file's metadata on first use
+/// and kept; clones share it. Whoever holds a model holds one beside it
+/// (the C API's model and state handles, the CLI's session).
+#[derive(Clone, Default)]
+pub struct SharedTokenizer(std::sync::Arc<std::sync::OnceLock<std::result::Result<Tokenizer, String>>>);
+
+impl SharedTokenizer {
+    /// The tokenizer of `model` (whose metadata builds it the first time).
+    pub fn get(&self, model: &Model) -> Result<&Tokenizer> {
+        self.0
+            .get_or_init(|| Tokenizer::from_metadata(&model.metadata).map_err(|e| e.to_string()))
             .as_ref()
             .map_err(|msg| Error::model(msg.trim_start_matches("invalid model: ").to_string()))
     }
+}
+
+/// Tokens that end a generated reply: the end-of-sequence and end-of-turn
+/// tokens the tokenizer metadata names, then the control tokens
+/// `<|im_end|>` and `<|endoftext|>` when the vocabulary has them
+/// (deduplicated; ids outside the vocabulary, which can never be generated,
+/// are left out). A GGUF file holds one EOS id, while transformers stops on
+/// `generation_config.eos_token_id`, which for Qwen lists both of those
+/// tokens; llama.cpp adds them by text the same way.
+pub fn end_of_generation_tokens(model: &Model, tokenizer: Option<&Tokenizer>) -> Vec<u32> {
+    let mut v: Vec<u32> = Vec::new();
+    let named = ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"].map(|k| model.metadata_token(k));
+    let by_text = tokenizer.map(|tok| {
+        ["<|im_end|>", "<|endoftext|>"].map(|text| tok.token_id(text).filter(|&id| tok.kind(id) == Some(TokenKind::Control)))
+    });
+    for t in named.into_iter().chain(by_text.into_iter().flatten()).flatten() {
+        if (t as usize) < model.config.vocab && !v.contains(&t) {
+            v.push(t);
+        }
+    }
+    v
 }

@@ -6,7 +6,7 @@
 use flashnext::bench::{self, BenchOptions};
 use flashnext::convert::OutType;
 use flashnext::gguf::GgufFile;
-use flashnext::model::Backend;
+use flashnext::Backend;
 use flashnext::synth::{synthesize, Dims, SynthOptions};
 
 fn small_model(name: &str) -> std::path::PathBuf {

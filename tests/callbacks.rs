@@ -8,8 +8,11 @@
 mod util;
 
 use flashnext::capi::*;
-use flashnext::generate::{self, GenerateError, GenerateOptions, NoText, StopMatcher, StopReason};
-use flashnext::model::{LoadOptions, Model, State, LOAD_CANCELLED};
+use flashnext::generate::{self, GenerateOptions, NoText, StopMatcher, StopReason};
+use flashnext::tokenizer::Tokenizer;
+use flashnext::Error;
+use flashnext::load::LOAD_CANCELLED;
+use flashnext::{LoadOptions, Model, State};
 use flashnext::sampling::{argmax, Sampler, SamplerParams};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::ffi::{c_char, c_void, CStr, CString};
@@ -842,7 +845,8 @@ fn generate_refuses_bad_arguments_without_changing_anything() {
 #[test]
 fn c_generate_streams_the_model_text_and_stops_on_strings() {
     let rust = Model::load(fixture_gguf(), &LoadOptions::default()).unwrap();
-    let tok = rust.tokenizer().expect("the fixture has a tokenizer");
+    let tok = Tokenizer::from_metadata(&rust.metadata).expect("the fixture has a tokenizer");
+    let tok = &tok;
     let m = load(fixture_gguf(), None).unwrap();
     let s = new_state(m);
     let mut p = gen_params();
@@ -1021,7 +1025,7 @@ fn rust_generate_streams_text_and_stops_on_strings() {
     })
     .unwrap();
     let mut s4 = State::new(m.clone()).unwrap();
-    let before = (s4.save(), format!("{smp:?}"));
+    let before = (s4.save().unwrap(), format!("{smp:?}"));
     let mut polls = 0;
     let r = generate::generate(
         &mut s4,
@@ -1035,8 +1039,8 @@ fn rust_generate_streams_text_and_stops_on_strings() {
         },
         &mut |_, _| true,
     );
-    assert!(matches!(r, Err(GenerateError::Aborted)));
-    assert_eq!((s4.save(), format!("{smp:?}")), before);
+    assert!(matches!(r, Err(Error::Aborted)));
+    assert_eq!((s4.save().unwrap(), format!("{smp:?}")), before);
     let g4 = generate::generate(
         &mut s4,
         &prompt,
@@ -1073,23 +1077,23 @@ fn rust_generate_streams_text_and_stops_on_strings() {
 
     // Rust decode_tokens: atomic and abortable.
     let mut s6 = State::new(m.clone()).unwrap();
-    let snap = s6.save();
+    let snap = s6.save().unwrap();
     let mut n = 0;
     let r = generate::decode_tokens(&mut s6, &prompt, &mut || {
         n += 1;
         n > 3
     });
-    assert!(matches!(r, Err(GenerateError::Aborted)));
-    assert_eq!(s6.save(), snap);
+    assert!(matches!(r, Err(Error::Aborted)));
+    assert_eq!(s6.save().unwrap(), snap);
     assert!(matches!(
         generate::decode_tokens(&mut s6, &[1, 1_000_000], &mut || false),
-        Err(GenerateError::Failed(_))
+        Err(Error::TokenOutOfRange(_))
     ));
-    assert_eq!(s6.save(), snap);
+    assert_eq!(s6.save().unwrap(), snap);
     generate::decode_tokens(&mut s6, &prompt, &mut || false).unwrap();
-    s.reset();
+    s.reset().unwrap();
     s.decode_tokens(&prompt).unwrap();
-    assert_eq!(s6.save(), s.save());
+    assert_eq!(s6.save().unwrap(), s.save().unwrap());
 }
 
 // ---------------------------------------------------------------------------

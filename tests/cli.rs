@@ -50,7 +50,7 @@ fn run_chat_answers_in_the_chat_format() {
     // The prompt decoded is the ChatML rendering of one user message.
     let model = flashnext::model::Model::load(Path::new(&m), &Default::default()).unwrap();
     let chatml = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n";
-    let n = model.tokenizer().unwrap().encode(chatml, false, true).unwrap().len();
+    let n = flashnext::tokenizer::Tokenizer::from_metadata(&model.metadata).unwrap().encode(chatml, false, true).unwrap().len();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains(&format!("prompt: {n} tokens,")), "{stderr}");
 }

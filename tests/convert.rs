@@ -569,7 +569,7 @@ fn storage_types_and_encodings() {
                                                               // Q8_0 bytes equal the reference quantizer on the source values.
     let src = ck.get("model.embed_tokens.weight");
     let mut want = vec![0u8; V * H / 32 * 34];
-    flashnext::convert::encode::quantize_q8_0(src, &mut want);
+    flashnext::quant::legacy::quantize_q8_0(src, &mut want);
     assert_eq!(tensor(&f, "token_embd.weight", GgmlType::Q8_0, &[H, V]), want);
 
     let (f, _) = run(&dir, OutType::BF16);

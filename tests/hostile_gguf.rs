@@ -16,7 +16,7 @@ mod common;
 use common::*;
 use flashnext::capi::*;
 use flashnext::gguf::{GgmlType, GgufFile, Value};
-use flashnext::model::{LoadOptions, Model, State};
+use flashnext::{LoadOptions, Model, State};
 use flashnext::Error;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;

@@ -30,7 +30,7 @@ mod golden;
 
 use flashnext::convert::{convert, ConvertOptions, OutType};
 use golden::Manifest;
-use flashnext::model::{LoadOptions, Model, State};
+use flashnext::{LoadOptions, Model, State};
 use flashnext::quant::kernels::Kernels;
 use flashnext::quant::policy::Preset;
 use flashnext::quant::requantize::{quantize_file, QuantizeOptions};
@@ -44,7 +44,7 @@ fn decode(gguf: &Path, m: &Manifest, kernels: Kernels) -> Vec<Vec<f32>> {
     let mut state = State::new(model).unwrap();
     let mut out = Vec::new();
     for seq in &m.sequences {
-        state.reset();
+        state.reset().unwrap();
         for &t in seq.tokens.iter().take(seq.first_tie()) {
             state.decode(t).unwrap();
             out.push(state.logits().unwrap().to_vec());

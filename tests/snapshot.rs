@@ -8,7 +8,8 @@ mod util;
 use flashnext::capi::*;
 use flashnext::convert::{convert, ConvertOptions, OutType};
 use flashnext::model::snapshot::{xxh64, FORMAT_VERSION, MAGIC};
-use flashnext::model::{LoadOptions, Model, SnapshotError, State};
+use flashnext::model::SnapshotError;
+use flashnext::{Error, LoadOptions, Model, State};
 use std::path::{Path, PathBuf};
 use std::ptr::{null, null_mut};
 use std::sync::{Arc, OnceLock};
@@ -64,7 +65,7 @@ fn run(s: &mut State, tokens: &[u32]) -> Vec<Vec<u32>> {
 
 /// Everything observable about a state: position, logits, and its snapshot bytes.
 fn fingerprint_of(s: &State) -> (usize, Option<Vec<u32>>, Vec<u8>) {
-    (s.position(), s.logits().map(bits), s.save())
+    (s.position(), s.logits().map(bits), s.save().unwrap())
 }
 
 #[test]
@@ -84,7 +85,7 @@ fn restored_states_continue_bit_identically() {
     for k in [0, 3, 9, 13] {
         let mut a = State::new(m.clone()).unwrap();
         run(&mut a, &SEQ[..k]);
-        let snap = a.save();
+        let snap = a.save().unwrap();
         assert_eq!(snap.len(), a.save_size());
         assert_eq!(&snap[..8], &MAGIC);
         let expected = run(&mut a, &SEQ[k..]);
@@ -93,7 +94,7 @@ fn restored_states_continue_bit_identically() {
         fresh.restore(&snap).unwrap();
         assert_eq!(fresh.position(), k);
         assert_eq!(
-            fresh.save(),
+            fresh.save().unwrap(),
             snap,
             "k = {k}: a restored state saves to the same bytes"
         );
@@ -120,7 +121,7 @@ fn a_snapshot_loads_into_another_load_of_the_same_file() {
     assert_eq!(m1.fingerprint(), m2.fingerprint());
     let mut a = State::new(m1).unwrap();
     run(&mut a, &SEQ[..6]);
-    let snap = a.save();
+    let snap = a.save().unwrap();
     let expected = run(&mut a, &SEQ[6..]);
     let mut b = State::new(m2).unwrap();
     b.restore(&snap).unwrap();
@@ -134,7 +135,8 @@ fn refused(m: &Arc<Model>, bytes: &[u8], check: impl Fn(&SnapshotError) -> bool)
     run(&mut s, &SEQ[..5]);
     let before = fingerprint_of(&s);
     let err = s.restore(bytes).expect_err("snapshot accepted");
-    assert!(check(&err), "unexpected error: {err:?}");
+    let Error::Snapshot(detail) = &err else { panic!("not a snapshot refusal: {err:?}") };
+    assert!(check(detail), "unexpected error: {err:?}");
     assert!(
         fingerprint_of(&s) == before,
         "a refused snapshot changed the state ({err})"
@@ -157,7 +159,7 @@ fn damaged_and_truncated_snapshots_are_refused() {
     let m = model(fixture_gguf());
     let mut s = State::new(m.clone()).unwrap();
     run(&mut s, &SEQ[..7]);
-    let snap = s.save();
+    let snap = s.save().unwrap();
     let n = snap.len();
     let corrupt = |e: &SnapshotError| matches!(e, SnapshotError::Corrupt(_)) && !e.is_mismatch();
     let truncated = |e: &SnapshotError| matches!(e, SnapshotError::Truncated { .. });
@@ -218,14 +220,14 @@ fn snapshots_of_other_models_versions_and_contexts_are_mismatches() {
     let m = model(fixture_gguf());
     let mut s = State::new(m.clone()).unwrap();
     run(&mut s, &SEQ[..7]);
-    let snap = s.save();
+    let snap = s.save().unwrap();
 
     // Another architecture-compatible fixture.
     let native = model(&converted("tiny_native", OutType::F32));
     assert_ne!(native.fingerprint(), m.fingerprint());
     let mut other = State::new(native.clone()).unwrap();
     run(&mut other, &SEQ[..7]);
-    let foreign = other.save();
+    let foreign = other.save().unwrap();
     let msg = refused(&m, &foreign, |e| {
         matches!(e, SnapshotError::WrongModel { .. }) && e.is_mismatch()
     });
@@ -233,7 +235,7 @@ fn snapshots_of_other_models_versions_and_contexts_are_mismatches() {
     let mut n2 = State::new(native).unwrap();
     assert!(matches!(
         n2.restore(&snap),
-        Err(SnapshotError::WrongModel { .. })
+        Err(Error::Snapshot(SnapshotError::WrongModel { .. }))
     ));
 
     // The same checkpoint stored as F16: same shapes, different tensors.
@@ -242,7 +244,7 @@ fn snapshots_of_other_models_versions_and_contexts_are_mismatches() {
     let mut h = State::new(f16).unwrap();
     assert!(matches!(
         h.restore(&snap),
-        Err(SnapshotError::WrongModel { .. })
+        Err(Error::Snapshot(SnapshotError::WrongModel { .. }))
     ));
 
     // Another format version (the version is checked before the checksum).
@@ -266,14 +268,14 @@ fn snapshots_of_other_models_versions_and_contexts_are_mismatches() {
     let mut t = State::new(short.clone()).unwrap();
     let err = t.restore(&snap).unwrap_err();
     assert!(
-        matches!(err, SnapshotError::ContextTooSmall { pos: 7, n_ctx: 5 }),
+        matches!(err, Error::Snapshot(SnapshotError::ContextTooSmall { pos: 7, n_ctx: 5 })),
         "{err:?}"
     );
     assert_eq!(t.position(), 0);
     // ... but a shorter snapshot fits.
     let mut a = State::new(m.clone()).unwrap();
     run(&mut a, &SEQ[..5]);
-    t.restore(&a.save()).unwrap();
+    t.restore(&a.save().unwrap()).unwrap();
     assert_eq!(t.position(), 5);
     assert!(
         t.decode(1).is_err(),
@@ -282,11 +284,10 @@ fn snapshots_of_other_models_versions_and_contexts_are_mismatches() {
 }
 
 #[test]
-fn snapshot_errors_convert_to_crate_errors() {
-    let e: flashnext::Error = SnapshotError::NotASnapshot.into();
-    assert!(matches!(e, flashnext::Error::InvalidArgument(_)));
-    let e: flashnext::Error = SnapshotError::OutOfMemory("x".into()).into();
-    assert!(matches!(e, flashnext::Error::OutOfMemory(_)));
+fn snapshot_errors_are_crate_errors() {
+    let e: Error = SnapshotError::NotASnapshot.into();
+    assert!(matches!(e, Error::Snapshot(SnapshotError::NotASnapshot)));
+    assert_eq!(e.to_string(), SnapshotError::NotASnapshot.to_string());
 }
 
 // ---------------------------------------------------------------------------

@@ -87,8 +87,8 @@ fn compare(fixture: &str, ty: OutType) -> Option<Errors> {
     let mut errors = Errors::default();
     for seq in &seqs {
         let (expected, first_tie) = (&seq.logits, seq.first_tie);
-        gpu.reset();
-        cpu.reset();
+        gpu.reset().unwrap();
+        cpu.reset().unwrap();
         for (pos, &tok) in seq.tokens.iter().enumerate().take_while(|(p, _)| *p < first_tie) {
             gpu.decode(tok).unwrap();
             cpu.decode(tok).unwrap();
@@ -98,7 +98,7 @@ fn compare(fixture: &str, ty: OutType) -> Option<Errors> {
             errors.vs_ref.push(rel_err(g, &expected[pos * v..(pos + 1) * v]));
         }
     }
-    let stats = gpu.gpu_stats().unwrap();
+    let stats = gpu.pass_stats().unwrap();
     assert_eq!(stats.submits, 1, "one submission per token");
     println!(
         "{fixture} {ty:?}: GPU vs CPU max {:.3e} median {:.3e}; GPU vs transformers max {:.3e} median {:.3e}; \

@@ -8,7 +8,8 @@ mod vulkan_util;
 
 use flashnext::capi::*;
 use flashnext::convert::OutType;
-use flashnext::model::{Backend, LoadOptions, Model, State};
+use flashnext::model::BackendKind;
+use flashnext::{Backend, LoadOptions, Model, State};
 use std::path::Path;
 use vulkan_util::{converted, cpu_twin, load_gpu, rel_err};
 
@@ -31,7 +32,7 @@ fn split_and_copies(path: &Path, gpu_model: std::sync::Arc<Model>) {
         cpu.decode(t).unwrap();
         assert!(rel_err(&logits(&gpu), &logits(&cpu)) <= 1e-4, "split model vs CPU");
     }
-    let snapshot = gpu.save();
+    let snapshot = gpu.save().unwrap();
     let mut copy = gpu.try_clone().unwrap();
     // An aborted multi-token decode rolls back (GPU buffers restored).
     let mut polls = 0;
@@ -45,7 +46,7 @@ fn split_and_copies(path: &Path, gpu_model: std::sync::Arc<Model>) {
     let mut from_gpu = State::new(cpu_model).unwrap();
     from_gpu.restore(&snapshot).unwrap();
     let mut from_cpu = State::new(gpu_model).unwrap();
-    from_cpu.restore(&cpu.save()).unwrap();
+    from_cpu.restore(&cpu.save().unwrap()).unwrap();
     gpu.decode_tokens(&seq[20..30]).unwrap();
     for &t in &seq[20..30] {
         cpu.decode(t).unwrap();
@@ -59,13 +60,13 @@ fn split_and_copies(path: &Path, gpu_model: std::sync::Arc<Model>) {
     }
     assert!(rel_err(&logits(&gpu), &logits(&cpu)) <= 1e-4, "decode_tokens after a rollback");
     if std::env::var("FNX_VULKAN_INITIAL_CAPACITY").is_ok() {
-        assert_eq!(gpu.gpu_capacity(), Some(32), "caches grew from 8 to hold 30 positions");
+        assert_eq!(gpu.capacity(), 32, "caches grew from 8 to hold 30 positions");
         for &t in &seq[30..] {
             gpu.decode(t).unwrap();
             cpu.decode(t).unwrap();
-            assert!(rel_err(&logits(&gpu), &logits(&cpu)) <= 1e-4, "after growing to {:?}", gpu.gpu_capacity());
+            assert!(rel_err(&logits(&gpu), &logits(&cpu)) <= 1e-4, "after growing to {:?}", gpu.capacity());
         }
-        assert_eq!(gpu.gpu_capacity(), Some(64));
+        assert_eq!(gpu.capacity(), 64);
     }
 }
 
@@ -106,7 +107,7 @@ fn split_copies_budget_and_overrides() {
     let dispatches = |m: &std::sync::Arc<Model>| {
         let mut s = State::new(m.clone()).unwrap();
         s.decode(1).unwrap();
-        s.gpu_stats().unwrap().dispatches
+        s.pass_stats().unwrap().dispatches
     };
     let split = dispatches(&gpu_model);
     // Caches that start at 8 positions grow (to 16, 32, 64) during the
@@ -126,10 +127,10 @@ fn split_copies_budget_and_overrides() {
         other => panic!("a 1 MiB budget must not fit: {:?}", other.map(|_| ())),
     }
     std::env::set_var("FNX_VRAM_BUDGET_MB", "0");
-    assert!(Model::load(&path, &budget).unwrap().gpu.is_some(), "FNX_VRAM_BUDGET_MB wins over the params");
+    assert!(Model::load(&path, &budget).unwrap().backend_kind() == BackendKind::Vulkan, "FNX_VRAM_BUDGET_MB wins over the params");
     std::env::set_var("FNX_BACKEND", "cpu");
     let vulkan = LoadOptions { backend: Backend::Vulkan, ..Default::default() };
-    assert!(Model::load(&path, &vulkan).unwrap().gpu.is_none(), "FNX_BACKEND wins over the params");
+    assert!(Model::load(&path, &vulkan).unwrap().backend_kind() == BackendKind::Cpu, "FNX_BACKEND wins over the params");
     std::env::set_var("FNX_BACKEND", "vulkan");
     std::env::set_var("FNX_DEVICE", "99");
     match Model::load(&path, &LoadOptions::default()) {
@@ -139,14 +140,14 @@ fn split_copies_budget_and_overrides() {
     // Auto never fails: device 99 does not exist, so the CPU, and the note says why.
     std::env::set_var("FNX_BACKEND", "auto");
     let m = Model::load(&path, &LoadOptions::default()).unwrap();
-    assert!(m.gpu.is_none() && m.backend_note().contains("device 99"), "{}", m.backend_note());
+    assert!(m.backend_kind() == BackendKind::Cpu && m.backend_note().contains("device 99"), "{}", m.backend_note());
     std::env::remove_var("FNX_DEVICE");
     // Auto takes a hardware GPU, never a software one such as lavapipe.
     let hardware = flashnext::vulkan::probe().unwrap().iter().any(|d| {
         matches!(d.kind, flashnext::vulkan::DeviceKind::Discrete | flashnext::vulkan::DeviceKind::Integrated)
     });
     let m = Model::load(&path, &LoadOptions::default()).unwrap();
-    assert_eq!(m.gpu.is_some(), hardware, "{}", m.backend_note());
+    assert_eq!(m.backend_kind() == BackendKind::Vulkan, hardware, "{}", m.backend_note());
     assert!(m.backend_note().starts_with(if hardware { "vulkan on" } else { "cpu (auto: no hardware GPU" }), "{}", m.backend_note());
     for v in ["FNX_VRAM_BUDGET_MB", "FNX_BACKEND", "FNX_DEVICE"] {
         std::env::remove_var(v);

@@ -8,7 +8,8 @@
 #![no_main]
 
 use flashnext::gguf::{parse, GgufFile};
-use flashnext::model::{Config, LoadOptions, Model, State};
+use flashnext::model::Config;
+use flashnext::{LoadOptions, Model, State};
 use libfuzzer_sys::fuzz_target;
 use std::sync::Arc;
 

@@ -14,14 +14,15 @@
 //! per token, VRAM, expert-cache hits) come through [`BackendStats`], a
 //! struct of options the backend fills; absent ones print as "n/a".
 
-mod machine;
 mod weights;
 
-pub use machine::{measure_read_bandwidth, peak_rss_bytes, Machine};
+pub use crate::cpu::host::{measure_read_bandwidth, peak_rss_bytes, Machine};
 pub use weights::{weight_bytes_per_token, WeightBytes};
 
 use crate::error::{Error, Result};
-use crate::model::{Backend, LoadOptions, Model, State};
+use crate::load::{Backend, LoadOptions};
+use crate::model::{Model, State};
+use crate::tokenizer::Tokenizer;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -168,18 +169,18 @@ pub struct BenchReport {
 /// timestamps cost a little, so the timed tokens run without them).
 const PROFILED_TOKENS: usize = 4;
 
-/// GPU milliseconds per pipeline, averaged over [`PROFILED_TOKENS`] more
+/// Device milliseconds per stage, averaged over [`PROFILED_TOKENS`] more
 /// tokens; `None` on the CPU.
 fn gpu_stage_times(state: &mut State) -> Result<Option<Vec<(String, f64)>>> {
-    if state.gpu_stats().is_none() {
+    if state.pass_stats().is_none() {
         return Ok(None);
     }
-    state.enable_gpu_timestamps()?;
+    state.enable_profiling()?;
     let mut sum: Vec<(String, f64)> = Vec::new();
     for _ in 0..PROFILED_TOKENS {
         let next = crate::sampling::argmax(state.logits().expect("the prompt was decoded")).unwrap_or(0);
         state.decode(next)?;
-        for &(name, ms) in state.gpu_stage_ms() {
+        for (name, ms) in state.stage_ms() {
             match sum.iter_mut().find(|(n, _)| n == name) {
                 Some((_, t)) => *t += ms,
                 None => sum.push((name.to_string(), ms)),
@@ -193,15 +194,15 @@ fn gpu_stage_times(state: &mut State) -> Result<Option<Vec<(String, f64)>>> {
 
 /// What the backend of `state` can tell (nothing, for the CPU).
 fn backend_stats(model: &Model, state: &State, opts: &BenchOptions) -> BackendStats {
-    let (Some(gpu), Some(token)) = (model.gpu.as_ref(), state.gpu_stats()) else {
+    let Some(token) = state.pass_stats() else {
         return BackendStats::default();
     };
     BackendStats {
-        device: Some(gpu.device_name().to_string()),
+        device: Some(model.device_name()),
         bandwidth_gbs: Some(opts.device_bandwidth_gbs.unwrap_or(H200_VULKAN_GBS)),
         submits_per_token: Some(token.submits as f64),
         dispatches_per_token: Some(token.dispatches as f64),
-        peak_vram_bytes: Some(gpu.vram_used()),
+        peak_vram_bytes: Some(model.device_bytes_used()),
         ..Default::default()
     }
 }
@@ -281,7 +282,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
             .iter()
             .map(|(t, n)| (t.name().to_string(), *n))
             .collect(),
-        backend: if model.gpu.is_some() { "vulkan" } else { "cpu" }.into(),
+        backend: model.backend_kind().name().into(),
         cpu_kernels: model.cpu_kernels.name().into(),
         threads,
         load_seconds,
@@ -301,7 +302,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
 /// The prompt as tokens: through the model's tokenizer, or, for a model
 /// without one, the UTF-8 bytes modulo the vocabulary.
 fn prompt_tokens(model: &Model, text: &str) -> Result<Vec<u32>> {
-    let tokens = match model.tokenizer() {
+    let tokens = match Tokenizer::from_metadata(&model.metadata) {
         Ok(t) => t.encode(text, false, false)?,
         Err(_) => text
             .bytes()

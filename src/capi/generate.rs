@@ -6,7 +6,8 @@ use super::{
     FNX_ERR_INVALID_ARGUMENT, FNX_ERR_NO_LOGITS, FNX_ERR_NULL_ARGUMENT, FNX_ERR_TOKEN_OUT_OF_RANGE,
     FNX_LOG_DEBUG,
 };
-use crate::generate::{self, GenerateError, GenerateOptions, StopReason};
+use crate::generate::{self, GenerateOptions, StopReason};
+use crate::error::Error;
 use std::ffi::{c_char, c_void, CStr};
 
 /// Receives each generated token and its text: `piece_len` bytes at `piece`
@@ -98,10 +99,10 @@ unsafe fn token_ids(
         .collect()
 }
 
-fn generate_failure(e: GenerateError, func: &str) -> Failure {
+fn generate_failure(e: Error, func: &str) -> Failure {
     match e {
-        GenerateError::Aborted => aborted(func),
-        GenerateError::Failed(e) => {
+        Error::Aborted => aborted(func),
+        e => {
             let Failure(status, msg) = Failure::from(e);
             Failure(status, format!("{func}: {msg}"))
         }
@@ -233,14 +234,15 @@ pub unsafe extern "C" fn fnx_generate(
             }
             let model = s.state.model().clone();
             if !p.ignore_eos {
-                stop_tokens.extend(model.end_of_generation_tokens());
+                stop_tokens.extend(crate::tokenizer::end_of_generation_tokens(&model, s.tokenizer.get(&model).ok()));
             }
             let opts = GenerateOptions {
                 max_tokens: p.max_tokens as usize,
                 stop_tokens,
                 stop_strings,
             };
-            let mut detok = generate::model_text(&model);
+            let tokenizer = s.tokenizer.clone();
+            let mut detok = generate::model_text(tokenizer.get(&model).ok());
             let mut abort = s.abort_fn();
             let mut piece_buf: Vec<u8> = Vec::new();
             let mut emit = |token: u32, piece: &[u8]| -> bool {

@@ -90,6 +90,10 @@ impl From<Error> for Failure {
             Error::Io { .. } => FNX_ERR_IO,
             Error::Backend(_) => FNX_ERR_BACKEND_UNAVAILABLE,
             Error::OutOfMemory(_) => FNX_ERR_OUT_OF_MEMORY,
+            Error::StateLost(_) => FNX_ERR_STATE_INVALID,
+            Error::Aborted => FNX_ERR_ABORTED,
+            Error::Snapshot(s) if s.is_mismatch() => FNX_ERR_SNAPSHOT_MISMATCH,
+            Error::Snapshot(_) => FNX_ERR_SNAPSHOT_CORRUPT,
         };
         Failure(status, e.to_string())
     }

@@ -4,7 +4,9 @@ use super::{
     fail, guard, non_null, fnx_status, Failure, FNX_ERR_CANCELLED, FNX_ERR_INVALID_ARGUMENT,
     FNX_ERR_INVALID_HANDLE,
 };
-use crate::model::{Backend, LayerKind, LoadOptions, Model};
+use crate::load::{Backend, LoadOptions};
+use crate::model::{BackendKind, LayerKind, Model};
+use crate::tokenizer::SharedTokenizer;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -54,6 +56,8 @@ const LOAD_PARAMS_V1_SIZE: usize = std::mem::offset_of!(fnx_load_params, progres
 pub struct fnx_model {
     tag: u64,
     pub(crate) model: Arc<Model>,
+    /// The model file's tokenizer, beside the model (built on first use).
+    pub(crate) tokenizer: SharedTokenizer,
     /// Cleared by `fnx_free_model`; states check it before every call.
     pub(crate) alive: Arc<AtomicBool>,
 }
@@ -206,7 +210,7 @@ pub unsafe extern "C" fn fnx_load(
                     }
                     go_on
                 };
-                Arc::new(wrapped) as crate::model::ProgressFn
+                Arc::new(wrapped) as crate::load::ProgressFn
             });
             let opts = LoadOptions {
                 n_ctx: p.n_ctx as usize,
@@ -215,7 +219,7 @@ pub unsafe extern "C" fn fnx_load(
                 backend,
                 device_index,
                 vram_budget_mb: p.vram_budget_mb,
-                cpu_kernels: None,
+                ..Default::default()
             };
             let start = std::time::Instant::now();
             let model = match Model::load(Path::new(path), &opts) {
@@ -238,7 +242,7 @@ pub unsafe extern "C" fn fnx_load(
                 });
             }
             log(super::FNX_LOG_INFO, || describe(path, &model, start.elapsed()));
-            let handle = Box::new(fnx_model { tag: MODEL_TAG, model, alive: Arc::new(AtomicBool::new(true)) });
+            let handle = Box::new(fnx_model { tag: MODEL_TAG, model, tokenizer: SharedTokenizer::default(), alive: Arc::new(AtomicBool::new(true)) });
             // SAFETY: checked non-NULL above; written only on success.
             unsafe { *out_model = Box::into_raw(handle) };
             Ok(())
@@ -344,7 +348,7 @@ pub unsafe extern "C" fn fnx_model_n_layers(model: *const fnx_model) -> usize {
 /// `model` must be NULL or a live handle from `fnx_load`.
 #[no_mangle]
 pub unsafe extern "C" fn fnx_model_backend(model: *const fnx_model) -> i32 {
-    fact(model, "fnx_model_backend", |m| if m.gpu.is_some() { FNX_BACKEND_VULKAN } else { FNX_BACKEND_CPU } as u64) as i32
+    fact(model, "fnx_model_backend", |m| if m.backend_kind() == BackendKind::Vulkan { FNX_BACKEND_VULKAN } else { FNX_BACKEND_CPU } as u64) as i32
 }
 
 /// Width of the hidden state.

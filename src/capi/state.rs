@@ -2,10 +2,11 @@
 
 use super::{
     fail, fnx_model, fnx_status, guard, log, non_null, Failure, FNX_ERR_ABORTED, FNX_ERR_BUFFER_TOO_SMALL,
-    FNX_ERR_INVALID_HANDLE, FNX_ERR_MODEL_FREED, FNX_ERR_NO_LOGITS, FNX_ERR_OUT_OF_MEMORY, FNX_ERR_SNAPSHOT_CORRUPT,
-    FNX_ERR_SNAPSHOT_MISMATCH, FNX_ERR_STATE_INVALID, FNX_LOG_DEBUG,
+    FNX_ERR_INVALID_HANDLE, FNX_ERR_MODEL_FREED, FNX_ERR_NO_LOGITS,
+    FNX_ERR_STATE_INVALID, FNX_LOG_DEBUG,
 };
-use crate::model::{SnapshotError, State};
+use crate::model::State;
+use crate::tokenizer::SharedTokenizer;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -18,6 +19,8 @@ pub type fnx_abort_callback = Option<unsafe extern "C" fn(user_data: *mut c_void
 pub struct fnx_state {
     tag: u64,
     pub(crate) state: State,
+    /// The model's tokenizer (shared with the model handle).
+    pub(crate) tokenizer: SharedTokenizer,
     model_alive: Arc<AtomicBool>,
     /// Set when an internal error interrupted a decode half way.
     pub(crate) poisoned: bool,
@@ -81,6 +84,7 @@ pub unsafe extern "C" fn fnx_new_state(model: *mut fnx_model, out_state: *mut *m
             let s = Box::new(fnx_state {
                 tag: STATE_TAG,
                 state: State::new(m.model.clone())?,
+                tokenizer: m.tokenizer.clone(),
                 model_alive: m.alive.clone(),
                 poisoned: false,
                 abort: None,
@@ -196,7 +200,7 @@ pub unsafe extern "C" fn fnx_state_reset(state: *mut fnx_state) -> fnx_status {
             if !s.model_alive.load(Ordering::Acquire) {
                 return Err(fail(FNX_ERR_MODEL_FREED, "fnx_state_reset: the state's model has been freed"));
             }
-            s.state.reset();
+            s.state.reset()?;
             s.poisoned = false;
             Ok(())
         },
@@ -273,6 +277,7 @@ pub unsafe extern "C" fn fnx_state_copy(state: *const fnx_state, out_state: *mut
             let copy = Box::new(fnx_state {
                 tag: STATE_TAG,
                 state: s.state.try_clone()?,
+                tokenizer: s.tokenizer.clone(),
                 model_alive: s.model_alive.clone(),
                 poisoned: false,
                 abort: None,
@@ -334,7 +339,10 @@ pub unsafe extern "C" fn fnx_state_save(
             }
             // SAFETY: `out` has `capacity >= size` writable bytes per the contract.
             let buf = unsafe { std::slice::from_raw_parts_mut(out, size) };
-            let n = s.state.save_into(buf).expect("buffer sized by save_size");
+            let n = s.state.save_into(buf).map_err(|e| {
+                let Failure(status, msg) = Failure::from(e);
+                fail(status, format!("fnx_state_save: {msg}"))
+            })?;
             if !out_written.is_null() {
                 // SAFETY: non-NULL and writable per the contract.
                 unsafe { *out_written = n };
@@ -367,12 +375,8 @@ pub unsafe extern "C" fn fnx_state_load(state: *mut fnx_state, data: *const u8, 
             let s = unsafe { &mut *state };
             let bytes = unsafe { std::slice::from_raw_parts(data, size) };
             s.state.restore(bytes).map_err(|e| {
-                let status = match &e {
-                    SnapshotError::OutOfMemory(_) => FNX_ERR_OUT_OF_MEMORY,
-                    e if e.is_mismatch() => FNX_ERR_SNAPSHOT_MISMATCH,
-                    _ => FNX_ERR_SNAPSHOT_CORRUPT,
-                };
-                fail(status, format!("fnx_state_load: {e}"))
+                let Failure(status, msg) = Failure::from(e);
+                fail(status, format!("fnx_state_load: {msg}"))
             })?;
             s.poisoned = false;
             log(FNX_LOG_DEBUG, || format!("loaded a state at position {} ({size} bytes)", s.state.position()));

@@ -22,14 +22,14 @@ use super::{
 };
 use crate::chat::{ChatMessage, ChatOptions, ChatTemplate};
 use crate::model::Model;
-use crate::tokenizer::{StreamDecoder, Tokenizer};
+use crate::tokenizer::{end_of_generation_tokens, SharedTokenizer, StreamDecoder, Tokenizer};
 use std::ffi::{c_char, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 fn tokenizer_of<'a>(model: *const fnx_model, func: &str) -> Result<&'a Tokenizer, Failure> {
     let m: &'a fnx_model = fnx_model::from_ptr(model, func)?;
-    m.model.tokenizer().map_err(|e| {
+    m.tokenizer.get(&m.model).map_err(|e| {
         let f = Failure::from(e);
         Failure(f.0, format!("{func}: {}", f.1))
     })
@@ -172,7 +172,7 @@ pub unsafe extern "C" fn fnx_model_end_of_generation_tokens(
             check_out(out_tokens, capacity, F, "out_tokens")?;
             let m = fnx_model::from_ptr(model, F)?;
             let ids: Vec<i32> =
-                m.model.end_of_generation_tokens().into_iter().filter_map(|t| i32::try_from(t).ok()).collect();
+                end_of_generation_tokens(&m.model, m.tokenizer.get(&m.model).ok()).into_iter().filter_map(|t| i32::try_from(t).ok()).collect();
             deliver(&ids, out_tokens, capacity, out_n_tokens, F)
         },
         || {},
@@ -259,6 +259,7 @@ pub unsafe extern "C" fn fnx_detokenize(
 pub struct fnx_detokenizer {
     tag: u64,
     model: Arc<Model>,
+    tokenizer: SharedTokenizer,
     model_alive: Arc<AtomicBool>,
     decoder: StreamDecoder,
 }
@@ -293,6 +294,7 @@ pub unsafe extern "C" fn fnx_detokenizer_new(model: *const fnx_model, out: *mut 
             let d = Box::new(fnx_detokenizer {
                 tag: DETOK_TAG,
                 model: m.model.clone(),
+                tokenizer: m.tokenizer.clone(),
                 model_alive: m.alive.clone(),
                 decoder: StreamDecoder::new(false),
             });
@@ -332,7 +334,7 @@ pub unsafe extern "C" fn fnx_detokenizer_push(
             if !d.model_alive.load(Ordering::Acquire) {
                 return Err(fail(FNX_ERR_MODEL_FREED, format!("{F}: the detokenizer's model has been freed")));
             }
-            let tok = d.model.tokenizer()?;
+            let tok = d.tokenizer.get(&d.model)?;
             let id = token_arg(tok, token, F)?;
             let mut next = d.decoder.clone();
             let text = next.push(tok, id)?;
@@ -481,7 +483,7 @@ pub unsafe extern "C" fn fnx_apply_chat_template(
                 let f = Failure::from(e);
                 Failure(f.0, format!("{F}: {}", f.1))
             };
-            let tok = m.model.tokenizer().ok();
+            let tok = m.tokenizer.get(&m.model).ok();
             let template = match cstr_arg(template_override, F, "template_override")? {
                 Some(src) => {
                     let t = ChatTemplate::new(src).map_err(prefix)?;

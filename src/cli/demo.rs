@@ -10,7 +10,7 @@
 //! forward pass, sampler and streaming detokenizer.
 
 use super::{session::Session, Printable};
-use flashnext::model::{LoadOptions, Model};
+use flashnext::{LoadOptions, Model};
 use flashnext::sampling::{Sampler, SamplerParams};
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -6,7 +6,7 @@ pub mod demo;
 mod session;
 
 use clap::Args;
-use flashnext::model::{LoadOptions, Model, ProgressFn};
+use flashnext::{LoadOptions, Model, ProgressFn};
 use flashnext::sampling::{Sampler, SamplerParams, PRESETS};
 use flashnext::{Error, Result};
 use session::Session;
@@ -133,7 +133,7 @@ pub fn chat(model: &ModelArgs, sampling: &SamplingArgs, system: Option<&str>, no
             "" => continue,
             "/quit" | "/exit" => break,
             "/reset" => {
-                session.reset();
+                session.reset()?;
                 eprintln!("(conversation forgotten)");
                 continue;
             }

@@ -14,8 +14,9 @@
 //! costs one more state's memory.
 
 use flashnext::chat::{ChatMessage, ChatOptions, ChatTemplate};
-use flashnext::generate::{decode_tokens, generate, GenerateError, GenerateOptions, Generation, StopReason, TokenText};
+use flashnext::generate::{decode_tokens, generate, GenerateOptions, Generation, StopReason, TokenText};
 use flashnext::model::{Model, State};
+use flashnext::tokenizer::{end_of_generation_tokens, Tokenizer};
 use flashnext::sampling::Sampler;
 use flashnext::{Error, Result};
 use std::io::Write;
@@ -47,6 +48,7 @@ impl TurnStats {
 
 pub struct Session {
     model: Arc<Model>,
+    tokenizer: Tokenizer,
     state: State,
     sampler: Sampler,
     max_tokens: usize,
@@ -61,8 +63,8 @@ pub struct Session {
 
 impl Session {
     pub fn new(model: Arc<Model>, sampler: Sampler, max_tokens: usize) -> Result<Session> {
-        model.tokenizer()?;
         Ok(Session {
+            tokenizer: Tokenizer::from_metadata(&model.metadata)?,
             state: State::new(model.clone())?,
             model,
             sampler,
@@ -78,8 +80,7 @@ impl Session {
     /// Prepares chat turns: the file's template (an error if it has none),
     /// thinking on or off, and an optional system message.
     pub fn with_chat(mut self, enable_thinking: bool, system: Option<&str>) -> Result<Session> {
-        let tok = self.model.tokenizer()?;
-        self.template = Some(ChatTemplate::from_metadata(&self.model.metadata, Some(tok))?);
+        self.template = Some(ChatTemplate::from_metadata(&self.model.metadata, Some(&self.tokenizer))?);
         self.chat_options = ChatOptions { add_generation_prompt: true, enable_thinking };
         self.messages.extend(system.map(|s| ChatMessage::new("system", s)));
         Ok(self)
@@ -90,22 +91,23 @@ impl Session {
     }
 
     /// Forgets the conversation (keeps the system message) and the state.
-    pub fn reset(&mut self) {
+    pub fn reset(&mut self) -> Result<()> {
         self.messages.retain(|m| m.role == "system");
-        self.state.reset();
+        self.state.reset()?;
         self.decoded.clear();
         self.after_prompt = None;
         self.sampler.reset();
+        Ok(())
     }
 
     /// Completes `text` as it is (special tokens such as `<|im_start|>` in it
     /// are parsed), streaming the continuation to `out`.
     pub fn complete(&mut self, text: &str, out: &mut dyn Write) -> Result<TurnStats> {
-        let tokens = self.model.tokenizer()?.encode(text, true, true)?;
+        let tokens = self.tokenizer.encode(text, true, true)?;
         if tokens.is_empty() {
             return Err(Error::arg("the prompt is empty"));
         }
-        self.state.reset();
+        self.state.reset()?;
         self.decoded.clear();
         Ok(self.generate_after(&tokens, out)?.1)
     }
@@ -116,7 +118,7 @@ impl Session {
         let template = self.template.as_ref().ok_or_else(|| Error::arg("this session is not a chat"))?;
         self.messages.push(ChatMessage::new("user", user));
         let rendered = template.apply(&self.messages, None, &self.chat_options);
-        let tokens = rendered.and_then(|text| self.model.tokenizer()?.encode(&text, false, true));
+        let tokens = rendered.and_then(|text| self.tokenizer.encode(&text, false, true));
         let tokens = match tokens {
             Ok(t) => t,
             Err(e) => {
@@ -133,7 +135,7 @@ impl Session {
         };
         match self.generate_after(&tokens[new..], out) {
             Ok((reply, stats)) => {
-                let text = self.model.tokenizer()?.decode(&reply, true)?;
+                let text = self.tokenizer.decode(&reply, true)?;
                 self.messages.push(ChatMessage::new("assistant", text));
                 Ok(stats)
             }
@@ -164,7 +166,7 @@ impl Session {
                 self.decoded = prompt.clone();
             }
             _ => {
-                self.state.reset();
+                self.state.reset()?;
                 self.decoded.clear();
             }
         }
@@ -188,7 +190,7 @@ impl Session {
     fn generate_after(&mut self, prompt: &[u32], out: &mut dyn Write) -> Result<(Vec<u32>, TurnStats)> {
         self.check_room(prompt.len(), self.state.position())?;
         let started = Instant::now();
-        decode_tokens(&mut self.state, prompt, &mut || false).map_err(unwrap_failure)?;
+        decode_tokens(&mut self.state, prompt, &mut || false)?;
         self.decoded.extend_from_slice(prompt);
         let prompt_time = started.elapsed();
         if self.template.is_some() {
@@ -196,10 +198,10 @@ impl Session {
         }
         let opts = GenerateOptions {
             max_tokens: self.max_tokens,
-            stop_tokens: self.model.end_of_generation_tokens(),
+            stop_tokens: end_of_generation_tokens(&self.model, Some(&self.tokenizer)),
             stop_strings: Vec::new(),
         };
-        let mut detok = TokenText::new(self.model.tokenizer()?);
+        let mut detok = TokenText::new(&self.tokenizer);
         let mut write_error = None;
         let started = Instant::now();
         let result = generate(
@@ -217,7 +219,7 @@ impl Session {
                 }
             },
         );
-        let Generation { mut tokens, stop } = result.map_err(unwrap_failure)?;
+        let Generation { mut tokens, stop } = result?;
         self.decoded.extend_from_slice(&tokens);
         if let Some(e) = write_error {
             return Err(Error::io("writing the generated text", e));
@@ -230,18 +232,10 @@ impl Session {
     }
 }
 
-/// Session never asks to abort, so every generation error is a failure.
-fn unwrap_failure(e: GenerateError) -> Error {
-    match e {
-        GenerateError::Failed(e) => e,
-        GenerateError::Aborted => Error::arg("generation aborted"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use flashnext::model::LoadOptions;
+    use flashnext::LoadOptions;
     use flashnext::sampling::SamplerParams;
 
     fn greedy_chat() -> Session {

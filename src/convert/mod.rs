@@ -21,7 +21,7 @@
 //!   expert by expert straight into the writer, fused `gate_up_proj` is split on
 //!   the fly, and the PLE table is streamed shard by shard.
 //! * **f32 in the middle.** Source F32/F16/BF16 values are widened to f32 before
-//!   any transform, then encoded with [`encode`] (bit-exact with ggml/gguf-py).
+//!   any transform, then encoded with `quant::float` / `quant` (bit-exact with ggml/gguf-py).
 //! * The output is first written to `<out>.partial` and renamed when complete.
 //!
 //! # Transforms (spec §3)
@@ -74,7 +74,6 @@
 //! bf16 and q8_0.
 
 mod config;
-pub mod encode;
 mod plan;
 mod source;
 mod tensors;

@@ -19,7 +19,6 @@
 //! GGUF writer. Nothing larger than one chunk is ever materialised, so a 512-expert
 //! stack or the 320M-row PLE table costs the same memory as a norm vector.
 
-use super::encode::encode_row;
 use super::source::{SourceSet, SrcId};
 use crate::error::{Error, Result};
 use crate::gguf::GgmlType;
@@ -168,6 +167,12 @@ pub(crate) fn v_head_perm(nk: usize, nv: usize, unit: usize) -> Vec<usize> {
         perm.extend((0..unit).map(|t| old_head * unit + t));
     }
     perm
+}
+
+/// Encodes one row of `src` as `ty` into `dst`, which must be exactly
+/// `ty.row_bytes(src.len())` long (see [`crate::quant::quantize_row`]).
+fn encode_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<()> {
+    crate::quant::quantize_row(ty, src, dst).map_err(|e| Error::convert(e.to_string()))
 }
 
 #[cfg(test)]

@@ -1,50 +1,46 @@
-//! One decode step through the whole network, top to bottom.
+//! The network, once, for every backend: transformers'
+//! `Qwen4ExpTextModel.forward` and `Qwen4ExpTextDecoderLayer.forward`
+//! (modular_qwen4_exp.py), top to bottom, over [`Blocks`].
 
-use super::ops::Rope;
-use super::state::{LayerState, State};
-use super::weights::Mixer;
-use super::{gdn, hyper, moe, ple, qsa, LayerKind, Model};
+use super::backend::{Batch, Blocks, Site};
+use super::{ple, LayerKind, Model};
+use crate::error::Result;
 
-/// Runs `token` at `state.pos` and returns its logits; updates every cache.
-pub(crate) fn token(model: &Model, state: &mut State, token: u32) -> Vec<f32> {
-    let cfg = &model.config;
-    let w = &model.weights;
-    let (h, c) = (cfg.hidden, cfg.hc);
-    let t = state.pos;
-    let rope = Rope::new(cfg.rope_dims, cfg.rope_theta);
-
-    let mut embedding = vec![0f32; h];
-    w.token_embd.dequantize_row(token as usize, &mut embedding);
-    let mut residual: Vec<f32> = embedding.repeat(c);
-
-    for (l, (layer, ls)) in w.layers.iter().zip(state.layers.iter_mut()).enumerate() {
-        if let (Some(pw), Some(ps), Some(pc), Some(table)) =
-            (&layer.ple, state.ple.as_mut(), cfg.ple.as_ref(), w.ple_table.as_ref())
-        {
-            ple::forward(pw, table, pc, cfg, ps, &mut residual, token);
+/// Runs `batch` through the network on `b`; the logits are `b`'s to read.
+pub fn forward<B: Blocks>(model: &Model, batch: &Batch, b: &mut B) -> Result<()> {
+    let (cfg, w) = (&model.config, &model.weights);
+    // inputs_embeds = embed_tokens(input_ids); hidden_states = inputs_embeds.repeat(1, 1, hc_count)
+    let mut x = b.embed(&embedding_rows(model, batch.tokens))?;
+    for (l, kind) in cfg.layers.iter().enumerate() {
+        // if self.ple is not None: hidden_states = hidden_states + self.ple(hidden_states, ple_input_ids)
+        if let (Some(p), Some(table)) = (cfg.ple.as_ref().filter(|p| p.layer == l), &w.ple_table) {
+            let rows = ple::gather_rows(table, p, cfg.hidden, batch.history, batch.tokens);
+            b.ple(l, &rows, &mut x)?;
         }
-
-        let pre = hyper::pre(&layer.attn_hc, &residual, c, cfg.eps);
-        let mixed = match (&layer.mixer, ls) {
-            (Mixer::Gdn(g), LayerState::Gdn(s)) => gdn::forward(g, cfg, s, &pre.input),
-            (Mixer::Attention(a), LayerState::Attention(s)) => {
-                let ratio = match cfg.layers[l] {
-                    LayerKind::Attention { compress_ratio } => compress_ratio,
-                    LayerKind::Linear => unreachable!("weights and config agree on layer kinds"),
-                };
-                qsa::forward(a, cfg, ratio, &rope, s, &pre.input, t)
-            }
-            _ => unreachable!("state layers are built from the same config"),
-        };
-        hyper::post(&mut residual, &mixed, &pre.inject);
-
-        let pre = hyper::pre(&layer.ffn_hc, &residual, c, cfg.eps);
-        let ffn = moe::forward(&layer.moe, cfg, &pre.input);
-        hyper::post(&mut residual, &ffn, &pre.inject);
+        // hidden_states, hyper_input, injection_weights = self.attn_hyper_connection(hidden_states)
+        let branch = b.hyper_pre(Site::Mixer(l), &x)?;
+        // linear_attn or self_attn; hidden_states = hyper_input + hidden_states * injection_weights
+        match kind {
+            LayerKind::Linear => b.gdn(l, &branch, &mut x)?,
+            LayerKind::Attention { .. } => b.attention(l, &branch, &mut x)?,
+        }
+        // hidden_states, hyper_input, injection_weights = self.mlp_hyper_connection(hidden_states)
+        let branch = b.hyper_pre(Site::Moe(l), &x)?;
+        // self.mlp(hidden_states): router, experts by id, shared expert; then the injection
+        let routes = b.moe_route(l, &branch)?;
+        let experts = b.moe_experts(l, &branch, &routes)?;
+        b.moe_combine(l, &branch, &routes, experts, &mut x)?;
     }
+    // hidden_states = self.hyper_connection_mixer(hidden_states); logits = lm_head(hidden_states)
+    b.head(&x)
+}
 
-    let out = hyper::pre(&w.output_hc, &residual, c, cfg.eps);
-    let mut logits = vec![0f32; cfg.vocab];
-    w.output.matvec(&out.input, &mut logits);
-    logits
+/// The token embedding rows of `tokens`: [T][H] (read from the mapped file).
+fn embedding_rows(model: &Model, tokens: &[u32]) -> Vec<f32> {
+    let h = model.config.hidden;
+    let mut rows = vec![0f32; tokens.len() * h];
+    for (&t, row) in tokens.iter().zip(rows.chunks_exact_mut(h)) {
+        model.weights.token_embd.dequantize_row(t as usize, row);
+    }
+    rows
 }

@@ -1,332 +1,59 @@
-//! The qwen4exp model: configuration, weights, per-sequence decode state and
-//! the exact CPU forward pass (transformers 5.23.0 `Qwen4ExpForCausalLM`).
+//! The qwen4exp model (transformers 5.23.0 `Qwen4ExpForCausalLM`):
+//! configuration, weights, the one layer walk, and the per-sequence state.
 //!
 //! One token flows through: embedding, repeated into `C` hyper-connection
 //! streams; per layer an optional PLE injection, then two gated residual
 //! blocks (token mixer: Gated DeltaNet or QSA attention; then the MoE), each
 //! reading a mix of the streams and writing back with per-stream weights;
-//! finally the output mixer and the LM head. See each submodule for its math.
+//! finally the output mixer and the LM head. [`forward`] is that walk, over
+//! the block interface of [`backend`]; the backends (`cpu`, `vulkan`)
+//! compute the blocks. Nothing here knows which backend runs.
 
+pub mod backend;
 pub mod config;
-mod forward;
-pub(crate) mod gdn;
-pub(crate) mod hyper;
-pub(crate) mod moe;
-pub mod ops;
-pub(crate) mod ple;
-pub(crate) mod qsa;
+pub mod forward;
+pub mod ple;
 pub mod snapshot;
 pub mod state;
 pub mod weights;
 
+pub use backend::{BackendKind, LogitsFor, PassStats};
 pub use config::{Config, GateActivation, LayerKind};
 pub use snapshot::SnapshotError;
 pub use state::State;
 pub use weights::Weights;
 
-use crate::error::{Error, Result};
-use crate::gguf::{GgmlType, GgufFile, Metadata};
+use crate::gguf::{GgmlType, Metadata};
 use crate::quant::kernels::{with_kernels, Kernels};
-use std::path::Path;
-use std::sync::Arc;
-
-/// Load progress callback: receives a fraction in [0, 1] (0 at the start,
-/// then after parsing, after each layer's tensors, and 1 at the end) and
-/// returns `false` to cancel the load.
-pub type ProgressFn = Arc<dyn Fn(f32) -> bool + Send + Sync>;
-
-/// Message of the error a cancelled load returns (an `Error::InvalidArgument`).
-pub const LOAD_CANCELLED: &str = "loading cancelled by the progress callback";
-
-/// Where a model computes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Backend {
-    /// A hardware GPU through Vulkan when one can hold the model, else the
-    /// CPU (see [`auto_device`]); [`Model::backend_note`] says which and why.
-    #[default]
-    Auto,
-    Cpu,
-    Vulkan,
-}
-
-/// Options for [`Model::load`].
-#[derive(Clone, Default)]
-pub struct LoadOptions {
-    /// Compute backend; the environment's `FNX_BACKEND=auto|cpu|vulkan` wins.
-    pub backend: Backend,
-    /// Vulkan device index; `FNX_DEVICE=N` wins.
-    pub device_index: usize,
-    /// Device memory the Vulkan backend may use, in MiB (0 = no limit); `FNX_VRAM_BUDGET_MB=N` wins.
-    pub vram_budget_mb: u64,
-    /// Largest number of positions a state may hold; 0 = the model's `context_length`.
-    pub n_ctx: usize,
-    /// Worker threads for this model's matrix products; 0 = rayon's global pool (all cores).
-    pub n_threads: usize,
-    /// Called as the load advances; returning `false` cancels it (see [`ProgressFn`]).
-    pub progress: Option<ProgressFn>,
-    /// CPU kernels for the quantized weights (see `quant::kernels`): `None`
-    /// takes the environment's `FNX_CPU_KERNELS=exact|fast`, else fast (8-bit
-    /// activations, integer dot products) where the CPU has AVX2; an
-    /// explicit choice wins.
-    pub cpu_kernels: Option<crate::quant::kernels::Kernels>,
-}
-
-impl std::fmt::Debug for LoadOptions {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LoadOptions")
-            .field("n_ctx", &self.n_ctx)
-            .field("n_threads", &self.n_threads)
-            .field("backend", &self.backend)
-            .field("device_index", &self.device_index)
-            .field("vram_budget_mb", &self.vram_budget_mb)
-            .field("cpu_kernels", &self.cpu_kernels)
-            .field("progress", &self.progress.as_ref().map(|_| "Fn(f32) -> bool"))
-            .finish()
-    }
-}
-
-impl LoadOptions {
-    /// These options with the environment's overrides applied (they win, so
-    /// any program can be switched without a rebuild).
-    pub fn with_env_overrides(&self) -> Result<LoadOptions> {
-        let mut o = self.clone();
-        if let Some(v) = env_value("FNX_BACKEND") {
-            o.backend = match v.as_str() {
-                "auto" => Backend::Auto,
-                "cpu" => Backend::Cpu,
-                "vulkan" => Backend::Vulkan,
-                other => return Err(Error::arg(format!("FNX_BACKEND={other:?}: expected auto, cpu or vulkan"))),
-            };
-        }
-        if let Some(v) = env_value("FNX_DEVICE") {
-            o.device_index = v.parse().map_err(|_| Error::arg(format!("FNX_DEVICE={v:?}: expected a device index")))?;
-        }
-        if let Some(v) = env_value("FNX_VRAM_BUDGET_MB") {
-            o.vram_budget_mb = v.parse().map_err(|_| Error::arg(format!("FNX_VRAM_BUDGET_MB={v:?}: expected MiB")))?;
-        }
-        if let Some(v) = env_value("FNX_CPU_KERNELS") {
-            let k = Kernels::parse(&v).ok_or_else(|| Error::arg(format!("FNX_CPU_KERNELS={v:?}: expected exact or fast")))?;
-            o.cpu_kernels = o.cpu_kernels.or(Some(k));
-        }
-        Ok(o)
-    }
-
-    /// Reports `fraction` to the progress callback; `Err` when it cancels.
-    fn report(&self, fraction: f32) -> Result<()> {
-        match &self.progress {
-            Some(f) if !f(fraction.clamp(0.0, 1.0)) => Err(Error::arg(LOAD_CANCELLED)),
-            _ => Ok(()),
-        }
-    }
-}
-
-fn env_value(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.is_empty())
-}
-
-/// Loads the weights onto a Vulkan device when `opts` asks for it, and says
-/// where the model computes. An error only when Vulkan was requested
-/// explicitly and cannot be used; `Auto` falls back to the CPU.
-fn load_gpu(
-    config: &Config,
-    weights: &Weights,
-    gpu_bytes: u64,
-    opts: &LoadOptions,
-) -> Result<(Option<crate::vulkan::GpuModel>, String)> {
-    let choice = |index| crate::vulkan::DeviceChoice { index, budget: opts.vram_budget_mb.saturating_mul(1 << 20) };
-    match opts.backend {
-        Backend::Cpu => Ok((None, "cpu (requested)".into())),
-        Backend::Vulkan => {
-            let gpu = crate::vulkan::GpuModel::load(config, weights, &choice(opts.device_index))?;
-            let note = format!("vulkan on {} (requested)", gpu.device_name());
-            Ok((Some(gpu), note))
-        }
-        Backend::Auto => {
-            let picked = crate::vulkan::probe().map_err(|e| e.to_string()).and_then(|devices| {
-                auto_device(&devices, opts.device_index, gpu_bytes, opts.vram_budget_mb.saturating_mul(1 << 20))
-            });
-            match picked.and_then(|i| crate::vulkan::GpuModel::load(config, weights, &choice(i)).map_err(|e| e.to_string())) {
-                Ok(gpu) => {
-                    let note = format!("vulkan on {} (auto)", gpu.device_name());
-                    Ok((Some(gpu), note))
-                }
-                Err(why) => Ok((None, format!("cpu (auto: {why})"))),
-            }
-        }
-    }
-}
-
-/// The Vulkan device `Backend::Auto` uses, or why none: a hardware GPU
-/// (discrete first, then integrated; software and virtual devices such as
-/// lavapipe are never chosen automatically, they are slower than our CPU
-/// path) whose largest device-local heap, capped by `budget` (0 = none),
-/// holds the `need` bytes of weights uploaded plus an eighth and 512 MiB for
-/// caches and scratch. `index` other than 0 restricts the choice to that
-/// device. Every routed expert must be resident today, so a model larger
-/// than the device stays on the CPU.
-pub fn auto_device(
-    devices: &[crate::vulkan::DeviceInfo],
-    index: usize,
-    need: u64,
-    budget: u64,
-) -> std::result::Result<usize, String> {
-    use crate::vulkan::DeviceKind;
-    let hardware = |d: &&crate::vulkan::DeviceInfo| matches!(d.kind, DeviceKind::Discrete | DeviceKind::Integrated);
-    let candidate = if index != 0 {
-        let d = devices.get(index).ok_or_else(|| format!("Vulkan device {index} requested, but only {} exist", devices.len()))?;
-        Some(d).filter(hardware).ok_or_else(|| format!("Vulkan device {index} ({}) is not a hardware GPU", d.name))?
-    } else {
-        let first = |k| devices.iter().find(|d| d.kind == k);
-        first(DeviceKind::Discrete).or_else(|| first(DeviceKind::Integrated)).ok_or_else(|| {
-            let names: Vec<String> = devices.iter().map(|d| format!("{} ({:?})", d.name, d.kind)).collect();
-            if names.is_empty() {
-                "no Vulkan device".to_string()
-            } else {
-                format!("no hardware GPU among {}", names.join(", "))
-            }
-        })?
-    };
-    let room = match budget {
-        0 => candidate.device_local_bytes,
-        b => b.min(candidate.device_local_bytes),
-    };
-    let want = need.saturating_add(need / 8).saturating_add(512 << 20);
-    if want > room {
-        const GIB: f64 = (1u64 << 30) as f64;
-        return Err(format!(
-            "{} has {:.1} GiB for the model, which needs {:.1} GiB on the device",
-            candidate.name,
-            room as f64 / GIB,
-            want as f64 / GIB
-        ));
-    }
-    Ok(candidate.index)
-}
-
-/// Bytes of the tensors the Vulkan backend uploads: all but the token
-/// embedding (rows are gathered on the host, unless it doubles as the LM
-/// head) and the PLE table (rows are gathered on the host).
-fn gpu_weight_bytes(file: &GgufFile) -> u64 {
-    let tied = !file.tensors.iter().any(|t| t.name == "output.weight");
-    file.tensors
-        .iter()
-        .filter(|t| match t.name.as_str() {
-            "per_layer_token_embd.weight" => false,
-            "token_embd.weight" => tied,
-            _ => true,
-        })
-        .map(|t| t.nbytes as u64)
-        .sum()
-}
-
-/// Layer index of a tensor named `blk.N.*`, if any.
-fn tensor_layer(name: &str) -> Option<usize> {
-    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
-}
+use backend::BackendModel;
 
 /// A loaded model: immutable, shareable across threads (`Arc<Model>`).
+/// Made by `crate::load` (`Model::load` and friends).
 pub struct Model {
     pub config: Config,
     pub weights: Weights,
     pub metadata: Metadata,
     /// Positions a state may hold (after `LoadOptions::n_ctx`).
     pub n_ctx: usize,
-    pool: Option<rayon::ThreadPool>,
-    /// The tokenizer, built on first use by [`Model::tokenizer`] (see `crate::tokenizer`).
-    pub tokenizer: std::sync::OnceLock<std::result::Result<crate::tokenizer::Tokenizer, String>>,
-    /// Identity of the model file, for state snapshots (see [`snapshot`]).
-    fingerprint: u64,
-    /// Bytes of the model image.
-    file_size: u64,
-    /// The weights on a Vulkan device, when the model was loaded for one.
-    pub gpu: Option<crate::vulkan::GpuModel>,
-    /// Where the model computes and why (see [`Model::backend_note`]).
-    backend_note: String,
-    /// Number of tensors of each type in the file, most common first.
-    tensor_types: Vec<(GgmlType, usize)>,
-    /// The CPU kernels of the quantized weights.
+    /// Positions a state can step back without a copy (see [`backend`]).
+    pub rewind_window: usize,
+    /// Host threads for this model's work; `None` = rayon's global pool.
+    pub(crate) pool: Option<rayon::ThreadPool>,
+    /// The kernels of the quantized weights' products on the host.
     pub cpu_kernels: Kernels,
+    /// Identity of the model file, for state snapshots (see [`snapshot`]).
+    pub(crate) fingerprint: u64,
+    /// Bytes of the model image.
+    pub(crate) file_size: u64,
+    /// Number of tensors of each type in the file, most common first.
+    pub(crate) tensor_types: Vec<(GgmlType, usize)>,
+    /// The weights where the backend reads them.
+    pub(crate) backend: Box<dyn BackendModel>,
+    /// Where the model computes and why (see [`Model::backend_note`]).
+    pub(crate) backend_note: String,
 }
 
 impl Model {
-    /// Maps and validates a GGUF file.
-    pub fn load(path: &Path, opts: &LoadOptions) -> Result<Arc<Model>> {
-        opts.report(0.0)?;
-        let file = GgufFile::open(path)?;
-        Self::build(file, opts)
-    }
-
-    /// Parses a model image held in memory (e.g. one embedded in the program).
-    pub fn from_bytes(bytes: crate::gguf::Storage, opts: &LoadOptions) -> Result<Arc<Model>> {
-        opts.report(0.0)?;
-        Self::build(GgufFile::from_storage(bytes)?, opts)
-    }
-
-    pub fn from_gguf(file: GgufFile, opts: &LoadOptions) -> Result<Arc<Model>> {
-        opts.report(0.0)?;
-        Self::build(file, opts)
-    }
-
-    fn build(file: GgufFile, opts: &LoadOptions) -> Result<Arc<Model>> {
-        let opts = &opts.with_env_overrides()?;
-        let mut config = Config::from_metadata(&file.metadata)?;
-        opts.report(0.05)?;
-        // One pass over the tensors, layer by layer: the fingerprint and the
-        // type census. Tensors outside `blk.N` go first.
-        let file_size = file.bytes().len() as u64;
-        let mut fp = snapshot::Fingerprinter::new(file_size, &file.metadata);
-        let mut groups: Vec<Vec<&crate::gguf::TensorInfo>> = vec![Vec::new(); config.n_layers + 1];
-        for t in &file.tensors {
-            let g = tensor_layer(&t.name).filter(|&l| l < config.n_layers).map_or(0, |l| l + 1);
-            groups[g].push(t);
-        }
-        let mut census: Vec<(GgmlType, usize)> = Vec::new();
-        for (g, tensors) in groups.iter().enumerate() {
-            for t in tensors {
-                let data = file.bytes().get(t.offset..t.offset.saturating_add(t.nbytes)).unwrap_or(&[]);
-                fp.tensor(t, data);
-                match census.iter_mut().find(|(ty, _)| *ty == t.ty) {
-                    Some((_, n)) => *n += 1,
-                    None => census.push((t.ty, 1)),
-                }
-            }
-            if g > 0 {
-                opts.report(0.05 + 0.85 * g as f32 / config.n_layers as f32)?;
-            }
-        }
-        census.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.id().cmp(&b.0.id())));
-        let fingerprint = fp.finish();
-        let weights = Weights::load(&file, &mut config)?;
-        opts.report(0.95)?;
-        let n_ctx = if opts.n_ctx == 0 { config.context_length } else { opts.n_ctx.min(config.context_length) };
-        let pool = if opts.n_threads > 0 {
-            Some(
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(opts.n_threads)
-                    .build()
-                    .map_err(|e| Error::arg(format!("cannot start {} threads: {e}", opts.n_threads)))?,
-            )
-        } else {
-            None
-        };
-        let (gpu, backend_note) = load_gpu(&config, &weights, gpu_weight_bytes(&file), opts)?;
-        opts.report(1.0)?;
-        Ok(Arc::new(Model {
-            gpu,
-            backend_note,
-            config,
-            weights,
-            metadata: file.metadata,
-            n_ctx,
-            pool,
-            tokenizer: std::sync::OnceLock::new(),
-            fingerprint,
-            file_size,
-            tensor_types: census,
-            cpu_kernels: opts.cpu_kernels.unwrap_or_else(Kernels::from_env),
-        }))
-    }
-
     pub fn vocab_size(&self) -> usize {
         self.config.vocab
     }
@@ -342,6 +69,21 @@ impl Model {
         self.file_size
     }
 
+    /// Which backend computes.
+    pub fn backend_kind(&self) -> BackendKind {
+        self.backend.kind()
+    }
+
+    /// The device the backend computes on, e.g. "NVIDIA H200".
+    pub fn device_name(&self) -> String {
+        self.backend.device_name()
+    }
+
+    /// Bytes of device memory in use (weights and every live state); 0 on the CPU.
+    pub fn device_bytes_used(&self) -> u64 {
+        self.backend.device_bytes_used()
+    }
+
     /// Where the model computes and why, e.g. `vulkan on NVIDIA H200 (auto)`
     /// or `cpu (auto: no hardware GPU among llvmpipe (Cpu))`.
     pub fn backend_note(&self) -> &str {
@@ -353,77 +95,29 @@ impl Model {
         &self.tensor_types
     }
 
-    /// The end-of-sequence token from the tokenizer metadata, if any.
-    pub fn eos_token(&self) -> Option<u32> {
-        self.metadata_token("tokenizer.ggml.eos_token_id")
-    }
-
-    /// Tokens that end a generated reply: the end-of-sequence and
-    /// end-of-turn tokens the tokenizer metadata names, then the control
-    /// tokens `<|im_end|>` and `<|endoftext|>` when the vocabulary has them
-    /// (deduplicated; ids outside the vocabulary, which can never be
-    /// generated, are left out). A GGUF file holds one EOS id, while
-    /// transformers stops on `generation_config.eos_token_id`, which for Qwen
-    /// lists both of those tokens; llama.cpp adds them by text the same way.
-    pub fn end_of_generation_tokens(&self) -> Vec<u32> {
-        let mut v: Vec<u32> = Vec::new();
-        let named = ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"].map(|k| self.metadata_token(k));
-        let by_text = self.tokenizer().ok().map(|tok| {
-            ["<|im_end|>", "<|endoftext|>"]
-                .map(|text| tok.token_id(text).filter(|&id| tok.kind(id) == Some(crate::tokenizer::TokenKind::Control)))
-        });
-        for t in named.into_iter().chain(by_text.into_iter().flatten()).flatten() {
-            if (t as usize) < self.config.vocab && !v.contains(&t) {
-                v.push(t);
-            }
-        }
-        v
-    }
-
-    fn metadata_token(&self, key: &str) -> Option<u32> {
+    /// A token id from the metadata (`tokenizer.ggml.*_token_id`), if present.
+    pub fn metadata_token(&self, key: &str) -> Option<u32> {
         self.metadata.get(key).and_then(|v| v.as_u64()).and_then(|v| u32::try_from(v).ok())
     }
 
-    /// Runs `f` on this model's thread pool (or the global one), its
-    /// matrix products on this model's CPU kernels.
-    pub(crate) fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+    /// Tokens of context the PLE hash reads before a token (`G - 1`; 0 without PLE).
+    pub(crate) fn history_context(&self) -> usize {
+        self.config.ple.as_ref().map_or(0, |p| p.ngram - 1)
+    }
+
+    /// The token history of an empty sequence: EOS for every context slot.
+    pub(crate) fn start_history(&self) -> Vec<u32> {
+        vec![self.config.ple.as_ref().map_or(0, |p| p.eos); self.history_context()]
+    }
+
+    /// Runs `f` on this model's host threads (its pool, or rayon's global
+    /// one), its matrix products on this model's CPU kernels.
+    pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         let kernels = self.cpu_kernels;
         let f = move || with_kernels(kernels, f);
         match &self.pool {
             Some(p) => p.install(f),
             None => f(),
         }
-    }
-}
-
-#[cfg(test)]
-mod auto_tests {
-    use super::auto_device;
-    use crate::vulkan::{DeviceInfo, DeviceKind};
-
-    const GIB: u64 = 1 << 30;
-
-    fn dev(index: usize, kind: DeviceKind, gib: u64) -> DeviceInfo {
-        DeviceInfo { index, name: format!("dev{index}"), kind, device_local_bytes: gib * GIB }
-    }
-
-    #[test]
-    fn auto_prefers_a_discrete_gpu_that_holds_the_model() {
-        let devices = [dev(0, DeviceKind::Cpu, 64), dev(1, DeviceKind::Integrated, 16), dev(2, DeviceKind::Discrete, 24)];
-        assert_eq!(auto_device(&devices, 0, 8 * GIB, 0), Ok(2));
-        assert_eq!(auto_device(&devices, 1, 8 * GIB, 0), Ok(1), "an explicit index is honoured");
-        // 21 GiB + 1/8 + 512 MiB does not fit 24 GiB; nor 8 GiB in a 4 GiB budget.
-        assert!(auto_device(&devices, 0, 21 * GIB, 0).unwrap_err().contains("dev2 has 24.0 GiB"));
-        assert!(auto_device(&devices, 0, 8 * GIB, 4 * GIB).unwrap_err().contains("4.0 GiB"));
-    }
-
-    #[test]
-    fn auto_never_picks_a_software_device() {
-        let lavapipe = [dev(0, DeviceKind::Cpu, 64)];
-        assert!(auto_device(&lavapipe, 0, GIB, 0).unwrap_err().starts_with("no hardware GPU among dev0 (Cpu)"));
-        assert!(auto_device(&lavapipe, 3, GIB, 0).unwrap_err().contains("only 1 exist"));
-        assert_eq!(auto_device(&[], 0, GIB, 0).unwrap_err(), "no Vulkan device");
-        let virt = [dev(0, DeviceKind::Virtual, 64), dev(1, DeviceKind::Other, 64)];
-        assert!(auto_device(&virt, 1, GIB, 0).unwrap_err().contains("not a hardware GPU"));
     }
 }

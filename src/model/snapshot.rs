@@ -10,13 +10,14 @@
 //!            GDN:       conv, recurrent
 //!            attention: keys, values, index_keys, block_keys
 //!          PLE (only when the model has one): tokens (u32 elements), conv
-//!          logits (empty before the first token)
+//!          logits (empty before the first token, or after rewinding to a
+//!          position whose logits were not computed)
 //!          -- each buffer is an element count u64 followed by the elements
 //! trailer  XXH64 (seed 0) of every byte before it, u64
 //! ```
 //!
-//! Every size is implied by the model and the position, so [`State::restore`]
-//! knows the exact length to expect. It checks, in order: magic, version,
+//! Every size is implied by the model, the position and whether logits are
+//! present, so [`State::restore`] knows the exact length to expect. It checks, in order: magic, version,
 //! length (truncated / trailing bytes), checksum, model fingerprint, context
 //! limit, then every buffer's element count; it builds the new buffers
 //! aside and swaps them in only when all of that passed, so a refused
@@ -28,11 +29,9 @@
 //! same architecture but different weights (e.g. a base and a tuned
 //! checkpoint) without reading the weights in full.
 
+use super::backend::{HostLayer, HostState};
 use super::config::LayerKind;
-use super::gdn::GdnState;
-use super::ple::PleState;
-use super::qsa::AttnState;
-use super::state::{LayerState, State};
+use super::state::State;
 use super::Model;
 use crate::error::Error;
 use crate::gguf::{Metadata, TensorInfo, Value};
@@ -61,8 +60,6 @@ pub enum SnapshotError {
     Truncated { have: usize, need: usize },
     #[error("snapshot is corrupt: {0}")]
     Corrupt(String),
-    #[error("out of memory: {0}")]
-    OutOfMemory(String),
 }
 
 impl SnapshotError {
@@ -73,15 +70,6 @@ impl SnapshotError {
             self,
             Self::Version { .. } | Self::WrongModel { .. } | Self::ContextTooSmall { .. }
         )
-    }
-}
-
-impl From<SnapshotError> for Error {
-    fn from(e: SnapshotError) -> Self {
-        match e {
-            SnapshotError::OutOfMemory(m) => Error::OutOfMemory(m),
-            other => Error::InvalidArgument(other.to_string()),
-        }
     }
 }
 
@@ -272,8 +260,9 @@ fn ple_counts(model: &Model) -> Option<Option<[usize; 2]>> {
     }
 }
 
-/// Payload bytes of a snapshot of `model` at `pos`, or `None` on overflow.
-fn expected_payload(model: &Model, pos: usize) -> Option<usize> {
+/// Payload bytes of a snapshot of `model` at `pos` (with `logits` or
+/// without), or `None` on overflow.
+fn expected_payload(model: &Model, pos: usize, logits: bool) -> Option<usize> {
     let buf = |n: usize| n.checked_mul(4)?.checked_add(8);
     let mut total = 0usize;
     for kind in &model.config.layers {
@@ -285,7 +274,7 @@ fn expected_payload(model: &Model, pos: usize) -> Option<usize> {
     if let Some([t, c]) = ple_counts(model)? {
         total = total.checked_add(buf(t)?)?.checked_add(buf(c)?)?;
     }
-    let logits = if pos == 0 { 0 } else { model.config.vocab };
+    let logits = if logits { model.config.vocab } else { 0 };
     total.checked_add(buf(logits)?)
 }
 
@@ -324,96 +313,81 @@ impl Writer<'_> {
     }
 }
 
-fn buf_len(n: usize) -> usize {
-    8 + 4 * n
-}
 
 impl State {
-    /// Exact length of [`State::save`]'s output.
+    /// Exact length of [`State::save`]'s output (implied by the model, the
+    /// position and whether the state has logits: nothing is read back).
     pub fn save_size(&self) -> usize {
-        if let Ok(Some(host)) = self.host_copy() {
-            return host.save_size();
-        }
-        let mut n = HEADER_LEN + TRAILER_LEN;
-        for l in &self.layers {
-            n += 4;
-            match l {
-                LayerState::Gdn(g) => n += buf_len(g.conv.len()) + buf_len(g.recurrent.len()),
-                LayerState::Attention(a) => {
-                    n += buf_len(a.keys.len())
-                        + buf_len(a.values.len())
-                        + buf_len(a.index_keys.len())
-                        + buf_len(a.block_keys.len())
-                }
-            }
-        }
-        if let Some(p) = &self.ple {
-            n += buf_len(p.tokens.len()) + buf_len(p.conv.len());
-        }
-        n + buf_len(self.logits.len())
+        let logits = !self.current_logits().is_empty();
+        HEADER_LEN + TRAILER_LEN + expected_payload(&self.model, self.pos, logits).expect("a live state's sizes fit")
     }
 
     /// The state as a snapshot (see the module documentation for the format).
-    pub fn save(&self) -> Vec<u8> {
-        let mut out = vec![0u8; self.save_size()];
-        let n = self.save_into(&mut out).expect("buffer sized by save_size");
+    pub fn save(&self) -> crate::Result<Vec<u8>> {
+        let mut out = Vec::new();
+        let size = self.save_size();
+        out.try_reserve_exact(size).map_err(|_| Error::OutOfMemory(format!("cannot allocate a {size}-byte snapshot")))?;
+        out.resize(size, 0);
+        let n = self.save_into(&mut out)?;
         debug_assert_eq!(n, out.len());
-        out
+        Ok(out)
     }
 
-    /// Writes the snapshot into the front of `out` and returns its length,
-    /// or `None` (nothing written) when `out` is shorter than [`State::save_size`].
-    pub fn save_into(&self, out: &mut [u8]) -> Option<usize> {
-        // A GPU state is read back into the CPU layout (None if that fails).
-        if self.gpu.is_some() {
-            return self.host_copy().ok().flatten()?.save_into(out);
-        }
+    /// Writes the snapshot into the front of `out` and returns its length.
+    /// Errors: `out` shorter than [`State::save_size`] (`InvalidArgument`,
+    /// nothing written), no memory for the host copy of a device state, a
+    /// failed read-back, a lost state.
+    pub fn save_into(&self, out: &mut [u8]) -> crate::Result<usize> {
+        self.check_usable()?;
         let size = self.save_size();
         if out.len() < size {
-            return None;
+            return Err(Error::arg(format!("a snapshot needs {size} bytes, the buffer holds {}", out.len())));
         }
-        let mut w = Writer {
-            out: &mut out[..size],
-            at: 0,
-        };
+        let host = self.backend.export(&self.model, self.pos)?;
+        let mut w = Writer { out: &mut out[..size], at: 0 };
         w.bytes(&MAGIC);
         w.u32(FORMAT_VERSION);
-        w.u32(self.layers.len() as u32);
+        w.u32(host.layers.len() as u32);
         w.u64(self.model.fingerprint());
         w.u64(self.pos as u64);
         w.u64((size - HEADER_LEN - TRAILER_LEN) as u64);
-        for l in &self.layers {
+        for l in &host.layers {
             match l {
-                LayerState::Gdn(g) => {
+                HostLayer::Gdn { conv, recurrent } => {
                     w.u32(KIND_GDN);
-                    w.f32s(&g.conv);
-                    w.f32s(&g.recurrent);
+                    w.f32s(conv);
+                    w.f32s(recurrent);
                 }
-                LayerState::Attention(a) => {
+                HostLayer::Attention { keys, values, index_keys, block_keys } => {
                     w.u32(KIND_ATTENTION);
-                    w.f32s(&a.keys);
-                    w.f32s(&a.values);
-                    w.f32s(&a.index_keys);
-                    w.f32s(&a.block_keys);
+                    w.f32s(keys);
+                    w.f32s(values);
+                    w.f32s(index_keys);
+                    w.f32s(block_keys);
                 }
             }
         }
-        if let Some(p) = &self.ple {
-            w.u32s(&p.tokens);
-            w.f32s(&p.conv);
+        if let Some(conv) = &host.ple_conv {
+            w.u32s(&self.ple_tokens());
+            w.f32s(conv);
         }
-        w.f32s(&self.logits);
+        w.f32s(self.current_logits());
+        if w.at + TRAILER_LEN != size {
+            return Err(Error::StateLost(format!("the backend's state does not have the snapshot's sizes ({} of {size} bytes)", w.at)));
+        }
         let body = w.at;
         let sum = xxh64(&w.out[..body], 0);
         w.u64(sum);
-        Some(w.at)
+        Ok(w.at)
     }
 
     /// Replaces this state's contents with a snapshot made by [`State::save`]
-    /// from a state of the same model. On any error the state is unchanged.
-    pub fn restore(&mut self, bytes: &[u8]) -> std::result::Result<(), SnapshotError> {
+    /// from a state of the same model. On any error the state is unchanged
+    /// (a device failure while loading leaves it lost). A successful load
+    /// also makes a lost state usable again.
+    pub fn restore(&mut self, bytes: &[u8]) -> crate::Result<()> {
         let parsed = parse(&self.model, bytes)?;
-        self.take_contents(parsed.pos, parsed.layers, parsed.ple, parsed.logits).map_err(|e| SnapshotError::OutOfMemory(format!("loading the snapshot onto the GPU: {e}")))
+        self.take_contents(parsed.pos, parsed.ple_tokens, parsed.logits, parsed.host)
     }
 }
 
@@ -422,9 +396,9 @@ impl State {
 
 struct Parsed {
     pos: usize,
-    layers: Vec<LayerState>,
-    ple: Option<PleState>,
+    ple_tokens: Vec<u32>,
     logits: Vec<f32>,
+    host: HostState,
 }
 
 struct Reader<'a> {
@@ -460,30 +434,30 @@ impl Reader<'_> {
         expect: usize,
         what: &str,
         f: impl Fn([u8; 4]) -> T,
-    ) -> Result<Vec<T>, SnapshotError> {
+    ) -> Result<Vec<T>, Error> {
         let n = self.u64(what)?;
         if n != expect as u64 {
             return Err(corrupt(format!(
                 "{what} holds {n} elements, {expect} expected"
-            )));
+            ))
+            .into());
         }
         let raw = self.take(expect * 4, what)?;
         let mut v = Vec::new();
-        v.try_reserve_exact(expect).map_err(|_| {
-            SnapshotError::OutOfMemory(format!("{what}: cannot allocate {expect} elements"))
-        })?;
+        v.try_reserve_exact(expect)
+            .map_err(|_| Error::OutOfMemory(format!("{what}: cannot allocate {expect} elements")))?;
         v.extend(
             raw.chunks_exact(4)
                 .map(|c| f(c.try_into().expect("4 bytes"))),
         );
         Ok(v)
     }
-    fn f32s(&mut self, expect: usize, what: &str) -> Result<Vec<f32>, SnapshotError> {
+    fn f32s(&mut self, expect: usize, what: &str) -> Result<Vec<f32>, Error> {
         self.elems(expect, what, |b| f32::from_bits(u32::from_le_bytes(b)))
     }
 }
 
-fn parse(model: &Model, bytes: &[u8]) -> Result<Parsed, SnapshotError> {
+fn parse(model: &Model, bytes: &[u8]) -> Result<Parsed, Error> {
     if bytes.len() < MAGIC.len() {
         return Err(if MAGIC.starts_with(bytes) {
             SnapshotError::Truncated {
@@ -492,16 +466,16 @@ fn parse(model: &Model, bytes: &[u8]) -> Result<Parsed, SnapshotError> {
             }
         } else {
             SnapshotError::NotASnapshot
-        });
+        }.into());
     }
     if bytes[..8] != MAGIC {
-        return Err(SnapshotError::NotASnapshot);
+        return Err(SnapshotError::NotASnapshot.into());
     }
     if bytes.len() < HEADER_LEN + TRAILER_LEN {
         return Err(SnapshotError::Truncated {
             have: bytes.len(),
             need: HEADER_LEN + TRAILER_LEN,
-        });
+        }.into());
     }
     let mut h = Reader {
         b: &bytes[..HEADER_LEN],
@@ -509,7 +483,7 @@ fn parse(model: &Model, bytes: &[u8]) -> Result<Parsed, SnapshotError> {
     };
     let version = h.u32("version")?;
     if version != FORMAT_VERSION {
-        return Err(SnapshotError::Version { found: version });
+        return Err(SnapshotError::Version { found: version }.into());
     }
     let n_layers = h.u32("layer count")?;
     let fingerprint = h.u64("fingerprint")?;
@@ -523,45 +497,46 @@ fn parse(model: &Model, bytes: &[u8]) -> Result<Parsed, SnapshotError> {
         return Err(SnapshotError::Truncated {
             have: bytes.len(),
             need,
-        });
+        }.into());
     }
     if bytes.len() > need {
         return Err(corrupt(format!(
             "{} bytes follow the end of the snapshot",
             bytes.len() - need
-        )));
+        )).into());
     }
     let body = need - TRAILER_LEN;
     let stored = read_u64(&bytes[body..]);
     if xxh64(&bytes[..body], 0) != stored {
         return Err(corrupt(
             "checksum mismatch (the bytes were changed or damaged)",
-        ));
+        ).into());
     }
     if fingerprint != model.fingerprint() {
         return Err(SnapshotError::WrongModel {
             found: fingerprint,
             expected: model.fingerprint(),
-        });
+        }.into());
     }
     let cfg = &model.config;
     if n_layers as usize != cfg.n_layers {
         return Err(corrupt(format!(
             "{n_layers} layers, the model has {}",
             cfg.n_layers
-        )));
+        )).into());
     }
     let pos = usize::try_from(pos).map_err(|_| corrupt(format!("position {pos} is impossible")))?;
     if pos > model.n_ctx {
         return Err(SnapshotError::ContextTooSmall {
             pos,
             n_ctx: model.n_ctx,
-        });
+        }.into());
     }
-    if expected_payload(model, pos) != Some(payload as usize) {
+    let with_logits = pos > 0 && expected_payload(model, pos, true) == Some(payload as usize);
+    if !with_logits && expected_payload(model, pos, false) != Some(payload as usize) {
         return Err(corrupt(format!(
             "payload of {payload} bytes does not fit position {pos}"
-        )));
+        )).into());
     }
 
     let mut r = Reader {
@@ -574,41 +549,42 @@ fn parse(model: &Model, bytes: &[u8]) -> Result<Parsed, SnapshotError> {
             layer_counts(model, kind, pos).ok_or_else(|| corrupt("buffer sizes overflow"))?;
         let tag = r.u32("layer kind")?;
         layers.push(match (kind, tag) {
-            (LayerKind::Linear, KIND_GDN) => LayerState::Gdn(GdnState {
+            (LayerKind::Linear, KIND_GDN) => HostLayer::Gdn {
                 conv: r.f32s(counts[0], &format!("layer {i} conv state"))?,
                 recurrent: r.f32s(counts[1], &format!("layer {i} recurrent state"))?,
-            }),
-            (LayerKind::Attention { .. }, KIND_ATTENTION) => LayerState::Attention(AttnState {
+            },
+            (LayerKind::Attention { .. }, KIND_ATTENTION) => HostLayer::Attention {
                 keys: r.f32s(counts[0], &format!("layer {i} keys"))?,
                 values: r.f32s(counts[1], &format!("layer {i} values"))?,
                 index_keys: r.f32s(counts[2], &format!("layer {i} indexer keys"))?,
                 block_keys: r.f32s(counts[3], &format!("layer {i} block keys"))?,
-            }),
+            },
             (_, t) => {
                 return Err(corrupt(format!(
                     "layer {i} has kind {t}, which does not match the model"
-                )))
+                ))
+                .into())
             }
         });
     }
-    let ple = match ple_counts(model).ok_or_else(|| corrupt("buffer sizes overflow"))? {
-        None => None,
-        Some([t, c]) => Some(PleState {
-            tokens: r.elems(t, "PLE tokens", u32::from_le_bytes)?,
-            conv: r.f32s(c, "PLE conv history")?,
-        }),
+    let (ple_tokens, ple_conv) = match ple_counts(model).ok_or_else(|| corrupt("buffer sizes overflow"))? {
+        None => (Vec::new(), None),
+        Some([t, c]) => {
+            (r.elems(t, "PLE tokens", u32::from_le_bytes)?, Some(r.f32s(c, "PLE conv history")?))
+        }
     };
-    let logits = r.f32s(if pos == 0 { 0 } else { cfg.vocab }, "logits")?;
+    let logits = r.f32s(if with_logits { cfg.vocab } else { 0 }, "logits")?;
     if r.at != r.b.len() {
         return Err(corrupt(format!(
             "{} unread bytes in the payload",
             r.b.len() - r.at
-        )));
+        ))
+        .into());
     }
     Ok(Parsed {
         pos,
-        layers,
-        ple,
+        ple_tokens,
         logits,
+        host: HostState { layers, ple_conv },
     })
 }

@@ -1,70 +1,50 @@
-//! Decode state of one sequence: recurrent GDN states, attention and indexer
-//! caches, PLE history, the position and the last logits.
+//! Decode state of one sequence: the position, the token history PLE hashes
+//! and rewinding needs, the last logits, and one backend state (recurrent
+//! states and caches, on the CPU or a device).
 //!
 //! A state belongs to one model and is used by one thread at a time; any
 //! number of states may decode in parallel against the same shared model.
 //!
-//! When the model was loaded for Vulkan the recurrent states and caches live
-//! on the GPU ([`crate::vulkan::GpuState`]) and `layers` stays empty; the
-//! host keeps the position, the PLE token history and the logits.
-//! Checkpoints, rollback and copies read and write the GPU buffers.
+//! Every method that fails leaves the state as it was, with one exception:
+//! a device that fails part way through work on the state (a lost device,
+//! a failed transfer) leaves it *lost*; every later call then reports
+//! [`Error::StateLost`] until [`State::reset`] or a snapshot restore
+//! succeeds.
+//!
+//! Rewinding: the state can return to any position from
+//! [`State::rewind_floor`] to its current one without copying anything
+//! (`model::backend` describes the rings that keep the recurrent states of
+//! the last [`Model::rewind_window`] positions). A checkpoint
+//! ([`State::checkpoint`]) returns further back, at the price of a copy of
+//! the fixed-size recurrent state.
 
-use super::config::LayerKind;
-use super::gdn::GdnState;
-use super::ple::PleState;
-use super::qsa::AttnState;
+use super::backend::{Batch, BackendState, Checkpoint, LogitsFor, PassStats};
 use super::Model;
-use crate::error::{Error, Result};
+use crate::error::{copy_of, Error, Result};
 use std::sync::Arc;
-
-#[derive(Clone)]
-pub(crate) enum LayerState {
-    Gdn(GdnState),
-    Attention(AttnState),
-}
 
 pub struct State {
     pub(crate) model: Arc<Model>,
     pub(crate) pos: usize,
-    pub(crate) layers: Vec<LayerState>,
-    pub(crate) ple: Option<PleState>,
-    /// Logits of the last decoded token: [V]; empty before the first token.
-    pub(crate) logits: Vec<f32>,
-    /// The GPU buffers, for models loaded for Vulkan.
-    pub(crate) gpu: Option<Box<crate::vulkan::GpuState>>,
-}
-
-/// A zeroed buffer of `n` floats, or an error instead of an allocation abort
-/// (sizes come from the model file, which may be hostile).
-pub(crate) fn zeros(n: Option<usize>, what: &str) -> Result<Vec<f32>> {
-    let n = n.ok_or_else(|| Error::OutOfMemory(format!("{what}: size overflows")))?;
-    let mut v = Vec::new();
-    v.try_reserve_exact(n)
-        .map_err(|_| Error::OutOfMemory(format!("{what}: cannot allocate {n} floats")))?;
-    v.resize(n, 0.0);
-    Ok(v)
+    /// The earliest position [`State::rewind`] can return to.
+    floor: usize,
+    /// Tokens of positions `pos - history.len() .. pos`, oldest first; EOS
+    /// stands in for positions before the start (the PLE n-gram context).
+    history: Vec<u32>,
+    /// Logits of recent positions: (tokens decoded, logits [V]), oldest first;
+    /// the last is the current position's when it was computed.
+    logits: Vec<(usize, Vec<f32>)>,
+    pub(crate) backend: Box<dyn BackendState>,
+    /// Why the state is unusable, after a device failed part way.
+    lost: Option<String>,
 }
 
 impl State {
-    /// An empty state; fails only when its recurrent buffers cannot be allocated.
+    /// An empty state; fails only when its buffers cannot be allocated.
     pub fn new(model: Arc<Model>) -> Result<Self> {
-        let cfg = &model.config;
-        let gpu = match &model.gpu {
-            Some(_) => Some(Box::new(crate::vulkan::GpuState::new(&model)?)),
-            None => None,
-        };
-        let host_layers = if gpu.is_some() { &[][..] } else { &cfg.layers[..] };
-        let layers = host_layers
-            .iter()
-            .map(|k| {
-                Ok(match k {
-                    LayerKind::Linear => LayerState::Gdn(GdnState::new(cfg)?),
-                    LayerKind::Attention { .. } => LayerState::Attention(AttnState::default()),
-                })
-            })
-            .collect::<Result<_>>()?;
-        let ple = cfg.ple.as_ref().map(|p| PleState::new(cfg, p)).transpose()?;
-        Ok(State { model, pos: 0, layers, ple, logits: Vec::new(), gpu })
+        let backend = model.backend.new_state(&model)?;
+        let history = model.start_history();
+        Ok(State { model, pos: 0, floor: 0, history, logits: Vec::new(), backend, lost: None })
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -76,105 +56,84 @@ impl State {
         self.pos
     }
 
-    /// Logits of the last decoded token, or `None` before the first.
+    /// Logits of the last decoded token, or `None` before the first (or
+    /// after rewinding to a position whose logits were not computed).
     pub fn logits(&self) -> Option<&[f32]> {
-        (!self.logits.is_empty()).then_some(&self.logits[..])
+        self.logits.last().filter(|(p, _)| *p == self.pos).map(|(_, l)| &l[..])
     }
 
-    /// GPU work of the last decoded token, for states of a Vulkan model.
-    pub fn gpu_stats(&self) -> Option<crate::vulkan::TokenStats> {
-        self.gpu.as_ref().map(|g| g.stats())
+    /// The earliest position [`State::rewind`] can return to.
+    pub fn rewind_floor(&self) -> usize {
+        self.floor
     }
 
-    /// Times every GPU dispatch of the following tokens (opt-in: the
-    /// timestamps cost a little); an error on a CPU state or a device that
-    /// cannot time compute work.
-    /// Positions the GPU attention caches hold now (they grow with the
-    /// context); `None` on the CPU.
-    pub fn gpu_capacity(&self) -> Option<usize> {
-        self.gpu.as_ref().map(|g| g.capacity())
+    /// Device work of the last forward pass (`None` on the CPU).
+    pub fn pass_stats(&self) -> Option<PassStats> {
+        self.backend.pass_stats()
     }
 
-    pub fn enable_gpu_timestamps(&mut self) -> Result<()> {
-        match self.gpu.as_mut() {
-            Some(g) => g.enable_timestamps(),
-            None => Err(Error::arg("GPU timestamps: this state decodes on the CPU")),
+    /// Times every device stage of the following passes (opt-in: the
+    /// timestamps cost a little); an error where the backend cannot.
+    pub fn enable_profiling(&mut self) -> Result<()> {
+        self.backend.enable_profiling()
+    }
+
+    /// Milliseconds per device stage of the last pass, once profiling is enabled.
+    pub fn stage_ms(&self) -> Vec<(&'static str, f64)> {
+        self.backend.stage_ms()
+    }
+
+    /// Positions the backend's caches hold now (they grow with the context).
+    pub fn capacity(&self) -> usize {
+        self.backend.capacity()
+    }
+
+    /// `Err` when an earlier device failure left the state unusable.
+    pub fn check_usable(&self) -> Result<()> {
+        match &self.lost {
+            Some(why) => Err(Error::StateLost(format!("{why}; reset the state or load a snapshot into it"))),
+            None => Ok(()),
         }
     }
 
-    /// GPU milliseconds per pipeline of the last token, once timestamps are enabled.
-    pub fn gpu_stage_ms(&self) -> &[(&'static str, f64)] {
-        self.gpu.as_ref().map_or(&[], |g| g.stage_ms())
+    /// Records why the state is lost when `e` says so; passes `e` on.
+    fn note(&mut self, e: Error) -> Error {
+        if let Error::StateLost(why) = &e {
+            self.lost = Some(why.clone());
+        }
+        e
     }
 
     /// Forgets the sequence: zeroes the recurrent states, empties the caches.
-    pub fn reset(&mut self) {
-        if let Some(g) = self.gpu.as_mut() {
-            // A failed fill leaves stale state that the next decode's error reports.
-            let _ = g.reset();
-        }
-        for l in &mut self.layers {
-            match l {
-                LayerState::Gdn(g) => {
-                    g.conv.fill(0.0);
-                    g.recurrent.fill(0.0);
-                }
-                LayerState::Attention(a) => a.clear(),
+    /// A device failure leaves the state lost (reported here and by every later call).
+    pub fn reset(&mut self) -> Result<()> {
+        match self.backend.reset() {
+            Ok(()) => {
+                self.lost = None;
+                self.pos = 0;
+                self.floor = 0;
+                self.history = self.model.start_history();
+                self.logits.clear();
+                Ok(())
+            }
+            Err(e) => {
+                self.lost = Some(format!("resetting the state failed: {e}"));
+                Err(Error::StateLost(format!("resetting the state failed: {e}")))
             }
         }
-        if let (Some(p), Some(cfg)) = (self.ple.as_mut(), self.model.config.ple.as_ref()) {
-            p.tokens.fill(cfg.eos);
-            p.conv.fill(0.0);
-        }
-        self.logits.clear();
-        self.pos = 0;
     }
 
     /// Appends `token` at the next position and computes its logits. On error
-    /// nothing has changed.
+    /// nothing has changed (or the state is lost, see the module docs).
     pub fn decode(&mut self, token: u32) -> Result<()> {
-        if token as usize >= self.model.config.vocab {
-            let vocab = self.model.config.vocab;
-            return Err(Error::TokenOutOfRange(format!("token {token} is out of range: the vocabulary has {vocab} tokens")));
-        }
-        if self.pos >= self.model.n_ctx {
-            return Err(Error::ContextFull(format!(
-                "the state is full: {} positions decoded, context limit {}",
-                self.pos, self.model.n_ctx
-            )));
-        }
-        let vocab = self.model.config.vocab;
-        if self.logits.capacity() < vocab {
-            self.logits
-                .try_reserve_exact(vocab)
-                .map_err(|_| Error::OutOfMemory(format!("cannot allocate {vocab} logits")))?;
-        }
-        for l in &mut self.layers {
-            if let LayerState::Attention(a) = l {
-                a.reserve_one(&self.model.config)?;
-            }
-        }
-        let model = self.model.clone();
-        let logits = match self.gpu.as_mut() {
-            Some(g) => {
-                let rows = match (&self.ple, model.config.ple.as_ref(), model.weights.ple_table.as_ref()) {
-                    (Some(ps), Some(pc), Some(table)) => {
-                        Some(super::ple::gather_rows(table, pc, model.config.hidden, &ps.tokens, token))
-                    }
-                    _ => None,
-                };
-                let logits = g.decode(&model, token, self.pos, rows.as_deref())?;
-                if let Some(ps) = self.ple.as_mut() {
-                    ps.tokens.remove(0);
-                    ps.tokens.push(token);
-                }
-                logits
-            }
-            None => model.install(|| super::forward::token(&model, self, token)),
-        };
-        self.logits = logits;
-        self.pos += 1;
-        Ok(())
+        self.decode_batch(&[token], LogitsFor::Last).map(|_| ())
+    }
+
+    /// Decodes `tokens` in order; the logits are the last token's. Every
+    /// token and the context room are checked before anything is decoded; on
+    /// error nothing has changed (or the state is lost).
+    pub fn decode_tokens(&mut self, tokens: &[u32]) -> Result<()> {
+        self.decode_batch(tokens, LogitsFor::Last).map(|_| ())
     }
 
     /// Checks that `tokens` are all in the vocabulary and fit in the context,
@@ -188,196 +147,229 @@ impl State {
         }
         let room = self.model.n_ctx.saturating_sub(self.pos);
         if tokens.len() > room {
+            let what = if tokens.len() == 1 { "the state is full:".to_string() } else { format!("{} tokens do not fit:", tokens.len()) };
             return Err(Error::ContextFull(format!(
-                "{} tokens do not fit: {} positions decoded, context limit {} ({room} left)",
-                tokens.len(),
-                self.pos,
-                self.model.n_ctx
+                "{what} {} positions decoded, context limit {} ({room} left)",
+                self.pos, self.model.n_ctx
             )));
         }
         Ok(())
     }
 
-    /// Decodes `tokens` in order; the logits are the last token's. Every
-    /// token and the context room are checked before anything is decoded, and
-    /// a failure part way (out of memory) rolls back: on error nothing has changed.
-    pub fn decode_tokens(&mut self, tokens: &[u32]) -> Result<()> {
+    /// Decodes `tokens` in order, in batches the backend takes at once;
+    /// returns the logits `which` asks for ([n][V]; the last token's are
+    /// also [`State::logits`]). Every token and the context room are checked
+    /// before anything is decoded; a failure part way rolls back, so on error
+    /// nothing has changed (or the state is lost).
+    pub fn decode_batch(&mut self, tokens: &[u32], which: LogitsFor) -> Result<Vec<f32>> {
+        self.check_usable()?;
         self.check_tokens(tokens)?;
-        let checkpoint = if tokens.len() > 1 { Some(self.checkpoint()?) } else { None };
-        for &t in tokens {
-            if let Err(e) = self.decode(t) {
-                if let Some(c) = checkpoint {
-                    self.rollback(c);
+        if tokens.is_empty() {
+            return Ok(Vec::new());
+        }
+        let max = self.backend.max_batch().max(1);
+        // More than one pass: a failure after the first is undone.
+        let undo = if tokens.len() > max { Some(self.undo_point(Some(tokens.len()))?) } else { None };
+        let mut out = Vec::new();
+        let last = tokens.len().div_ceil(max) - 1;
+        for (i, chunk) in tokens.chunks(max).enumerate() {
+            // With `Last`, only the final chunk's logits are the caller's.
+            let keep = which == LogitsFor::All || i == last;
+            if let Err(e) = self.forward(chunk, which, keep).map(|l| if keep { out.extend(l) }) {
+                if let (Some(u), false) = (&undo, matches!(e, Error::StateLost(_))) {
+                    self.undo(u)?;
                 }
                 return Err(e);
             }
         }
+        Ok(out)
+    }
+
+    /// One backend pass over `tokens` (at most `max_batch`); its logits are
+    /// kept as the positions' when `keep`.
+    fn forward(&mut self, tokens: &[u32], which: LogitsFor, keep: bool) -> Result<Vec<f32>> {
+        let vocab = self.model.config.vocab;
+        let batch = Batch { tokens, pos: self.pos, history: &self.history, logits: which };
+        let model = self.model.clone();
+        let logits = match self.backend.forward(&model, &batch) {
+            Ok(l) => l,
+            Err(e) => return Err(self.note(e)),
+        };
+        let n = batch.n_logits();
+        if logits.len() != n * vocab {
+            return Err(self.note(Error::StateLost(format!("the backend returned {} logits, expected {}", logits.len(), n * vocab))));
+        }
+        let end = self.pos + tokens.len();
+        let first = end + 1 - n;
+        if keep {
+            for (i, row) in logits.chunks_exact(vocab).enumerate() {
+                self.keep_logits(first + i, row);
+            }
+        }
+        self.history.extend_from_slice(tokens);
+        self.pos = end;
+        self.floor = self.floor.max(end.saturating_sub(self.model.rewind_window));
+        self.trim();
+        Ok(logits)
+    }
+
+    /// Stores the logits after `pos` tokens, reusing the oldest buffer.
+    fn keep_logits(&mut self, pos: usize, row: &[f32]) {
+        let reuse = if self.logits.len() > self.model.rewind_window { Some(self.logits.remove(0).1) } else { None };
+        let mut v = reuse.unwrap_or_default();
+        v.clear();
+        v.extend_from_slice(row);
+        self.logits.retain(|(p, _)| *p < pos);
+        self.logits.push((pos, v));
+    }
+
+    /// Drops history and logits older than the rewind floor needs.
+    fn trim(&mut self) {
+        let keep = (self.pos - self.floor) + self.model.history_context();
+        if self.history.len() > keep {
+            self.history.drain(..self.history.len() - keep);
+        }
+        let floor = self.floor;
+        self.logits.retain(|(p, _)| *p >= floor);
+    }
+
+    /// Returns to position `to` (from [`State::rewind_floor`] to
+    /// [`State::position`]): everything decoded from `to` on is forgotten,
+    /// without copying any state.
+    pub fn rewind(&mut self, to: usize) -> Result<()> {
+        self.check_usable()?;
+        if to > self.pos || to < self.floor {
+            return Err(Error::arg(format!(
+                "cannot rewind to position {to}: the state can return to positions {} to {}",
+                self.floor, self.pos
+            )));
+        }
+        let model = self.model.clone();
+        if let Err(e) = self.backend.rewind(&model, to) {
+            return Err(self.note(e));
+        }
+        self.history.truncate(self.history.len() - (self.pos - to));
+        self.logits.retain(|(p, _)| *p <= to);
+        self.pos = to;
         Ok(())
     }
 
-    /// For a GPU state: a host state with the same contents (the GPU buffers
-    /// read back into the CPU layout), for snapshots.
-    pub(crate) fn host_copy(&self) -> Result<Option<State>> {
-        let Some(g) = &self.gpu else { return Ok(None) };
-        let cfg = &self.model.config;
-        let (parts, ple_conv) = g.export(cfg, self.pos)?;
-        let layers = cfg
-            .layers
-            .iter()
-            .zip(parts)
-            .map(|(kind, mut p)| match kind {
-                LayerKind::Linear => {
-                    let recurrent = p.pop().unwrap_or_default();
-                    LayerState::Gdn(GdnState { conv: p.pop().unwrap_or_default(), recurrent })
-                }
-                LayerKind::Attention { .. } => {
-                    let mut next = || if p.is_empty() { Vec::new() } else { p.remove(0) };
-                    LayerState::Attention(AttnState { keys: next(), values: next(), index_keys: next(), block_keys: next() })
-                }
-            })
-            .collect();
-        let ple = match (&self.ple, ple_conv) {
-            (Some(p), Some(conv)) => Some(PleState { tokens: p.tokens.clone(), conv }),
-            _ => None,
-        };
-        Ok(Some(State { model: self.model.clone(), pos: self.pos, layers, ple, logits: self.logits.clone(), gpu: None }))
+    /// What [`State::undo`] needs to return here after `steps` more tokens
+    /// (`None`: any number): a rewind when they stay within the window, else a
+    /// checkpoint.
+    pub(crate) fn undo_point(&self, steps: Option<usize>) -> Result<Undo> {
+        match steps {
+            Some(n) if n <= self.model.rewind_window => {
+                self.check_usable()?;
+                Ok(Undo::Rewind(self.pos))
+            }
+            _ => Ok(Undo::Checkpoint(Box::new(self.checkpoint()?))),
+        }
     }
 
-    /// Moves the contents of a host-layout state (a parsed snapshot) into
-    /// this state: onto the GPU for GPU states.
-    pub(crate) fn take_contents(&mut self, pos: usize, layers: Vec<LayerState>, ple: Option<PleState>, logits: Vec<f32>) -> Result<()> {
-        if let Some(g) = self.gpu.as_mut() {
-            let parts: Vec<Vec<Vec<f32>>> = layers
-                .into_iter()
-                .map(|l| match l {
-                    LayerState::Gdn(s) => vec![s.conv, s.recurrent],
-                    LayerState::Attention(a) => vec![a.keys, a.values, a.index_keys, a.block_keys],
-                })
-                .collect();
-            g.import(&self.model, pos, &parts, ple.as_ref().map(|p| &p.conv[..]))?;
-        } else {
-            self.layers = layers;
+    /// Returns to `undo`, taken from this state. An error means the state is lost.
+    pub(crate) fn undo(&mut self, undo: &Undo) -> Result<()> {
+        match undo {
+            Undo::Rewind(to) => self.rewind(*to),
+            Undo::Checkpoint(c) => self.rollback(c),
         }
-        self.pos = pos;
-        self.ple = ple;
-        self.logits = logits;
+    }
+
+    /// What [`State::rollback`] needs to return here from any later position.
+    pub(crate) fn checkpoint(&self) -> Result<StateCheckpoint> {
+        self.check_usable()?;
+        Ok(StateCheckpoint {
+            backend: self.backend.checkpoint(&self.model, self.pos)?,
+            pos: self.pos,
+            floor: self.floor,
+            history: self.history.clone(),
+            logits: self.logits().map(|l| copy_of(l, "logits checkpoint")).transpose()?,
+        })
+    }
+
+    /// Returns to `c`, taken from this state: everything decoded since is
+    /// forgotten. A device failure leaves the state lost.
+    pub(crate) fn rollback(&mut self, c: &StateCheckpoint) -> Result<()> {
+        let model = self.model.clone();
+        if let Err(e) = self.backend.rollback(&model, &c.backend) {
+            self.lost = Some(format!("restoring a checkpoint failed: {e}"));
+            return Err(Error::StateLost(format!("restoring a checkpoint failed: {e}")));
+        }
+        self.pos = c.pos;
+        // Positions before the checkpoint may have been overwritten since.
+        self.floor = c.pos.max(c.floor);
+        self.history = c.history.clone();
+        self.logits.clear();
+        if let Some(l) = &c.logits {
+            self.logits.push((c.pos, l.clone()));
+        }
         Ok(())
     }
 
     /// A deep copy, or an out-of-memory error instead of an allocation abort.
     pub fn try_clone(&self) -> Result<State> {
-        let layers = self
-            .layers
+        self.check_usable()?;
+        let logits = self
+            .logits
             .iter()
-            .map(|l| {
-                Ok(match l {
-                    LayerState::Gdn(g) => LayerState::Gdn(GdnState {
-                        conv: copy_of(&g.conv, "GDN conv state")?,
-                        recurrent: copy_of(&g.recurrent, "GDN recurrent state")?,
-                    }),
-                    LayerState::Attention(a) => LayerState::Attention(AttnState {
-                        keys: copy_of(&a.keys, "attention keys")?,
-                        values: copy_of(&a.values, "attention values")?,
-                        index_keys: copy_of(&a.index_keys, "indexer keys")?,
-                        block_keys: copy_of(&a.block_keys, "block keys")?,
-                    }),
-                })
-            })
+            .map(|(p, l)| Ok((*p, copy_of(l, "logits")?)))
             .collect::<Result<_>>()?;
-        let ple = match &self.ple {
-            None => None,
-            Some(p) => Some(PleState { tokens: p.tokens.clone(), conv: copy_of(&p.conv, "PLE conv history")? }),
-        };
-        let gpu = match &self.gpu {
-            None => None,
-            Some(g) => {
-                let mut copy = crate::vulkan::GpuState::new(&self.model)?;
-                copy.restore(&self.model, &g.save()?)?;
-                Some(Box::new(copy))
-            }
-        };
-        Ok(State { model: self.model.clone(), pos: self.pos, layers, ple, logits: copy_of(&self.logits, "logits")?, gpu })
+        Ok(State {
+            model: self.model.clone(),
+            pos: self.pos,
+            floor: self.floor,
+            history: self.history.clone(),
+            logits,
+            backend: self.backend.try_clone(&self.model)?,
+            lost: None,
+        })
     }
 
-    /// What [`State::rollback`] needs to undo any number of decode steps:
-    /// copies of the fixed-size recurrent buffers, the lengths of the
-    /// append-only attention caches, the position and the logits.
-    pub(crate) fn checkpoint(&self) -> Result<Checkpoint> {
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| {
-                Ok(match l {
-                    LayerState::Gdn(g) => LayerCheckpoint::Gdn(GdnState {
-                        conv: copy_of(&g.conv, "GDN conv checkpoint")?,
-                        recurrent: copy_of(&g.recurrent, "GDN recurrent checkpoint")?,
-                    }),
-                    LayerState::Attention(a) => LayerCheckpoint::Attention([
-                        a.keys.len(),
-                        a.values.len(),
-                        a.index_keys.len(),
-                        a.block_keys.len(),
-                    ]),
-                })
-            })
-            .collect::<Result<_>>()?;
-        let ple = match &self.ple {
-            None => None,
-            Some(p) => Some(PleState { tokens: p.tokens.clone(), conv: copy_of(&p.conv, "PLE checkpoint")? }),
-        };
-        // Attention caches past the position are overwritten later, so the
-        // GPU buffers' contents at the checkpoint suffice to undo.
-        let gpu = self.gpu.as_ref().map(|g| g.save()).transpose()?;
-        Ok(Checkpoint { pos: self.pos, logits: copy_of(&self.logits, "logits checkpoint")?, layers, ple, gpu })
+    /// The PLE history the snapshot format stores: the last `G - 1` tokens.
+    pub(crate) fn ple_tokens(&self) -> Vec<u32> {
+        let n = self.model.config.ple.as_ref().map_or(0, |p| p.ngram - 1);
+        self.history[self.history.len() - n..].to_vec()
     }
 
-    /// Returns to `checkpoint`, taken from this state: everything decoded
-    /// since is forgotten.
-    pub(crate) fn rollback(&mut self, checkpoint: Checkpoint) {
-        for (l, c) in self.layers.iter_mut().zip(checkpoint.layers) {
-            match (l, c) {
-                (LayerState::Gdn(g), LayerCheckpoint::Gdn(saved)) => *g = saved,
-                (LayerState::Attention(a), LayerCheckpoint::Attention([k, v, ik, bk])) => {
-                    a.keys.truncate(k);
-                    a.values.truncate(v);
-                    a.index_keys.truncate(ik);
-                    a.block_keys.truncate(bk);
-                }
-                _ => unreachable!("a checkpoint is taken from the same state"),
-            }
+    /// Replaces the contents with a parsed snapshot: the position, the PLE
+    /// tokens, the logits and the backend state. On error nothing changed
+    /// (or the state is lost).
+    pub(crate) fn take_contents(&mut self, pos: usize, ple_tokens: Vec<u32>, logits: Vec<f32>, host: super::backend::HostState) -> Result<()> {
+        let model = self.model.clone();
+        if let Err(e) = self.backend.import(&model, pos, host) {
+            return Err(self.note(e));
         }
-        if let (Some(g), Some(saved)) = (self.gpu.as_mut(), checkpoint.gpu) {
-            // Rollback cannot fail for host states; a failed GPU upload leaves
-            // this state unusable, which its next decode reports.
-            let _ = g.restore(&self.model, &saved);
+        self.lost = None;
+        self.pos = pos;
+        self.floor = pos;
+        let mut history = model.start_history();
+        history.truncate(history.len() - ple_tokens.len());
+        history.extend(ple_tokens);
+        self.history = history;
+        self.logits.clear();
+        if !logits.is_empty() {
+            self.logits.push((pos, logits));
         }
-        self.ple = checkpoint.ple;
-        self.logits = checkpoint.logits;
-        self.pos = checkpoint.pos;
+        Ok(())
+    }
+
+    /// The logits stored for the current position (empty when none).
+    pub(crate) fn current_logits(&self) -> &[f32] {
+        self.logits().unwrap_or(&[])
     }
 }
 
-/// Saved by [`State::checkpoint`]. Attention caches only grow while
-/// decoding, so their lengths suffice to undo.
-pub(crate) struct Checkpoint {
+/// Saved by [`State::undo_point`].
+pub(crate) enum Undo {
+    Rewind(usize),
+    Checkpoint(Box<StateCheckpoint>),
+}
+
+/// Saved by [`State::checkpoint`].
+pub(crate) struct StateCheckpoint {
+    backend: Checkpoint,
     pos: usize,
-    logits: Vec<f32>,
-    layers: Vec<LayerCheckpoint>,
-    ple: Option<PleState>,
-    /// The GPU state buffers ([`crate::vulkan::GpuState::save`]).
-    gpu: Option<crate::vulkan::SavedState>,
-}
-
-enum LayerCheckpoint {
-    Gdn(GdnState),
-    Attention([usize; 4]),
-}
-
-/// A copy of `v`, or an out-of-memory error instead of an allocation abort.
-fn copy_of(v: &[f32], what: &str) -> Result<Vec<f32>> {
-    let mut c = Vec::new();
-    c.try_reserve_exact(v.len())
-        .map_err(|_| Error::OutOfMemory(format!("{what}: cannot allocate {} floats", v.len())))?;
-    c.extend_from_slice(v);
-    Ok(c)
+    floor: usize,
+    history: Vec<u32>,
+    logits: Option<Vec<f32>>,
 }

@@ -18,6 +18,7 @@
 
 pub mod bench;
 pub mod dot;
+pub mod float;
 pub mod kernels;
 pub mod kquants;
 pub mod legacy;
@@ -25,7 +26,7 @@ pub mod policy;
 pub mod requantize;
 mod search;
 
-use crate::convert::encode::{encode_bf16, encode_f16, encode_f32};
+use float::{encode_bf16, encode_f16, encode_f32};
 use crate::error::{Error, Result};
 use crate::gguf::GgmlType;
 

@@ -60,10 +60,6 @@ impl Buffer {
         &self.ctx
     }
 
-    pub fn context_arc(&self) -> &Arc<Context> {
-        &self.ctx
-    }
-
     pub fn info(&self) -> vk::DescriptorBufferInfo {
         vk::DescriptorBufferInfo { buffer: self.raw, offset: 0, range: self.size }
     }

@@ -1,15 +1,18 @@
 //! The Vulkan backend: the whole decode token on the GPU, from the
 //! embedding row to the logits, in one command buffer, one submission and
-//! one fence wait.
+//! one fence wait. It implements `model::backend` as the CPU backend's
+//! sibling: where the CPU computes a block, [`blocks`] records it.
 //!
 //! Layers (one module each): [`device`] (instance, device, queue, allocator,
 //! validation), [`buffer`] (storage buffers and command buffers),
 //! [`pipelines`] (the table of compute pipelines and their push-constant
 //! blocks), [`layout`] (weights regrouped for aligned loads), [`matrix`]
-//! (weights split to fit a binding), [`arena`] (routed
-//! experts in slots), [`model`] (a model's weights on the device), [`state`]
-//! (a sequence's buffers and the recording of one token), [`record`] (the
-//! checked dispatch).
+//! (weights split to fit a binding), [`arena`] (routed experts in slots),
+//! [`model`] (a model's weights on the device), [`record`] (the checked
+//! dispatch); per sequence [`state`] (the state and its decode step),
+//! [`scratch`] (activations), [`caches`] (recurrent states and caches, their
+//! growth), [`blocks`] (the recording of each block), [`transfer`]
+//! (checkpoints, copies, snapshots).
 //!
 //! Per token the host gathers the embedding row and the PLE rows from the
 //! mmap (hashing stays on the host), computes the RoPE cos/sin of the
@@ -27,8 +30,9 @@
 //! is tuned through specialization constants and `FNX_VK_MATVEC_*` (see
 //! [`pipelines`]), and `matvec_bench` sweeps it at the real model's shapes.
 //!
-//! Snapshots, checkpoints and copies of a GPU state read its buffers back
-//! (snapshots in the CPU layout, so they move between backends).
+//! Checkpoints and copies of a GPU state copy its buffers on the device;
+//! snapshots read them back in the host layout, so they move between
+//! backends.
 //! [`TokenStats`] counts each token's dispatches, barriers, submissions and
 //! weight bytes.
 //!
@@ -39,7 +43,9 @@
 //! (see [`arena`] for how a smaller budget fits the design).
 
 mod arena;
+mod blocks;
 mod buffer;
+mod caches;
 mod device;
 mod layout;
 mod matrix;
@@ -48,14 +54,16 @@ mod matvec_bench;
 mod model;
 mod pipelines;
 mod record;
+mod reflect;
+mod scratch;
 mod state;
+mod transfer;
 #[cfg(test)]
 mod twins;
 #[cfg(test)]
 mod stage_twins;
 
+pub use caches::INITIAL_CAPACITY;
 pub use device::{probe, validation_errors, DeviceChoice, DeviceInfo, DeviceKind};
-pub use model::GpuModel;
+pub use model::{device_weight_bytes, VulkanBackend};
 pub use record::TokenStats;
-pub use state::{GpuState, SavedState, INITIAL_CAPACITY};
-

@@ -10,8 +10,10 @@ use super::device::{Context, DeviceChoice};
 use super::matrix::GpuMatrix;
 use super::pipelines::{Pipelines, MAX_ATTN_HEAD_DIM, MAX_GDN_HEAD_DIM, MAX_INDEX_DIM, MAX_EXPERTS, MAX_QSA_KEEP, MAX_TOP_K};
 use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::model::backend::{BackendKind, BackendModel, BackendState};
 use crate::model::weights::{HyperConnection, Mixer, Weights};
-use crate::model::{Config, LayerKind};
+use crate::model::{Config, LayerKind, Model};
 use crate::tensor::Tensor;
 use gpu_allocator::MemoryLocation;
 use std::sync::Arc;
@@ -261,13 +263,52 @@ impl GpuModel {
         Ok(GpuModel { layers, output_hc, output, arena, params, pipes, ctx })
     }
 
-    /// Name of the Vulkan device.
-    pub fn device_name(&self) -> &str {
-        &self.ctx.name
-    }
-
     /// Bytes of device memory in use (weights and every live state).
     pub fn vram_used(&self) -> u64 {
         self.ctx.used()
+    }
+}
+
+/// Bytes of the tensors the Vulkan backend uploads: all but the token
+/// embedding (rows are gathered on the host, unless it doubles as the LM
+/// head) and the PLE table (rows are gathered on the host).
+pub fn device_weight_bytes(file: &GgufFile) -> u64 {
+    let tied = !file.tensors.iter().any(|t| t.name == "output.weight");
+    file.tensors
+        .iter()
+        .filter(|t| match t.name.as_str() {
+            "per_layer_token_embd.weight" => false,
+            "token_embd.weight" => tied,
+            _ => true,
+        })
+        .map(|t| t.nbytes as u64)
+        .sum()
+}
+
+/// The Vulkan backend of a model: its weights on the device, shared with every state.
+pub struct VulkanBackend(Arc<GpuModel>);
+
+impl VulkanBackend {
+    /// Opens the device `choice` names and uploads the weights.
+    pub fn load(cfg: &Config, w: &Weights, choice: &DeviceChoice) -> Result<VulkanBackend> {
+        Ok(VulkanBackend(Arc::new(GpuModel::load(cfg, w, choice)?)))
+    }
+}
+
+impl BackendModel for VulkanBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Vulkan
+    }
+
+    fn device_name(&self) -> String {
+        self.0.ctx.name.clone()
+    }
+
+    fn device_bytes_used(&self) -> u64 {
+        self.0.vram_used()
+    }
+
+    fn new_state(&self, model: &Model) -> Result<Box<dyn BackendState>> {
+        Ok(Box::new(super::state::GpuState::new(&self.0, model, 0)?))
     }
 }

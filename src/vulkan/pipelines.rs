@@ -1,6 +1,8 @@
 //! Every compute pipeline, from one table: its SPIR-V (compiled by
 //! `build.rs` from `shaders/`), its descriptor sets, its push-constant block
-//! (mirrored here by a `#[repr(C)]` struct) and its workgroup size.
+//! (mirrored here by a `#[repr(C)]` struct, whose fields a test holds
+//! against the shader's block by SPIR-V reflection: [`super::reflect`]) and
+//! its workgroup size.
 //! [`Recorder::dispatch`](super::record::Recorder::dispatch) checks all three.
 //!
 //! Set 0 of every pipeline is the per-layer state set (scratch, layer state,
@@ -36,6 +38,7 @@
 //! (powers of two, the workgroup-size and shared-memory limits).
 
 use super::device::{err, Context};
+use super::reflect::Scalar;
 use crate::error::Result;
 use crate::gguf::GgmlType;
 use ash::vk;
@@ -65,10 +68,25 @@ impl Sets {
 
 /// A push-constant block: plain `u32`/`f32` fields, `#[repr(C)]`.
 pub(crate) trait Push: Copy {
+    /// (name, byte offset, kind) of each field, in order: what the shader's
+    /// block must be (checked by reflection in `reflect`'s tests).
+    const FIELDS: &'static [(&'static str, usize, Scalar)];
+
     fn bytes(&self) -> &[u8] {
         // SAFETY: implementors are repr(C) structs of 4-byte scalars (no padding).
         unsafe { std::slice::from_raw_parts((self as *const Self).cast::<u8>(), std::mem::size_of::<Self>()) }
     }
+}
+
+/// The reflection kind of a push-constant field's Rust type.
+trait ScalarKind {
+    const KIND: Scalar;
+}
+impl ScalarKind for u32 {
+    const KIND: Scalar = Scalar::U32;
+}
+impl ScalarKind for f32 {
+    const KIND: Scalar = Scalar::F32;
 }
 
 macro_rules! push_block {
@@ -77,7 +95,10 @@ macro_rules! push_block {
         #[repr(C)]
         #[derive(Clone, Copy, Default, Debug)]
         pub(crate) struct $name { $(pub $field: $ty),* }
-        impl Push for $name {}
+        impl Push for $name {
+            const FIELDS: &'static [(&'static str, usize, Scalar)] =
+                &[$((stringify!($field), std::mem::offset_of!($name, $field), <$ty as ScalarKind>::KIND)),*];
+        }
     };
 }
 
@@ -91,12 +112,12 @@ push_block!(/// shaders/hc_combine.comp
 HcCombinePush { mix_off: u32, xn_off: u32, y_off: u32, n: u32, streams: u32 });
 push_block!(/// shaders/ple_mix.comp
 PleMixPush { key_off: u32, value_off: u32, res_off: u32, tmp_off: u32, norm_key: u32, norm_query: u32, norm_conv: u32,
-    conv: u32, h: u32, streams: u32, kernel: u32, dilation: u32, eps: f32 });
+    conv: u32, h: u32, streams: u32, kernel: u32, dilation: u32, rows: u32, pos: u32, eps: f32 });
 push_block!(/// shaders/gdn_conv.comp
-GdnConvPush { x_off: u32, y_off: u32, taps: u32, dc: u32, kc: u32 });
+GdnConvPush { x_off: u32, y_off: u32, taps: u32, dc: u32, kc: u32, rows: u32, pos: u32 });
 push_block!(/// shaders/gdn_recurrent.comp
-GdnRecurrentPush { conv_off: u32, z_off: u32, b_off: u32, a_off: u32, y_off: u32, nk: u32, nv: u32, d: u32, rec_off: u32,
-    decay_a: u32, dt_bias: u32, norm: u32, gate_silu: u32, eps: f32 });
+GdnRecurrentPush { conv_off: u32, z_off: u32, b_off: u32, a_off: u32, y_off: u32, nk: u32, nv: u32, d: u32, rec_in: u32,
+    rec_out: u32, decay_a: u32, dt_bias: u32, norm: u32, gate_silu: u32, eps: f32 });
 push_block!(/// shaders/attn_prep.comp
 AttnPrepPush { qg_off: u32, k_off: u32, v_off: u32, q_off: u32, q_norm: u32, k_norm: u32, rope: u32, half_dims: u32,
     hd: u32, nh: u32, nkv: u32, keys_off: u32, values_off: u32, pos: u32, eps: f32 });
@@ -131,9 +152,11 @@ pub(crate) const MAX_INDEX_DIM: usize = 128;
 /// One row of the pipeline table.
 pub(crate) struct Spec {
     pub name: &'static str,
-    spirv: &'static [u8],
+    pub spirv: &'static [u8],
     pub sets: Sets,
     pub push_size: usize,
+    /// The push-constant block's fields ([`Push::FIELDS`]).
+    pub fields: &'static [(&'static str, usize, Scalar)],
     /// Invocations per workgroup (`local_size_x` of the shader; for the
     /// matvecs only the shader's default: see [`Pipelines::tuning`]).
     pub workgroup: u32,
@@ -151,7 +174,8 @@ macro_rules! pipes {
         #[derive(Clone, Copy, PartialEq, Eq, Debug)]
         pub(crate) enum Pipe { $($variant),* }
         pub(crate) const TABLE: &[Spec] = &[$(Spec {
-            name: $name, spirv: spirv!($name), sets: Sets::$sets, push_size: std::mem::size_of::<$push>(), workgroup: $wg,
+            name: $name, spirv: spirv!($name), sets: Sets::$sets, push_size: std::mem::size_of::<$push>(),
+            fields: <$push as Push>::FIELDS, workgroup: $wg,
         }),*];
     };
 }
@@ -405,6 +429,15 @@ impl Pipelines {
     }
 
     fn create(&mut self, spec: &Spec, tuning: MatvecTuning) -> Result<()> {
+        // A shader built from other sources than this build's mirrors would
+        // read its push constants wrong: refuse it here, with the difference.
+        let shader = super::reflect::push_constants(spec.spirv).map_err(|e| crate::Error::Backend(format!("{}: {e}", spec.name)))?;
+        if !super::reflect::same(&shader, spec.fields) {
+            return Err(crate::Error::Backend(format!(
+                "{}: the shader's push constants {shader:?} differ from this build's {:?}",
+                spec.name, spec.fields
+            )));
+        }
         let d = &self.ctx.device;
         let sets: Vec<_> = match spec.sets {
             Sets::State => vec![self.state_layout],

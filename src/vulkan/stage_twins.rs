@@ -1,6 +1,7 @@
 //! Stage twins: every compute shader besides the matvec (`twins.rs` has that
-//! one) run alone and compared with its CPU twin, the code of
-//! `src/model/` the CPU decode runs for the same step.
+//! one) run alone and compared with its CPU twin: the CPU backend's
+//! function for the same stage (`src/cpu/`), the very code the CPU decode
+//! runs, so each formula exists once.
 //!
 //! Each test builds random inputs of the real model's sizes (and small or
 //! odd ones that leave workgroups partly idle), uploads them to the set-0
@@ -11,34 +12,32 @@
 //! it wrote with the CPU's result. Every region the shader must not write
 //! is checked to keep its bits, and every buffer region is followed by a
 //! guard of NaNs, so a write out of bounds fails too; outputs start as NaN,
-//! so an element left unwritten fails. Inputs of the shader that the CPU
-//! function computes internally (the projections before the step) come from
-//! the same calls the CPU function makes, so they are bit-identical.
+//! so an element left unwritten fails. The shader's inputs come from the
+//! CPU stages before it, so they are bit-identical.
 //!
 //! Errors are `max |gpu - cpu| / max |cpu|` over each output (the magnitude
 //! of the values); index outputs must be equal. `cargo test --lib
 //! stage_twins -- --nocapture` prints every case's error.
 //!
-//! | shader | CPU twin | bound |
+//! | shader | CPU twin (`src/cpu/`) | bound |
 //! |---|---|---|
-//! | `hc_norm` | `ops::rms_norm_grouped` (as `hyper::pre` calls it) | 4e-6 |
-//! | `hc_combine` | `hyper::pre` (its `input`) | 4e-6 |
-//! | `ple_mix` | `ple::forward` (residual and conv history) | 2e-5; shifted history rows exact |
-//! | `gdn_conv` | `gdn::forward`'s conv loop (inline there: its formula, in the test); the history from `gdn::forward` | 4e-6; history exact |
-//! | `gdn_recurrent` | `gdn::forward` (output, through an identity or random out projection; recurrent state) | 2e-5 |
-//! | `attn_prep` | `qsa::forward` (key and value caches); queries: `ops::rms_norm` + `Rope::apply` as `qsa::forward` calls them inline | 4e-6; values exact |
-//! | `qsa_index` | `qsa::forward` (raw and block key caches); queries: `ops::rms_norm` + `Rope::apply` as `select_tokens` calls them inline | 4e-6; raw keys exact |
-//! | `qsa_score` | `select_tokens`' scoring (inline there: its expression, in the test) | 1e-5 |
-//! | `qsa_topk` | `select_tokens`' sort (inline there: its sort, in the test), ties included | equal, in order |
-//! | `attention` | `qsa::forward` (through an identity out projection), dense and sparse | 2e-5 |
-//! | `moe_route` | `moe::route`; the shared expert's gate as `moe::forward` computes it inline | ids equal, in order; weights 1e-5 |
-//! | `moe_combine` | `moe::forward`'s combine (inline there: its formula, in the test) + `hyper::post` | 1e-5 |
+//! | `hc_norm` | `hyper::norm` | 4e-6 |
+//! | `hc_combine` | `hyper::combine` | 4e-6 |
+//! | `ple_mix` | `ple::mix` (residual and conv ring) | 2e-5; untouched ring rows exact |
+//! | `gdn_conv` | `gdn::conv` (output and ring) | 4e-6; ring exact |
+//! | `gdn_recurrent` | `gdn::delta_rule` (output and recurrent planes) | 2e-5 |
+//! | `attn_prep` | `qsa::prep` (queries, key and value caches) | 4e-6; values exact |
+//! | `qsa_index` | `qsa::index` (raw and block key caches, queries) | 4e-6; raw keys exact |
+//! | `qsa_score` | `qsa::score_blocks` | 1e-5 |
+//! | `qsa_topk` | `qsa::top_blocks`, ties included | equal, in order |
+//! | `attention` | `qsa::attend`, dense and sparse | 2e-5 |
+//! | `moe_route` | `moe::route`, `moe::shared_gate` | ids equal, in order; weights 1e-5 |
+//! | `moe_combine` | `moe::combine` + `hyper::post` | 1e-5 |
 //!
-//! The formulas written out in the tests (the CPU has them inline, in larger
-//! functions) are marked where they are. The `attention` test feeds the
-//! GPU the blocks chosen by the `qsa_score`/`qsa_topk` formulas and compares
-//! with `qsa::forward`, which checks those formulas against `select_tokens`.
-//! One context and pipeline table serve every test (tests run in parallel).
+//! Where a CPU block function composes the stages (`gdn::forward`,
+//! `qsa::forward`, `ple::forward`), the test checks that it equals the
+//! stages run one by one, so the stages compared are the decode's. One context and pipeline table serve every test
+//! (tests run in parallel).
 
 mod attention;
 mod gdn;
@@ -52,7 +51,7 @@ use super::pipelines::{Pipe, Pipelines, Push};
 use super::record::{DescriptorPool, Recorder};
 use crate::gguf::{GgmlType, TensorInfo};
 use crate::model::config::QsaConfig;
-use crate::model::ops::Rope;
+use crate::cpu::ops::Rope;
 use crate::model::{Config, GateActivation, LayerKind};
 use crate::tensor::Tensor;
 use ash::vk;
@@ -334,13 +333,9 @@ fn config() -> Config {
     }
 }
 
-/// The host's cos/sin table of position `pos` as `GpuState::write_inputs`
-/// uploads it: `(1.., 0..)` rotated, i.e. `(cos.., sin..)` exactly as the CPU
-/// computes them.
+/// The host's cos/sin table of position `pos`, as the decode uploads it.
 fn rope_table(rope: &Rope, dims: usize, pos: usize) -> Vec<f32> {
-    let half = dims / 2;
-    let mut t = vec![1f32; half];
-    t.resize(2 * half, 0.0);
-    rope.apply(&mut t, pos);
+    let mut t = vec![0f32; dims];
+    crate::vulkan::blocks::rope_table(rope, dims, pos, &mut t);
     t
 }

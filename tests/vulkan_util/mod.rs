@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use flashnext::convert::{convert, ConvertOptions, OutType};
-use flashnext::model::{Backend, LoadOptions, Model};
+use flashnext::{Backend, LoadOptions, Model};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -32,8 +32,13 @@ fn is_absent(why: &str) -> bool {
 /// The GPU model, or `None` (after saying why) when no Vulkan device exists
 /// and none is required.
 pub fn load_gpu(path: &Path) -> Option<Arc<Model>> {
+    load_gpu_with(path, LoadOptions::default())
+}
+
+/// [`load_gpu`] with other options (the backend is set to Vulkan).
+pub fn load_gpu_with(path: &Path, opts: LoadOptions) -> Option<Arc<Model>> {
     std::env::set_var("FNX_VULKAN_VALIDATION", "1");
-    let opts = LoadOptions { backend: Backend::Vulkan, ..Default::default() };
+    let opts = LoadOptions { backend: Backend::Vulkan, ..opts };
     match Model::load(path, &opts) {
         Ok(m) => Some(m),
         Err(flashnext::Error::Backend(why))
@@ -46,11 +51,20 @@ pub fn load_gpu(path: &Path) -> Option<Arc<Model>> {
     }
 }
 
+/// `fixture` converted to `ty`, once per test process (tests running in
+/// parallel share the file).
 pub fn converted(fixture: &str, ty: OutType) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("flashnext-vk-{}-{fixture}-{ty:?}", std::process::id()));
+    static DONE: std::sync::Mutex<Vec<(String, PathBuf)>> = std::sync::Mutex::new(Vec::new());
+    let key = format!("{fixture}-{ty:?}");
+    let mut done = DONE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, p)) = done.iter().find(|(k, _)| *k == key) {
+        return p.clone();
+    }
+    let dir = std::env::temp_dir().join(format!("flashnext-vk-{}-{key}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let gguf = dir.join("model.gguf");
     convert(&fixture_dir(fixture).join("hf"), &gguf, &ConvertOptions { out_type: ty, ..Default::default() }).unwrap();
+    done.push((key, gguf.clone()));
     gguf
 }
 

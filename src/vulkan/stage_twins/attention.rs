@@ -2,8 +2,8 @@
 //! attention layer after its input projections.
 
 use super::*;
-use crate::model::ops::{dot, rms_norm};
-use crate::model::qsa::{self, AttnState};
+use crate::cpu::ops::Rope;
+use crate::cpu::qsa::{self, AttnState};
 use crate::model::weights::{Attention, Indexer};
 use crate::vulkan::pipelines::{AttentionPush, AttnPrepPush, QsaIndexPush, QsaScorePush, QsaTopkPush};
 
@@ -87,45 +87,17 @@ fn padded(v: &[f32], n: usize) -> Vec<f32> {
     p
 }
 
-/// `qsa::forward`'s queries, computed inline there: each head's half of
-/// `qg` RMS-normed and rotated to `t` by the same calls.
-fn queries(c: &Case, qg: &[f32]) -> Vec<f32> {
-    let hd = c.cfg.head_dim;
-    let mut q = vec![0f32; c.cfg.n_heads * hd];
-    for (h, qh) in q.chunks_mut(hd).enumerate() {
-        rms_norm(&qg[h * 2 * hd..][..hd], &c.w.q_norm, c.cfg.eps, qh);
-        c.rope.apply(qh, c.t);
-    }
-    q
+/// The attention queries, by `qsa::prep` (on a scratch copy of the caches).
+fn queries(c: &Case, qg: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
+    qsa::prep(&c.w, &c.cfg, &c.rope, &mut c.before.clone(), qg, k, v, c.t)
 }
 
-/// `select_tokens`' indexer queries, computed inline there: each head
-/// RMS-normed and rotated to `t` by the same calls.
-fn index_queries(c: &Case, raw: &[f32]) -> Vec<f32> {
+/// The indexer queries, by `qsa::index` (on a scratch copy of the caches).
+fn index_queries(c: &Case, raw: &[f32], iq: &[f32]) -> Vec<f32> {
     let ix = c.w.indexer.as_ref().expect("a QSA case");
-    let mut q = raw.to_vec();
-    for qh in q.chunks_mut(ID) {
-        let mut normed = vec![0f32; ID];
-        rms_norm(qh, &ix.q_norm, c.cfg.eps, &mut normed);
-        c.rope.apply(&mut normed, c.t);
-        qh.copy_from_slice(&normed);
-    }
+    let mut q = iq.to_vec();
+    qsa::index(ix, &c.cfg, c.ratio, &c.rope, &mut c.before.clone(), raw, &mut q, c.t);
     q
-}
-
-/// `select_tokens`' block scores, computed inline there (its expression):
-/// `sum_h relu(q_h . k_b) / sqrt(id)`.
-fn block_scores(q: &[f32], block_keys: &[f32], id: usize) -> Vec<f32> {
-    let scale = 1.0 / (id as f32).sqrt();
-    block_keys.chunks(id).map(|k| q.chunks(id).map(|qh| dot(qh, k).max(0.0)).sum::<f32>() * scale).collect()
-}
-
-/// `select_tokens`' choice, computed inline there (its sort): the `keep`
-/// best blocks, higher score first, equal scores to the earlier block.
-fn top_blocks(scores: &[f32], keep: usize) -> Vec<usize> {
-    let mut scored: Vec<(f32, usize)> = scores.iter().copied().zip(0..).collect();
-    scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-    scored[..keep].iter().map(|&(_, b)| b).collect()
 }
 
 /// Block ids as the shaders store them (u32 bits in a float).
@@ -174,7 +146,7 @@ fn attn_prep() {
         let written = [(key_at, kv), (value_at, kv)];
         let out = g.run(Pipe::AttnPrep, &push, Groups::Fixed([(nh + nkv) as u32, 1, 1]), &b, &[(q_off, nh * hd)], &written);
         let what = format!("attn_prep nh={nh} nkv={nkv} hd={hd} t={t}");
-        check(&format!("{what} queries"), out.s(q_off, nh * hd), &queries(&c, &qg), 4e-6);
+        check(&format!("{what} queries"), out.s(q_off, nh * hd), &queries(&c, &qg, &k, &v), 4e-6);
         check(&format!("{what} cached key"), out.st(key_at, kv), &c.after.keys[t * kv..], 4e-6);
         check_exact(&format!("{what} cached value"), out.st(value_at, kv), &c.after.values[t * kv..]);
     }
@@ -231,7 +203,7 @@ fn qsa_index() {
             check(&format!("{what} block key"), out.st(block_at, ID), &c.after.block_keys[(n_complete - 1) * ID..], 4e-6);
         }
         if n_complete > 0 {
-            check(&format!("{what} queries"), out.s(query_off, IH * ID), &index_queries(&c, &iq), 4e-6);
+            check(&format!("{what} queries"), out.s(query_off, IH * ID), &index_queries(&c, &raw, &iq), 4e-6);
         }
     }
 }
@@ -244,7 +216,7 @@ fn qsa_score() {
     for (heads, id, n_blocks) in [(4, 128, 750), (4, 128, 63), (1, 32, 5), (2, 100, 130)] {
         let mut r = Rng::new((heads * id * n_blocks) as u64);
         let (q, keys) = (r.unit(heads * id), r.unit(n_blocks * id));
-        let want = block_scores(&q, &keys, id);
+        let want = qsa::score_blocks(&q, &keys, id);
         let mut b = Bufs::default();
         let block_keys = b.st.put(&keys);
         let query_off = b.s.put(&q);
@@ -293,7 +265,7 @@ fn qsa_topk() {
         if what.starts_with("ties") {
             assert_eq!(sorted[keep - 1], sorted[keep], "precondition: a tie across the cut");
         }
-        let want = top_blocks(&scores, keep);
+        let want = qsa::top_blocks(&scores, keep);
         let mut b = Bufs::default();
         let score_off = b.s.put(&scores);
         let sel_off = b.s.out(n);
@@ -324,24 +296,28 @@ fn attention() {
     for (nh, nkv, hd, ratio, budget, t) in cases {
         let c = case(nh, nkv, hd, ratio, budget, t);
         let kv = nkv * hd;
-        let qg = project(&c.w.q, &c.x);
+        let (qg, k, v) = qsa::project(&c.w, &c.cfg, &c.x);
+        let q = queries(&c, &qg, &k, &v);
         let n_tokens = t + 1;
-        // The blocks `select_tokens` attends: its scores and sort over the
-        // block keys `qsa::forward` cached (a different choice would show in
-        // the output).
+        // The blocks the CPU attends: its scores and choice over the block
+        // keys `qsa::forward` cached.
         let (keep, ratio_used, tail_start, sel) = match &c.w.indexer {
             Some(ix) => {
                 let n_complete = n_tokens / c.ratio;
                 let keep = (budget / c.ratio).min(n_complete);
-                let iq = index_queries(&c, &project(&ix.q_proj, &c.x));
-                (keep, c.ratio, n_complete * c.ratio, top_blocks(&block_scores(&iq, &c.after.block_keys, ID), keep))
+                let iq = index_queries(&c, &project(&ix.k_proj, &c.x), &project(&ix.q_proj, &c.x));
+                (keep, c.ratio, n_complete * c.ratio, qsa::top_blocks(&qsa::score_blocks(&iq, &c.after.block_keys, ID), keep))
             }
             None => (0, 1, 0, Vec::new()),
         };
+        let selected: Vec<usize> = sel.iter().flat_map(|&b| b * ratio_used..(b + 1) * ratio_used).chain(tail_start..n_tokens).collect();
+        let want = qsa::attend(&c.cfg, &q, &qg, &c.after.keys, &c.after.values, &selected);
+        // `qsa::forward` is these stages and the (identity) out projection.
+        assert_eq!(want, c.y);
         let mut b = Bufs::default();
         let keys_off = b.st.put(&padded(&c.after.keys, c.n_ctx * kv));
         let values_off = b.st.put(&padded(&c.after.values, c.n_ctx * kv));
-        let q_off = b.s.put(&queries(&c, &qg));
+        let q_off = b.s.put(&q);
         let qg_off = b.s.put(&qg);
         let sel_off = b.s.put(&padded(&ids_as_floats(&sel), c.n_ctx));
         let tmp_off = b.s.out(nh * c.n_ctx);
@@ -367,6 +343,6 @@ fn attention() {
         let written = [(tmp_off, nh * c.n_ctx), (y_off, nh * hd)];
         let out = g.run(Pipe::Attention, &push, Groups::Fixed([nh as u32, 1, 1]), &b, &written, &[]);
         let attended = keep * ratio_used + n_tokens - tail_start;
-        check(&format!("attention nh={nh} nkv={nkv} hd={hd} ratio={ratio} t={t} ({attended} tokens)"), out.s(y_off, nh * hd), &c.y, 2e-5);
+        check(&format!("attention nh={nh} nkv={nkv} hd={hd} ratio={ratio} t={t} ({attended} tokens)"), out.s(y_off, nh * hd), &want, 2e-5);
     }
 }

@@ -1,49 +1,30 @@
 //! `gdn_conv` and `gdn_recurrent`: the Gated DeltaNet after its input projections.
 
 use super::*;
-use crate::model::gdn::{self, GdnState};
-use crate::model::ops::silu;
+use crate::cpu::gdn::{self, GdnState};
 use crate::model::weights::Gdn;
 use crate::vulkan::pipelines::{GdnConvPush, GdnRecurrentPush};
 
-/// One GDN token on the CPU, with what the shaders read.
+/// One GDN token at position `pos` on the CPU, stage by stage.
 struct Case {
     cfg: Config,
     w: Gdn,
     before: GdnState,
+    /// After the conv stage (its ring) and the delta rule (its planes).
     after: GdnState,
-    /// `gdn::forward`'s output: the gated norm itself when the out
-    /// projection is the identity (`hidden == nv * d`).
-    out: Vec<f32>,
-    /// The input projections, by the calls `gdn::forward` makes first.
-    qkv: Vec<f32>,
-    z: Vec<f32>,
-    beta: Vec<f32>,
-    alpha: Vec<f32>,
-    /// The conv output the delta rule reads (see [`conv`]).
+    /// The input projections, by `gdn::project`.
+    p: gdn::Projections,
+    /// `gdn::conv`'s output, which the delta rule reads.
     conv_out: Vec<f32>,
+    /// `gdn::delta_rule`'s output (before the out projection).
+    y: Vec<f32>,
 }
 
-/// `gdn::forward`'s depthwise causal conv + SiLU, which it computes inline:
-/// its loop, verbatim (lint and all).
-#[allow(clippy::needless_range_loop)]
-fn conv(w: &Gdn, st: &GdnState, qkv: &[f32], dc: usize, kc: usize) -> Vec<f32> {
-    let mut c = vec![0f32; dc];
-    for ch in 0..dc {
-        let taps = &w.conv[ch * kc..(ch + 1) * kc];
-        let mut acc = taps[kc - 1] * qkv[ch];
-        for k in 0..kc - 1 {
-            acc += taps[k] * st.conv[k * dc + ch];
-        }
-        c[ch] = silu(acc);
-    }
-    c
-}
-
-fn case(nk: usize, nv: usize, d: usize, kc: usize, hidden: usize, gate: GateActivation) -> Case {
+fn case(nk: usize, nv: usize, d: usize, kc: usize, window: usize, pos: usize, gate: GateActivation) -> Case {
+    let hidden = 64;
     let cfg = Config { hidden, ssm_k_heads: nk, ssm_v_heads: nv, ssm_head_dim: d, ssm_conv: kc, ssm_gate: gate, ..config() };
     let dc = cfg.ssm_conv_dim();
-    let mut r = Rng::new((nk * 1000 + nv * 100 + d + kc) as u64);
+    let mut r = Rng::new((nk * 1000 + nv * 100 + d + kc + pos) as u64);
     let w = Gdn {
         qkv: r.matrix(dc, hidden),
         z: r.matrix(nv * d, hidden),
@@ -54,73 +35,79 @@ fn case(nk: usize, nv: usize, d: usize, kc: usize, hidden: usize, gate: GateActi
         // -exp(A_log), A_log in [-2, 2]
         a: (0..nv).map(|_| -(2.0 * r.uniform()).exp()).collect(),
         norm: r.gamma(d),
-        out: if hidden == nv * d { identity(hidden) } else { r.matrix(hidden, nv * d) },
+        out: r.matrix(hidden, nv * d),
     };
     let x = r.unit(hidden);
-    let before = GdnState { conv: r.unit((kc - 1) * dc), recurrent: r.vec(nv * d * d, 0.5) };
+    let empty = GdnState::new(&cfg, window).unwrap();
+    let before = GdnState { conv: r.unit(empty.conv.len()), planes: r.vec(empty.planes.len(), 0.5) };
+    let p = gdn::project(&w, &cfg, &x);
     let mut after = before.clone();
-    let out = gdn::forward(&w, &cfg, &mut after, &x);
-    let project = |t: &Tensor| {
-        let mut y = vec![0f32; t.rows()];
-        t.matvec(&x, &mut y);
-        y
-    };
-    let (qkv, z, beta, alpha) = (project(&w.qkv), project(&w.z), project(&w.beta), project(&w.alpha));
-    let conv_out = conv(&w, &before, &qkv, dc, kc);
-    Case { cfg, w, before, after, out, qkv, z, beta, alpha, conv_out }
+    let conv_out = gdn::conv(&w.conv, kc, &mut after.conv, pos, &p.qkv);
+    let mut c = conv_out.clone();
+    let y = gdn::delta_rule(&w, &cfg, &mut after.planes, pos, &mut c, &p.z, &p.beta, &p.alpha);
+    // The whole layer is these stages and the out projection.
+    let mut whole = before.clone();
+    let mut projected = vec![0f32; hidden];
+    w.out.matvec(&y, &mut projected);
+    assert_eq!(gdn::forward(&w, &cfg, &mut whole, pos, &x), projected);
+    Case { cfg, w, before, after, p, conv_out, y }
 }
 
-/// The layer state as the decode lays it out: conv history at 0, then
-/// (after a guard) the recurrent state. Returns the recurrent offset.
+/// The layer state as the decode lays it out: the conv ring at 0, then (after
+/// a guard) the planes. Returns the planes' offset.
 fn state(b: &mut Bufs, c: &Case) -> u32 {
     assert_eq!(b.st.put(&c.before.conv), 0);
-    b.st.put(&c.before.recurrent)
+    b.st.put(&c.before.planes)
 }
 
 #[test]
 fn gdn_conv() {
     let Some(g) = gpu() else { return };
-    // (nk, nv, d, kernel): the real 16/48 heads of 128 (10240 channels), a
-    // small odd channel count, and a kernel of 2.
-    for (nk, nv, d, kc) in [(16, 48, 128, 4), (2, 3, 20, 4), (1, 2, 24, 2)] {
-        let c = case(nk, nv, d, kc, 64, GateActivation::Sigmoid);
+    // (nk, nv, d, kernel, window, pos): the real 16/48 heads of 128 (10240
+    // channels), small odd channel counts, a kernel of 2, positions before
+    // the ring first wraps and after.
+    for (nk, nv, d, kc, window, pos) in [(16, 48, 128, 4, 4, 1234), (2, 3, 20, 4, 1, 2), (1, 2, 24, 2, 3, 7), (2, 3, 20, 4, 2, 0)] {
+        let c = case(nk, nv, d, kc, window, pos, GateActivation::Sigmoid);
         let dc = c.cfg.ssm_conv_dim();
         let mut b = Bufs::default();
-        let rec_off = state(&mut b, &c);
-        let x_off = b.s.put(&c.qkv);
+        let planes = state(&mut b, &c);
+        let x_off = b.s.put(&c.p.qkv);
         let y_off = b.s.out(dc);
         let taps = b.prm.put(&c.w.conv);
-        let push = GdnConvPush { x_off, y_off, taps, dc: dc as u32, kc: kc as u32 };
-        let n_hist = (kc - 1) * dc;
-        let out = g.run(Pipe::GdnConv, &push, Groups::Threads(dc), &b, &[(y_off, dc)], &[(0, n_hist)]);
-        let what = format!("gdn_conv Dc={dc} Kc={kc}");
+        let rows = c.before.conv.len() / dc;
+        let push = GdnConvPush { x_off, y_off, taps, dc: dc as u32, kc: kc as u32, rows: rows as u32, pos: pos as u32 };
+        let row = pos % rows;
+        let out = g.run(Pipe::GdnConv, &push, Groups::Threads(dc), &b, &[(y_off, dc)], &[((row * dc) as u32, dc)]);
+        let what = format!("gdn_conv Dc={dc} Kc={kc} ring {rows} pos {pos}");
         check(&what, out.s(y_off, dc), &c.conv_out, 4e-6);
-        check_exact(&format!("{what} history"), out.st(0, n_hist), &c.after.conv);
-        assert_eq!(out.st(rec_off, 1)[0].to_bits(), c.before.recurrent[0].to_bits());
+        check_exact(&format!("{what} ring"), out.st(0, rows * dc), &c.after.conv);
+        assert_eq!(out.st(planes, 1)[0].to_bits(), c.before.planes[0].to_bits());
     }
 }
 
 #[test]
 fn gdn_recurrent() {
     let Some(g) = gpu() else { return };
-    // (nk, nv, d, hidden, gate): head dim 128 (the real one) with an identity
-    // out projection; a head dim of 48 (invocations idle); and the real 48
-    // heads over 16 key heads, whose output is compared through a random out
-    // projection (an identity one would need hidden = 6144).
+    // (nk, nv, d, window, pos, gate): head dim 128 (the real one); a head dim
+    // of 48 (invocations idle); the real 48 heads over 16 key heads; the
+    // state read from the last plane and written to the first.
     let cases = [
-        (2, 6, 128, 768, GateActivation::Sigmoid),
-        (3, 6, 48, 288, GateActivation::Silu),
-        (16, 48, 128, 64, GateActivation::Sigmoid),
+        (2, 6, 128, 4, 10, GateActivation::Sigmoid),
+        (3, 6, 48, 1, 3, GateActivation::Silu),
+        (16, 48, 128, 2, 5, GateActivation::Sigmoid),
+        (2, 4, 32, 3, 3, GateActivation::Sigmoid),
     ];
-    for (nk, nv, d, hidden, gate) in cases {
-        let c = case(nk, nv, d, 4, hidden, gate);
+    for (nk, nv, d, window, pos, gate) in cases {
+        let c = case(nk, nv, d, 4, window, pos, gate);
         let mut b = Bufs::default();
-        let rec_off = state(&mut b, &c);
+        let planes = state(&mut b, &c);
         let conv_off = b.s.put(&c.conv_out);
-        let z_off = b.s.put(&c.z);
-        let b_off = b.s.put(&c.beta);
-        let a_off = b.s.put(&c.alpha);
+        let z_off = b.s.put(&c.p.z);
+        let b_off = b.s.put(&c.p.beta);
+        let a_off = b.s.put(&c.p.alpha);
         let y_off = b.s.out(nv * d);
+        let plane = nv * d * d;
+        let at = |n: usize| planes + ((n % (window + 1)) * plane) as u32;
         let push = GdnRecurrentPush {
             conv_off,
             z_off,
@@ -130,25 +117,18 @@ fn gdn_recurrent() {
             nk: nk as u32,
             nv: nv as u32,
             d: d as u32,
-            rec_off,
+            rec_in: at(pos),
+            rec_out: at(pos + 1),
             decay_a: b.prm.put(&c.w.a),
             dt_bias: b.prm.put(&c.w.dt_bias),
             norm: b.prm.put(&c.w.norm),
             gate_silu: (gate == GateActivation::Silu) as u32,
             eps: EPS,
         };
-        let n_rec = nv * d * d;
-        let out = g.run(Pipe::GdnRecurrent, &push, Groups::Fixed([nv as u32, 1, 1]), &b, &[(y_off, nv * d)], &[(rec_off, n_rec)]);
-        let what = format!("gdn_recurrent nk={nk} nv={nv} d={d} {gate:?}");
-        check(&format!("{what} state"), out.st(rec_off, n_rec), &c.after.recurrent, 2e-5);
-        let y = out.s(y_off, nv * d);
-        if hidden == nv * d {
-            check(&format!("{what} output"), y, &c.out, 2e-5);
-        } else {
-            let mut projected = vec![0f32; hidden];
-            c.w.out.matvec(y, &mut projected);
-            check(&format!("{what} output (projected)"), &projected, &c.out, 2e-5);
-        }
+        let out = g.run(Pipe::GdnRecurrent, &push, Groups::Fixed([nv as u32, 1, 1]), &b, &[(y_off, nv * d)], &[(at(pos + 1), plane)]);
+        let what = format!("gdn_recurrent nk={nk} nv={nv} d={d} window {window} pos {pos} {gate:?}");
+        let all = out.st(planes, c.after.planes.len());
+        check(&format!("{what} state"), all, &c.after.planes, 2e-5);
+        check(&format!("{what} output"), out.s(y_off, nv * d), &c.y, 2e-5);
     }
 }
-

@@ -1,9 +1,7 @@
 //! `hc_norm` and `hc_combine`: the hyper-connection pre step around its matvecs.
 
 use super::*;
-use crate::model::hyper;
-use crate::model::ops::{rms_norm_grouped, silu};
-use crate::model::weights::HyperConnection;
+use crate::cpu::hyper;
 use crate::vulkan::pipelines::{HcCombinePush, HcNormPush};
 
 /// (streams, hidden, input scale): the real 4 x 2560; the same with inputs
@@ -18,9 +16,7 @@ fn hc_norm() {
         let mut r = Rng::new(h as u64);
         let x = r.vec(c * h, scale);
         let gamma = r.gamma(c * h);
-        // `hyper::pre` norms the streams with exactly this call.
-        let mut want = vec![0f32; c * h];
-        rms_norm_grouped(&x, &gamma, h, EPS, &mut want);
+        let want = hyper::norm(&gamma, &x, c, EPS);
 
         let mut b = Bufs::default();
         let x_off = b.s.put(&x);
@@ -38,23 +34,13 @@ fn hc_combine() {
     // (streams, hidden, low rank): the real sizes, and hiddens off the 64-wide workgroup.
     for (c, h, rank) in [(4, 2560, 320), (4, 64, 16), (4, 100, 8), (2, 130, 4)] {
         let mut r = Rng::new((c * h + rank) as u64);
-        let hc = HyperConnection {
-            norm: r.gamma(c * h),
-            down: r.matrix(rank, c * h),
-            up: r.matrix(c * h, rank),
-            inject: Some(r.matrix(c, c * h)),
-        };
+        let (gamma, down, up) = (r.gamma(c * h), r.matrix(rank, c * h), r.matrix(c * h, rank));
+        let hc = crate::model::weights::HyperConnection { norm: gamma, down, up, inject: None };
         let residual = r.vec(c * h, 2.0);
-        let want = hyper::pre(&hc, &residual, c, EPS).input;
-        // The shader's inputs: the normed streams and the mix logits, by the
-        // calls `hyper::pre` makes before its combine loop.
-        let mut xn = vec![0f32; c * h];
-        rms_norm_grouped(&residual, &hc.norm, h, EPS, &mut xn);
-        let mut low = vec![0f32; rank];
-        hc.down.matvec(&xn, &mut low);
-        low.iter_mut().for_each(|v| *v = silu(*v / c as f32));
-        let mut mix = vec![0f32; c * h];
-        hc.up.matvec(&low, &mut mix);
+        // The shader's inputs, by the stages before it.
+        let xn = hyper::norm(&hc.norm, &residual, c, EPS);
+        let mix = hyper::mix_logits(&hc, &xn, c);
+        let want = hyper::combine(&mix, &xn, c);
 
         let mut b = Bufs::default();
         let mix_off = b.s.put(&mix);

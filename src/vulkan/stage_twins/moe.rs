@@ -1,9 +1,9 @@
 //! `moe_route` and `moe_combine`: the MoE around its expert matvecs.
 
 use super::*;
-use crate::model::hyper;
-use crate::model::moe;
-use crate::model::ops::{dot, sigmoid};
+use crate::cpu::hyper;
+use crate::cpu::moe;
+use crate::cpu::ops::sigmoid;
 use crate::model::weights::{ExpertGateUp, Moe};
 use crate::vulkan::pipelines::{MoeCombinePush, MoeRoutePush, MAX_TOP_K};
 
@@ -43,9 +43,9 @@ fn route(g: &Gpu, what: &str, router: Tensor, x: &[f32], k: usize, shared_in_are
     let mut want_w: Vec<f32> = routes.iter().map(|&(_, p)| p).collect();
     if shared_in_arena {
         // The shared expert runs as expert `k` (its slot-table entry is
-        // `n_experts`), weighted by its gate as `moe::forward` computes it inline.
+        // `n_experts`), weighted by its gate.
         want_ids.push(n);
-        want_w.push(sigmoid(dot(&w.shared_gate, x)));
+        want_w.push(moe::shared_gate(&w, x));
     }
     let m = want_ids.len();
     let mut b = Bufs::default();
@@ -130,7 +130,7 @@ fn moe_combine() {
         let mut r = Rng::new((h * k * c) as u64);
         let y = r.unit(k * h);
         let (x, shared, shared_gate) = (r.unit(h), r.unit(h), r.vec(h, (3.0 / h as f32).sqrt()));
-        let gate = sigmoid(dot(&shared_gate, &x));
+        let gate = moe::shared_gate(&weights(matrix(1, 1, &[0.0]), shared_gate.clone()), &x);
         let routed = if separate { k } else { k - 1 };
         let p: Vec<f32> = (0..routed).map(|_| r.uniform() + 1.5).collect();
         let mut w: Vec<f32> = p.iter().map(|v| v / p.iter().sum::<f32>()).collect();
@@ -139,20 +139,11 @@ fn moe_combine() {
         }
         let residual = r.vec(c * h, 2.0);
         let inject: Vec<f32> = (0..c).map(|_| 2.0 * sigmoid(r.uniform())).collect();
-        // `moe::forward`'s combine, computed inline there (its order: each
-        // expert's output times its weight, summed in route order, then the
-        // gated shared expert), then `hyper::post`.
-        let mut moe_out = vec![0f32; h];
-        for (ye, we) in y.chunks(h).zip(&w) {
-            for (o, v) in moe_out.iter_mut().zip(ye) {
-                *o += v * we;
-            }
-        }
-        if separate {
-            for (o, v) in moe_out.iter_mut().zip(&shared) {
-                *o += gate * v;
-            }
-        }
+        // `moe::combine` over the routed experts (the shared one, when it
+        // runs in the arena, is the last of them with its gate as weight),
+        // then `hyper::post`.
+        let routes: Vec<(usize, f32)> = w.iter().map(|&p| (0, p)).collect();
+        let moe_out = if separate { moe::combine(&routes, &y, &shared, gate) } else { moe::combine(&routes, &y, &vec![0.0; h], 0.0) };
         let mut want = residual.clone();
         hyper::post(&mut want, &moe_out, &inject);
 

@@ -1,8 +1,8 @@
 //! `ple_mix`: the PLE injection after its key/value projections.
 
 use super::*;
+use crate::cpu::ple;
 use crate::model::config::PleConfig;
-use crate::model::ple::{self, PleState};
 use crate::model::weights::Ple;
 use crate::vulkan::pipelines::PleMixPush;
 
@@ -11,7 +11,10 @@ fn ple_mix() {
     let Some(g) = gpu() else { return };
     // (streams, hidden, heads per n-gram): the real 4 x 2560 with 8 heads of
     // 160, and a small hidden below the 256-wide workgroup.
-    for (c, h, per_ngram) in [(4, 2560, 8), (4, 64, 2), (2, 300, 3)] {
+    // (streams, hidden, heads per n-gram, rewind window, position): the real
+    // 4 x 2560 with 8 heads of 160, and a small hidden below the 256-wide
+    // workgroup; positions at the start and where the ring has wrapped.
+    for (c, h, per_ngram, window, pos) in [(4, 2560, 8, 4, 77), (4, 64, 2, 1, 3), (2, 300, 3, 2, 0)] {
         let mut r = Rng::new((c * h) as u64);
         let (ngram, kernel) = (3, 4);
         let heads = (ngram - 1) * per_ngram;
@@ -39,22 +42,20 @@ fn ple_mix() {
             norm_conv: r.gamma(ch),
             conv: r.vec(ch * kernel, 0.7),
         };
-        let hist_rows = (kernel - 1) * ngram;
-        let before = PleState { tokens: vec![17, 23], conv: r.unit(hist_rows * ch) };
+        let rows = ple::conv_rows(&p, window);
+        let before = r.unit(rows * ch);
         let residual = r.vec(ch, 2.0);
-        let token = 42;
+        // The token's table rows, as the walk gathers them, and their projections.
+        let e = crate::model::ple::gather_rows(&table, &p, h, &[17, 23], &[42]);
+        let (key, value) = ple::project(&w, &e);
         let (mut after, mut want) = (before.clone(), residual.clone());
-        ple::forward(&w, &table, &p, &cfg, &mut after, &mut want, token);
-        // The shader's inputs: the key and value projections of the token's
-        // table rows, by the calls `ple::forward` makes first.
-        let e = ple::gather_rows(&table, &p, h, &before.tokens, token);
-        let mut key = vec![0f32; ch];
-        w.key.matvec(&e, &mut key);
-        let mut value = vec![0f32; h];
-        w.value.matvec(&e, &mut value);
+        ple::mix(&w, &p, &cfg, &mut after, pos, &key, &value, &mut want);
+        let (mut whole, mut whole_res) = (before.clone(), residual.clone());
+        ple::forward(&w, &p, &cfg, &mut whole, pos, &e, &mut whole_res);
+        assert_eq!((whole, whole_res), (after.clone(), want.clone()), "ple::forward is ple::project + ple::mix");
 
         let mut b = Bufs::default();
-        let hist = b.st.put(&before.conv);
+        let hist = b.st.put(&before);
         let key_off = b.s.put(&key);
         let value_off = b.s.put(&value);
         let res_off = b.s.put(&residual);
@@ -72,14 +73,15 @@ fn ple_mix() {
             streams: c as u32,
             kernel: kernel as u32,
             dilation: ngram as u32,
+            rows: rows as u32,
+            pos: pos as u32,
             eps: EPS,
         };
-        let n_hist = hist_rows * ch;
-        let out = g.run(Pipe::PleMix, &push, Groups::Fixed([c as u32, 1, 1]), &b, &[(res_off, ch), (tmp_off, ch)], &[(hist, n_hist)]);
-        let what = format!("ple_mix C={c} H={h}");
+        let row = hist + ((pos % rows) * ch) as u32;
+        let out = g.run(Pipe::PleMix, &push, Groups::Fixed([c as u32, 1, 1]), &b, &[(res_off, ch), (tmp_off, ch)], &[(row, ch)]);
+        let what = format!("ple_mix C={c} H={h} ring {rows} pos {pos}");
         check(&format!("{what} residual"), out.s(res_off, ch), &want, 2e-5);
-        let shifted = (hist_rows - 1) * ch;
-        check_exact(&format!("{what} shifted history"), &out.st(hist, n_hist)[..shifted], &after.conv[..shifted]);
-        check(&format!("{what} new history row"), &out.st(hist, n_hist)[shifted..], &after.conv[shifted..], 2e-5);
+        let at = (pos % rows) * ch;
+        check(&format!("{what} new ring row"), out.st(row, ch), &after[at..at + ch], 2e-5);
     }
 }

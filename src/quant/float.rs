@@ -1,5 +1,5 @@
-//! Encoders from `f32` to the ggml float storage types; the quantized types
-//! live in [`crate::quant`].
+//! Encoders from `f32` to the ggml float storage types (the quantized types
+//! are in this module's siblings).
 //!
 //! Each function encodes one contiguous run of values (normally one tensor row)
 //! into little-endian bytes laid out exactly as `ggml-common.h` defines them, and
@@ -7,8 +7,6 @@
 //! doc comment, so a file we write is byte-identical to what llama.cpp's converter
 //! would produce from the same f32 values.
 
-use crate::error::{Error, Result};
-use crate::gguf::GgmlType;
 
 /// Rounds an `f32` to bf16 bits like ggml's `GGML_FP32_TO_BF16` (and gguf-py's
 /// `BF16.quantize_blocks`): round to nearest, ties to even; a NaN keeps its sign
@@ -54,17 +52,10 @@ pub fn encode_bf16(src: &[f32], dst: &mut [u8]) {
     }
 }
 
-pub use crate::quant::legacy::quantize_q8_0;
-
-/// Encodes one row of `src` as `ty` into `dst`, which must be exactly
-/// `ty.row_bytes(src.len())` long (see [`crate::quant::quantize_row`]).
-pub fn encode_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<()> {
-    crate::quant::quantize_row(ty, src, dst).map_err(|e| Error::convert(e.to_string()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::legacy::quantize_q8_0;
 
     #[test]
     fn bf16_rounding_and_nan() {

@@ -1,4 +1,4 @@
-//! The machine a benchmark ran on, its peak memory, and the host's read
+//! The host: what it is (for reports), its peak memory, and its read
 //! bandwidth (the bound for CPU decode).
 
 use rayon::prelude::*;

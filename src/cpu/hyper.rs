@@ -1,0 +1,77 @@
+//! Hyper-connections (`Qwen4ExpTextGatedResidual`): the residual is `C`
+//! streams of `H`; a block reads a sigmoid-weighted mean of the normalised
+//! streams and writes its output back into each stream with weight
+//! `2*sigmoid(.)`.
+//!
+//! The pre step in its stages (each a shader of the Vulkan backend):
+//! [`norm`] (`hc_norm`), [`mix_logits`] (matvecs), [`combine`]
+//! (`hc_combine`), [`inject`] (a matvec with its epilogue).
+
+use super::ops::{rms_norm_grouped, sigmoid, silu};
+use crate::model::weights::HyperConnection;
+
+/// Result of the pre step: the block input and per-stream injection weights.
+pub struct HcPre {
+    /// Block input: [H]
+    pub input: Vec<f32>,
+    /// Injection weight per stream: [C]
+    pub inject: Vec<f32>,
+}
+
+/// `Xn = rms(X_c) * g`, per stream: [C*H] (`gamma`: the hyper-connection's norm).
+pub fn norm(gamma: &[f32], residual: &[f32], streams: usize, eps: f32) -> Vec<f32> {
+    let mut xn = vec![0f32; residual.len()];
+    rms_norm_grouped(residual, gamma, residual.len() / streams, eps, &mut xn);
+    xn
+}
+
+/// The mix logits `up(silu(down(Xn) / C))`: [C*H].
+pub fn mix_logits(hc: &HyperConnection, xn: &[f32], streams: usize) -> Vec<f32> {
+    let mut low = vec![0f32; hc.down.rows()];
+    hc.down.matvec(xn, &mut low);
+    let c = streams as f32;
+    low.iter_mut().for_each(|v| *v = silu(*v / c));
+    let mut mix = vec![0f32; xn.len()];
+    hc.up.matvec(&low, &mut mix);
+    mix
+}
+
+/// `y = mean_c sigmoid(mix_c) * Xn_c`: [H].
+pub fn combine(mix: &[f32], xn: &[f32], streams: usize) -> Vec<f32> {
+    let h = xn.len() / streams;
+    let mut input = vec![0f32; h];
+    for s in 0..streams {
+        for d in 0..h {
+            input[d] += sigmoid(mix[s * h + d]) * xn[s * h + d];
+        }
+    }
+    let c = streams as f32;
+    input.iter_mut().for_each(|v| *v /= c);
+    input
+}
+
+/// `w = 2 * sigmoid(inject(Xn) / C)`: [C]; empty for the output mixer.
+pub fn inject(hc: &HyperConnection, xn: &[f32], streams: usize) -> Vec<f32> {
+    let Some(w) = &hc.inject else { return Vec::new() };
+    let mut logits = vec![0f32; streams];
+    w.matvec(xn, &mut logits);
+    let c = streams as f32;
+    logits.iter().map(|&v| 2.0 * sigmoid(v / c)).collect()
+}
+
+/// The whole pre step.
+pub fn pre(hc: &HyperConnection, residual: &[f32], streams: usize, eps: f32) -> HcPre {
+    let xn = norm(&hc.norm, residual, streams, eps);
+    let mix = mix_logits(hc, &xn, streams);
+    HcPre { input: combine(&mix, &xn, streams), inject: inject(hc, &xn, streams) }
+}
+
+/// `X_c += w_c * o` for every stream.
+pub fn post(residual: &mut [f32], block_out: &[f32], inject: &[f32]) {
+    let h = block_out.len();
+    for (stream, w) in residual.chunks_mut(h).zip(inject) {
+        for (x, o) in stream.iter_mut().zip(block_out) {
+            *x += w * o;
+        }
+    }
+}

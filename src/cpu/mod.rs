@@ -1,0 +1,391 @@
+//! The CPU backend: the network's math in f32 on the host's cores, each
+//! block computed when the walk (`model::forward`) calls it, the matrix
+//! products on `quant::kernels` (exact or integer, per model).
+//!
+//! Every block function comes in the stages the Vulkan backend runs as
+//! shaders, so that each formula exists once: the Vulkan stage twins call
+//! these functions to check the shaders. A batch of `T` tokens runs each
+//! block over its tokens in position order (the recurrent states and
+//! caches advance token by token inside the block).
+
+pub mod gdn;
+pub mod host;
+pub mod hyper;
+pub mod moe;
+pub mod ops;
+pub mod ple;
+pub mod qsa;
+
+use crate::error::{Error, Result};
+use crate::model::backend::{
+    Batch, BackendKind, BackendModel, BackendState, Blocks, Checkpoint, HostLayer, HostState, LogitsFor, Site,
+};
+use crate::model::weights::Mixer;
+use crate::error::copy_of;
+use crate::model::{LayerKind, Model};
+use gdn::{ring_row, GdnState};
+use hyper::HcPre;
+use moe::Expert;
+use ops::Rope;
+use qsa::AttnState;
+
+/// The CPU backend: the weights are the mapped file's (nothing to hold).
+pub struct CpuBackend;
+
+impl BackendModel for CpuBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cpu
+    }
+
+    fn device_name(&self) -> String {
+        host::Machine::describe().cpu
+    }
+
+    fn new_state(&self, model: &Model) -> Result<Box<dyn BackendState>> {
+        Ok(Box::new(CpuState::new(model)?))
+    }
+}
+
+#[derive(Clone)]
+enum LayerState {
+    Gdn(GdnState),
+    Attention(AttnState),
+}
+
+/// A sequence's state on the CPU.
+pub struct CpuState {
+    layers: Vec<LayerState>,
+    /// The PLE conv ring (`cpu::ple`), when the model has PLE.
+    ple_ring: Option<Vec<f32>>,
+}
+
+impl CpuState {
+    fn new(model: &Model) -> Result<CpuState> {
+        let cfg = &model.config;
+        let window = model.rewind_window;
+        let layers = cfg
+            .layers
+            .iter()
+            .map(|k| {
+                Ok(match k {
+                    LayerKind::Linear => LayerState::Gdn(GdnState::new(cfg, window)?),
+                    LayerKind::Attention { .. } => LayerState::Attention(AttnState::default()),
+                })
+            })
+            .collect::<Result<_>>()?;
+        let ple_ring = cfg.ple.as_ref().map(|p| ple::new_ring(cfg, p, window)).transpose()?;
+        Ok(CpuState { layers, ple_ring })
+    }
+}
+
+/// The ring rows of positions `pos - n .. pos`, oldest first, in a ring of rows of `width`.
+fn ring_rows(ring: &[f32], width: usize, pos: usize, n: usize) -> Vec<f32> {
+    let rows = ring.len() / width;
+    let mut out = Vec::with_capacity(n * width);
+    for q in pos as isize - n as isize..pos as isize {
+        let r = ring_row(q, rows);
+        out.extend_from_slice(&ring[r * width..(r + 1) * width]);
+    }
+    out
+}
+
+/// Writes `hist` (rows of positions `pos - n .. pos`, oldest first) into the ring.
+fn set_ring_rows(ring: &mut [f32], width: usize, pos: usize, hist: &[f32]) {
+    let rows = ring.len() / width;
+    let n = hist.len() / width;
+    for (i, row) in hist.chunks_exact(width).enumerate() {
+        let r = ring_row(pos as isize - n as isize + i as isize, rows);
+        ring[r * width..(r + 1) * width].copy_from_slice(row);
+    }
+}
+
+/// What [`CpuState::rollback`] restores: per GDN layer its conv ring and
+/// current recurrent plane, the PLE ring.
+struct CpuCheckpoint {
+    gdn: Vec<Option<(Vec<f32>, Vec<f32>)>>,
+    ple_ring: Option<Vec<f32>>,
+}
+
+impl BackendState for CpuState {
+    fn max_batch(&self) -> usize {
+        usize::MAX
+    }
+
+    fn forward(&mut self, model: &Model, batch: &Batch) -> Result<Vec<f32>> {
+        for l in &mut self.layers {
+            if let LayerState::Attention(a) = l {
+                a.reserve(&model.config, batch.tokens.len())?;
+            }
+        }
+        model.install(|| {
+            let cfg = &model.config;
+            let mut pass = CpuPass { model, state: self, batch, rope: Rope::new(cfg.rope_dims, cfg.rope_theta), logits: Vec::new() };
+            crate::model::forward::forward(model, batch, &mut pass)?;
+            Ok(pass.logits)
+        })
+    }
+
+    fn reset(&mut self) -> Result<()> {
+        for l in &mut self.layers {
+            match l {
+                LayerState::Gdn(g) => {
+                    g.conv.fill(0.0);
+                    g.planes.fill(0.0);
+                }
+                LayerState::Attention(a) => a.clear(),
+            }
+        }
+        if let Some(r) = self.ple_ring.as_mut() {
+            r.fill(0.0);
+        }
+        Ok(())
+    }
+
+    fn rewind(&mut self, model: &Model, to: usize) -> Result<()> {
+        for (l, kind) in self.layers.iter_mut().zip(&model.config.layers) {
+            if let (LayerState::Attention(a), LayerKind::Attention { compress_ratio }) = (l, kind) {
+                a.truncate(&model.config, *compress_ratio, to);
+            }
+        }
+        Ok(())
+    }
+
+    fn checkpoint(&self, model: &Model, pos: usize) -> Result<Checkpoint> {
+        let plane = GdnState::plane_len(&model.config);
+        let gdn = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Gdn(g) => {
+                    let at = pos % (g.planes.len() / plane) * plane;
+                    Ok(Some((copy_of(&g.conv, "GDN conv checkpoint")?, copy_of(&g.planes[at..at + plane], "GDN recurrent checkpoint")?)))
+                }
+                LayerState::Attention(_) => Ok(None),
+            })
+            .collect::<Result<_>>()?;
+        let ple_ring = self.ple_ring.as_deref().map(|r| copy_of(r, "PLE checkpoint")).transpose()?;
+        Ok(Checkpoint { pos, inner: Box::new(CpuCheckpoint { gdn, ple_ring }) })
+    }
+
+    fn rollback(&mut self, model: &Model, checkpoint: &Checkpoint) -> Result<()> {
+        let c = checkpoint.inner.downcast_ref::<CpuCheckpoint>().ok_or_else(|| Error::arg("a checkpoint of another backend"))?;
+        let plane = GdnState::plane_len(&model.config);
+        for (l, saved) in self.layers.iter_mut().zip(&c.gdn) {
+            if let (LayerState::Gdn(g), Some((conv, current))) = (&mut *l, saved) {
+                let at = checkpoint.pos % (g.planes.len() / plane) * plane;
+                g.conv.copy_from_slice(conv);
+                g.planes[at..at + plane].copy_from_slice(current);
+            }
+        }
+        if let (Some(r), Some(saved)) = (self.ple_ring.as_mut(), &c.ple_ring) {
+            r.copy_from_slice(saved);
+        }
+        self.rewind(model, checkpoint.pos)
+    }
+
+    fn try_clone(&self, _model: &Model) -> Result<Box<dyn BackendState>> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(match l {
+                    LayerState::Gdn(g) => LayerState::Gdn(GdnState {
+                        conv: copy_of(&g.conv, "GDN conv state")?,
+                        planes: copy_of(&g.planes, "GDN recurrent state")?,
+                    }),
+                    LayerState::Attention(a) => LayerState::Attention(AttnState {
+                        keys: copy_of(&a.keys, "attention keys")?,
+                        values: copy_of(&a.values, "attention values")?,
+                        index_keys: copy_of(&a.index_keys, "indexer keys")?,
+                        block_keys: copy_of(&a.block_keys, "block keys")?,
+                    }),
+                })
+            })
+            .collect::<Result<_>>()?;
+        let ple_ring = self.ple_ring.as_deref().map(|r| copy_of(r, "PLE conv history")).transpose()?;
+        Ok(Box::new(CpuState { layers, ple_ring }))
+    }
+
+    fn export(&self, model: &Model, pos: usize) -> Result<HostState> {
+        let cfg = &model.config;
+        let plane = GdnState::plane_len(cfg);
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Gdn(g) => {
+                    let at = pos % (g.planes.len() / plane) * plane;
+                    HostLayer::Gdn {
+                        conv: ring_rows(&g.conv, cfg.ssm_conv_dim(), pos, cfg.ssm_conv - 1),
+                        recurrent: g.planes[at..at + plane].to_vec(),
+                    }
+                }
+                LayerState::Attention(a) => HostLayer::Attention {
+                    keys: a.keys.clone(),
+                    values: a.values.clone(),
+                    index_keys: a.index_keys.clone(),
+                    block_keys: a.block_keys.clone(),
+                },
+            })
+            .collect();
+        let ple_conv = match (&self.ple_ring, &cfg.ple) {
+            (Some(r), Some(p)) => Some(ring_rows(r, cfg.hc * cfg.hidden, pos, (p.conv_kernel - 1) * p.ngram)),
+            _ => None,
+        };
+        Ok(HostState { layers, ple_conv })
+    }
+
+    fn import(&mut self, model: &Model, pos: usize, host: HostState) -> Result<()> {
+        let cfg = &model.config;
+        let plane = GdnState::plane_len(cfg);
+        self.reset()?;
+        for (l, h) in self.layers.iter_mut().zip(host.layers) {
+            match (l, h) {
+                (LayerState::Gdn(g), HostLayer::Gdn { conv, recurrent }) => {
+                    set_ring_rows(&mut g.conv, cfg.ssm_conv_dim(), pos, &conv);
+                    let at = pos % (g.planes.len() / plane) * plane;
+                    g.planes[at..at + plane].copy_from_slice(&recurrent);
+                }
+                (LayerState::Attention(a), HostLayer::Attention { keys, values, index_keys, block_keys }) => {
+                    *a = AttnState { keys, values, index_keys, block_keys };
+                }
+                _ => return Err(Error::arg("the host state's layer kinds do not match the model")),
+            }
+        }
+        if let (Some(r), Some(conv)) = (self.ple_ring.as_mut(), host.ple_conv) {
+            set_ring_rows(r, cfg.hc * cfg.hidden, pos, &conv);
+        }
+        Ok(())
+    }
+
+    fn capacity(&self) -> usize {
+        usize::MAX
+    }
+}
+
+/// One batch on the CPU: the activations are host vectors, per token.
+struct CpuPass<'a> {
+    model: &'a Model,
+    state: &'a mut CpuState,
+    batch: &'a Batch<'a>,
+    rope: Rope,
+    logits: Vec<f32>,
+}
+
+/// The router's choice for one token and its shared-expert gate.
+struct Routing {
+    routes: Vec<(usize, f32)>,
+    gate: f32,
+}
+
+impl CpuPass<'_> {
+    fn width(&self) -> usize {
+        self.model.config.hc * self.model.config.hidden
+    }
+}
+
+impl Blocks for CpuPass<'_> {
+    type Streams = Vec<f32>;
+    type Branch = Vec<HcPre>;
+    type Routes = Vec<Routing>;
+    type Experts = Vec<Vec<f32>>;
+
+    fn embed(&mut self, rows: &[f32]) -> Result<Vec<f32>> {
+        let c = self.model.config.hc;
+        Ok(rows.chunks_exact(self.model.config.hidden).flat_map(|row| row.repeat(c)).collect())
+    }
+
+    fn ple(&mut self, layer: usize, rows: &[f32], x: &mut Vec<f32>) -> Result<()> {
+        let (cfg, ch) = (&self.model.config, self.width());
+        let (Some(w), Some(p), Some(ring)) = (&self.model.weights.layers[layer].ple, &cfg.ple, self.state.ple_ring.as_mut()) else {
+            return Ok(());
+        };
+        for (i, (e, xi)) in rows.chunks_exact(cfg.hidden).zip(x.chunks_exact_mut(ch)).enumerate() {
+            ple::forward(w, p, cfg, ring, self.batch.pos + i, e, xi);
+        }
+        Ok(())
+    }
+
+    fn hyper_pre(&mut self, site: Site, x: &Vec<f32>) -> Result<Vec<HcPre>> {
+        let l = &self.model.weights.layers;
+        let hc = match site {
+            Site::Mixer(i) => &l[i].attn_hc,
+            Site::Moe(i) => &l[i].ffn_hc,
+        };
+        let cfg = &self.model.config;
+        Ok(x.chunks_exact(self.width()).map(|xi| hyper::pre(hc, xi, cfg.hc, cfg.eps)).collect())
+    }
+
+    fn gdn(&mut self, layer: usize, branch: &Vec<HcPre>, x: &mut Vec<f32>) -> Result<()> {
+        let (cfg, ch, pos) = (&self.model.config, self.width(), self.batch.pos);
+        let (Mixer::Gdn(w), LayerState::Gdn(st)) = (&self.model.weights.layers[layer].mixer, &mut self.state.layers[layer]) else {
+            unreachable!("weights, config and state agree on layer kinds")
+        };
+        for (i, (b, xi)) in branch.iter().zip(x.chunks_exact_mut(ch)).enumerate() {
+            let y = gdn::forward(w, cfg, st, pos + i, &b.input);
+            hyper::post(xi, &y, &b.inject);
+        }
+        Ok(())
+    }
+
+    fn attention(&mut self, layer: usize, branch: &Vec<HcPre>, x: &mut Vec<f32>) -> Result<()> {
+        let (cfg, ch, pos) = (&self.model.config, self.width(), self.batch.pos);
+        let ratio = match cfg.layers[layer] {
+            LayerKind::Attention { compress_ratio } => compress_ratio,
+            LayerKind::Linear => unreachable!("the walk calls attention on attention layers"),
+        };
+        let (Mixer::Attention(w), LayerState::Attention(st)) = (&self.model.weights.layers[layer].mixer, &mut self.state.layers[layer])
+        else {
+            unreachable!("weights, config and state agree on layer kinds")
+        };
+        for (i, (b, xi)) in branch.iter().zip(x.chunks_exact_mut(ch)).enumerate() {
+            let y = qsa::forward(w, cfg, ratio, &self.rope, st, &b.input, pos + i);
+            hyper::post(xi, &y, &b.inject);
+        }
+        Ok(())
+    }
+
+    fn moe_route(&mut self, layer: usize, branch: &Vec<HcPre>) -> Result<Vec<Routing>> {
+        let w = &self.model.weights.layers[layer].moe;
+        Ok(branch.iter().map(|b| Routing { routes: moe::route(w, &self.model.config, &b.input), gate: moe::shared_gate(w, &b.input) }).collect())
+    }
+
+    fn moe_experts(&mut self, layer: usize, branch: &Vec<HcPre>, routes: &Vec<Routing>) -> Result<Vec<Vec<f32>>> {
+        let w = &self.model.weights.layers[layer].moe;
+        Ok(branch
+            .iter()
+            .zip(routes)
+            .map(|(b, r)| {
+                let mut experts: Vec<Expert> = r.routes.iter().map(|&(e, _)| Expert::Routed(e)).collect();
+                experts.push(Expert::Shared);
+                moe::expert_outputs(w, &self.model.config, &b.input, &experts)
+            })
+            .collect())
+    }
+
+    fn moe_combine(&mut self, _layer: usize, branch: &Vec<HcPre>, routes: &Vec<Routing>, experts: Vec<Vec<f32>>, x: &mut Vec<f32>) -> Result<()> {
+        let (h, ch) = (self.model.config.hidden, self.width());
+        for (((b, r), ys), xi) in branch.iter().zip(routes).zip(&experts).zip(x.chunks_exact_mut(ch)) {
+            let (routed, shared) = ys.split_at(r.routes.len() * h);
+            let y = moe::combine(&r.routes, routed, shared, r.gate);
+            hyper::post(xi, &y, &b.inject);
+        }
+        Ok(())
+    }
+
+    fn head(&mut self, x: &Vec<f32>) -> Result<()> {
+        let (cfg, w) = (&self.model.config, &self.model.weights);
+        let tokens: Vec<&[f32]> = x.chunks_exact(self.width()).collect();
+        let wanted = match self.batch.logits {
+            LogitsFor::Last => &tokens[tokens.len() - 1..],
+            LogitsFor::All => &tokens[..],
+        };
+        let mut logits = crate::error::zeros(wanted.len().checked_mul(cfg.vocab), "logits")?;
+        for (xi, out) in wanted.iter().zip(logits.chunks_exact_mut(cfg.vocab)) {
+            let mixed = hyper::pre(&w.output_hc, xi, cfg.hc, cfg.eps);
+            w.output.matvec(&mixed.input, out);
+        }
+        self.logits = logits;
+        Ok(())
+    }
+}

@@ -1,0 +1,235 @@
+//! The boundary between the network and the hardware that computes it.
+//!
+//! [`super::forward`] walks the network once, for every backend, through
+//! [`Blocks`]: the work of one batch of tokens at block granularity
+//! (embedding, PLE, hyper-connection pre step, Gated DeltaNet, QSA
+//! attention, the MoE as route → experts by id → combine, final mix and LM
+//! head). The CPU backend computes each block when it is called; the Vulkan
+//! backend records commands and submits them at the end (or wherever a block
+//! needs the host, e.g. to read the router's choice). Each backend's
+//! activations are its own ([`Blocks`]' associated types): the walk only
+//! passes them from block to block.
+//!
+//! A backend is two objects: a [`BackendModel`] (the weights where the
+//! backend reads them; one per loaded model, shared by its states) and a
+//! [`BackendState`] per sequence (recurrent states, caches, scratch). The
+//! per-sequence parts every backend shares (position, PLE token history,
+//! logits) live in [`super::State`].
+//!
+//! # Recurrent state across positions: rings
+//!
+//! Every fixed-size state that a token updates is kept for the last `W + 1`
+//! positions (`W` = [`super::Model::rewind_window`]), so a state can step
+//! back up to `W` positions without copying anything:
+//!
+//! * the Gated DeltaNet recurrent state has `W + 1` planes; the state after
+//!   `n` tokens is plane `n mod (W + 1)`, and the token at position `q` reads
+//!   plane `q mod (W + 1)` and writes plane `(q + 1) mod (W + 1)`;
+//! * the causal-conv histories (GDN inputs, PLE normed values) are rings
+//!   indexed by position: the row of position `q` is `q mod R`, with `R` the
+//!   conv's reach plus `W`;
+//! * attention and indexer caches are indexed by position already: rewinding
+//!   forgets the positions past the new end.
+//!
+//! A [`Checkpoint`] covers any distance: it copies the current plane and the
+//! rings (on the device for the GPU) and the caches' lengths.
+
+use super::Model;
+use crate::error::Result;
+
+/// Which hyper-connection reads the streams.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Site {
+    /// The one in front of layer `l`'s token mixer (GDN or attention).
+    Mixer(usize),
+    /// The one in front of layer `l`'s MoE.
+    Moe(usize),
+}
+
+/// Which positions of a batch get logits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LogitsFor {
+    /// The last token only (decoding, prompt processing).
+    #[default]
+    Last,
+    /// Every token (scoring, speculative verification).
+    All,
+}
+
+/// Tokens decoded together: `tokens[i]` at position `pos + i`.
+#[derive(Clone, Copy, Debug)]
+pub struct Batch<'a> {
+    pub tokens: &'a [u32],
+    pub pos: usize,
+    /// The tokens before `pos`, oldest first (at least the PLE n-gram's
+    /// context; EOS stands in for positions before the sequence start).
+    pub history: &'a [u32],
+    pub logits: LogitsFor,
+}
+
+impl Batch<'_> {
+    /// Tokens that get logits.
+    pub fn n_logits(&self) -> usize {
+        match self.logits {
+            LogitsFor::Last => 1,
+            LogitsFor::All => self.tokens.len(),
+        }
+    }
+}
+
+/// One batch's work, block by block. Shapes are per token (`T` tokens,
+/// `C` streams of `H`); every block reads and writes all `T` tokens, in
+/// position order where a block carries state from one token to the next.
+pub trait Blocks {
+    /// The residual streams: [T][C*H].
+    type Streams;
+    /// A hyper-connection's output: the block input [T][H] and the
+    /// injection weights [T][C] its output is added back with.
+    type Branch;
+    /// The router's choice: [T][k] expert ids and weights, and the shared
+    /// expert's gate [T].
+    type Routes;
+    /// Expert outputs waiting to be combined.
+    type Experts;
+
+    /// `rows` ([T][H], gathered on the host) repeated over the `C` streams.
+    fn embed(&mut self, rows: &[f32]) -> Result<Self::Streams>;
+    /// `x += ple(x, e)` on the layer that carries PLE; `rows` ([T][H]) are the
+    /// tokens' n-gram table rows.
+    fn ple(&mut self, layer: usize, rows: &[f32], x: &mut Self::Streams) -> Result<()>;
+    /// The hyper-connection at `site` reads the streams.
+    fn hyper_pre(&mut self, site: Site, x: &Self::Streams) -> Result<Self::Branch>;
+    /// `x += inject * gdn(input)`: layer `layer`'s Gated DeltaNet.
+    fn gdn(&mut self, layer: usize, branch: &Self::Branch, x: &mut Self::Streams) -> Result<()>;
+    /// `x += inject * attention(input)`: layer `layer`'s (QSA) attention.
+    fn attention(&mut self, layer: usize, branch: &Self::Branch, x: &mut Self::Streams) -> Result<()>;
+    /// Router softmax, top-k, renormalised weights, shared-expert gate.
+    fn moe_route(&mut self, layer: usize, branch: &Self::Branch) -> Result<Self::Routes>;
+    /// The chosen experts (and the shared one), by id.
+    fn moe_experts(&mut self, layer: usize, branch: &Self::Branch, routes: &Self::Routes) -> Result<Self::Experts>;
+    /// `x += inject * (sum_e w_e y_e + gate * shared)`.
+    fn moe_combine(
+        &mut self,
+        layer: usize,
+        branch: &Self::Branch,
+        routes: &Self::Routes,
+        experts: Self::Experts,
+        x: &mut Self::Streams,
+    ) -> Result<()>;
+    /// The output mixer and the LM head, for the tokens the batch wants logits of.
+    fn head(&mut self, x: &Self::Streams) -> Result<()>;
+}
+
+/// What a backend is: the choice [`crate::load::Backend`] resolved to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    Cpu,
+    Vulkan,
+}
+
+impl BackendKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Vulkan => "vulkan",
+        }
+    }
+}
+
+/// A model's weights on a backend; shared by every state of the model.
+pub trait BackendModel: Send + Sync {
+    fn kind(&self) -> BackendKind;
+    /// The device, e.g. "NVIDIA H200"; the CPU's model name on the CPU.
+    fn device_name(&self) -> String;
+    /// Bytes of device memory in use (weights and every live state); 0 on the CPU.
+    fn device_bytes_used(&self) -> u64 {
+        0
+    }
+    /// An empty sequence state.
+    fn new_state(&self, model: &Model) -> Result<Box<dyn BackendState>>;
+}
+
+/// Counts of the last forward pass's device work (zero on the CPU).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PassStats {
+    pub dispatches: u32,
+    pub barriers: u32,
+    pub submits: u32,
+    /// Bytes of weights the pass read (each matrix once).
+    pub weight_bytes: u64,
+}
+
+/// One sequence's state on a backend. Every method leaves the state as it
+/// was when it returns an error, except where it says the state is lost
+/// (then [`super::State`] refuses further use until a reset).
+pub trait BackendState: Send {
+    /// Most tokens one [`BackendState::forward`] takes.
+    fn max_batch(&self) -> usize;
+    /// Runs `batch` through the network (the walk of [`super::forward`])
+    /// and returns the logits it asks for: [n][V]. An `Err` that is not
+    /// [`crate::Error::StateLost`] changed nothing.
+    fn forward(&mut self, model: &Model, batch: &Batch) -> Result<Vec<f32>>;
+    /// Zeroes every recurrent state (the caches are then unread).
+    fn reset(&mut self) -> Result<()>;
+    /// Forgets the positions from `to` on (`pos - to` within the rewind window).
+    fn rewind(&mut self, model: &Model, to: usize) -> Result<()>;
+    /// Saves what [`BackendState::rollback`] needs to return to position `pos`.
+    fn checkpoint(&self, model: &Model, pos: usize) -> Result<Checkpoint>;
+    /// Returns to a checkpoint taken from this state.
+    fn rollback(&mut self, model: &Model, checkpoint: &Checkpoint) -> Result<()>;
+    /// An independent copy.
+    fn try_clone(&self, model: &Model) -> Result<Box<dyn BackendState>>;
+    /// The state after `pos` tokens in the host layout of snapshots.
+    fn export(&self, model: &Model, pos: usize) -> Result<HostState>;
+    /// Loads `host` (as [`BackendState::export`] gives it) as the state after `pos` tokens.
+    fn import(&mut self, model: &Model, pos: usize, host: HostState) -> Result<()>;
+    /// Device work of the last forward pass (`None` on the CPU).
+    fn pass_stats(&self) -> Option<PassStats> {
+        None
+    }
+    /// Times every device stage of the following passes (an error where the backend cannot).
+    fn enable_profiling(&mut self) -> Result<()> {
+        Err(crate::Error::arg("profiling: this backend has no device stages to time"))
+    }
+    /// Milliseconds per device stage of the last pass, once profiling is enabled.
+    fn stage_ms(&self) -> Vec<(&'static str, f64)> {
+        Vec::new()
+    }
+    /// Positions the caches hold now (they grow with the context).
+    fn capacity(&self) -> usize;
+}
+
+/// A backend's saved state ([`BackendState::checkpoint`]); opaque to the model.
+pub struct Checkpoint {
+    pub(crate) pos: usize,
+    pub(crate) inner: Box<dyn std::any::Any + Send>,
+}
+
+/// A layer's state in the host layout (snapshots; CPU and GPU alike).
+#[derive(Clone, Debug, PartialEq)]
+pub enum HostLayer {
+    Gdn {
+        /// The last `Kc - 1` conv inputs, oldest first: [Kc-1][Dc]
+        conv: Vec<f32>,
+        /// [nv][dk][dv]
+        recurrent: Vec<f32>,
+    },
+    Attention {
+        /// Roped, normed keys: [pos][nkv*hd]
+        keys: Vec<f32>,
+        /// [pos][nkv*hd]
+        values: Vec<f32>,
+        /// Raw indexer keys: [pos][id]
+        index_keys: Vec<f32>,
+        /// Pooled, normed, roped keys of complete blocks: [pos/r][id]
+        block_keys: Vec<f32>,
+    },
+}
+
+/// A sequence's backend state in the host layout.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostState {
+    pub layers: Vec<HostLayer>,
+    /// The PLE conv history, oldest first: [(Kp-1)*G][C*H]
+    pub ple_conv: Option<Vec<f32>>,
+}

@@ -1,0 +1,124 @@
+//! The scratch buffer of a GPU state: every activation of a token at a
+//! fixed float offset. The host uploads the first `input_len` floats
+//! (residual seed, PLE rows, RoPE tables) each token; the regions that scale
+//! with the context (block scores, selection, attention weights) sit at the
+//! end, so every other offset is the same at any capacity.
+
+use crate::error::{Error, Result};
+use crate::model::{Config, LayerKind};
+
+/// Float offsets of every activation in the scratch buffer.
+#[derive(Default, Debug)]
+pub(crate) struct ScratchLayout {
+    pub residual: u32,
+    pub ple_rows: u32,
+    pub rope: u32,
+    /// One block-key table per attention layer.
+    pub block_rope: u32,
+    /// End of the region the host uploads per token.
+    pub input_len: u32,
+    pub xn: u32,
+    pub low: u32,
+    pub mix: u32,
+    pub input: u32,
+    pub inject: u32,
+    pub ple_key: u32,
+    pub ple_value: u32,
+    pub ple_tmp: u32,
+    pub qkv: u32,
+    pub z: u32,
+    pub beta: u32,
+    pub alpha: u32,
+    pub conv_out: u32,
+    pub gdn_out: u32,
+    pub qg: u32,
+    pub k: u32,
+    pub v: u32,
+    pub q: u32,
+    pub iq: u32,
+    pub ik: u32,
+    pub scores: u32,
+    pub sel: u32,
+    pub att_tmp: u32,
+    pub att_out: u32,
+    pub router: u32,
+    pub ids: u32,
+    pub weights: u32,
+    pub exp_h: u32,
+    pub exp_y: u32,
+    pub sh_h: u32,
+    pub sh_y: u32,
+    pub logits: u32,
+    pub total: u32,
+}
+
+impl ScratchLayout {
+    pub fn new(cfg: &Config, n_ctx: usize) -> Result<Self> {
+        let (h, c) = (cfg.hidden, cfg.hc);
+        let n_attn = cfg.layers.iter().filter(|k| **k != LayerKind::Linear).count();
+        let (ih, id) = cfg.qsa.as_ref().map_or((0, 0), |q| (q.n_heads, q.head_dim));
+        let mut at = 0usize;
+        let mut next = |n: usize| {
+            let o = at;
+            at += n.div_ceil(4) * 4;
+            o as u32
+        };
+        let mut l = ScratchLayout {
+            residual: next(c * h),
+            ple_rows: next(if cfg.ple.is_some() { h } else { 0 }),
+            rope: next(cfg.rope_dims),
+            block_rope: next(n_attn * cfg.rope_dims),
+            ..Default::default()
+        };
+        l.input_len = next(0);
+        l.xn = next(c * h);
+        // Outputs of fused projections are contiguous.
+        l.low = next(cfg.hc_rank + c);
+        l.inject = l.low + cfg.hc_rank as u32;
+        l.mix = next(c * h);
+        l.input = next(h);
+        l.ple_key = next(c * h);
+        l.ple_value = next(h);
+        l.ple_tmp = next(c * h);
+        let dv = cfg.ssm_v_heads * cfg.ssm_head_dim;
+        l.qkv = next(cfg.ssm_conv_dim() + dv + 2 * cfg.ssm_v_heads);
+        l.z = l.qkv + cfg.ssm_conv_dim() as u32;
+        l.beta = l.z + dv as u32;
+        l.alpha = l.beta + cfg.ssm_v_heads as u32;
+        l.conv_out = next(cfg.ssm_conv_dim());
+        l.gdn_out = next(dv);
+        let (nh, kv) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
+        l.qg = next(2 * nh + 2 * kv + id + ih * id);
+        l.k = l.qg + 2 * nh as u32;
+        l.v = l.k + kv as u32;
+        l.ik = l.v + kv as u32;
+        l.iq = l.ik + id as u32;
+        l.q = next(nh);
+        l.att_out = next(nh);
+        l.router = next(cfg.n_experts);
+        // The chosen experts, and the shared one when it runs in the arena.
+        let k = cfg.n_experts_used + 1;
+        l.ids = next(k);
+        l.weights = next(k);
+        l.exp_h = next(k * exp_h_stride(cfg) as usize);
+        l.exp_y = next(k * h);
+        l.sh_h = next(cfg.shared_ff);
+        l.sh_y = next(h);
+        l.logits = next(cfg.vocab);
+        // Last: the regions that scale with the capacity.
+        l.scores = next(n_ctx);
+        l.sel = next(n_ctx);
+        l.att_tmp = next(cfg.n_heads * n_ctx);
+        l.total = next(0);
+        if at > u32::MAX as usize / 4 {
+            return Err(Error::OutOfMemory(format!("GPU scratch of {at} floats is too large; lower n_ctx")));
+        }
+        Ok(l)
+    }
+}
+
+/// Floats between consecutive experts' hidden activations: the expert width
+/// rounded up to 4, as the down matvec reads its input in vec4s.
+pub(crate) fn exp_h_stride(cfg: &Config) -> u32 {
+    cfg.expert_ff.div_ceil(4) as u32 * 4
+}

@@ -1,0 +1,227 @@
+//! One test body, every backend: each test below runs on the CPU and on
+//! Vulkan (lavapipe in CI, under the validation layer), through the same
+//! public API, with the same bounds. [`every_backend!`] writes one `#[test]`
+//! per backend from each body (`cpu::name`, `vulkan::name`).
+//!
+//! - `golden_f32`: every reference fixture converted to F32 and decoded
+//!   token by token, against transformers' logits at every position before a
+//!   flagged QSA tie: ≤ 1e-4 of the reference's largest logit.
+//! - batches, rewinds, checkpoints, copies and snapshots: each compared with
+//!   plain token-by-token decoding on the same backend, bit for bit (they run
+//!   the same kernels on the same inputs).
+//!
+//! Without a Vulkan device the `vulkan::` tests print why and pass, unless
+//! `FNX_REQUIRE_VULKAN=1` (scripts/test.sh sets it).
+
+mod golden;
+mod vulkan_util;
+
+use flashnext::convert::OutType;
+use flashnext::model::LogitsFor;
+use flashnext::{Backend, Error, LoadOptions, Model, State};
+use golden::Manifest;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use vulkan_util::{converted, fixture_dir};
+
+/// The backends a test body runs on.
+#[derive(Clone, Copy, Debug)]
+enum On {
+    Cpu,
+    Vulkan,
+}
+
+impl On {
+    /// `path` loaded for this backend with `opts`, or `None` (a skip) when
+    /// Vulkan is absent and not required.
+    fn load(self, path: &Path, opts: LoadOptions) -> Option<Arc<Model>> {
+        match self {
+            On::Cpu => Some(Model::load(path, &LoadOptions { backend: Backend::Cpu, ..opts }).unwrap()),
+            On::Vulkan => vulkan_util::load_gpu_with(path, opts),
+        }
+    }
+}
+
+/// `every_backend! { fn name(on) { body } ... }`: a `cpu::name` and a
+/// `vulkan::name` test running `body` with `on` the backend.
+macro_rules! every_backend {
+    ($(fn $name:ident($on:ident) $body:block)*) => {
+        $(fn $name($on: On) $body)*
+        mod cpu {
+            $(#[test] fn $name() { super::$name(super::On::Cpu) })*
+        }
+        mod vulkan {
+            $(#[test] fn $name() { super::$name(super::On::Vulkan) })*
+        }
+    };
+}
+
+fn fixtures() -> Vec<PathBuf> {
+    ["tiny_flat", "tiny_native", "tiny_nested"].iter().map(|f| fixture_dir(f)).collect()
+}
+
+fn logits(s: &State) -> Vec<u32> {
+    s.logits().expect("a token was decoded").iter().map(|v| v.to_bits()).collect()
+}
+
+/// Tokens `0..n` of a fixture's vocabulary, varied.
+fn tokens(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 37 + seed * 11 + 5) % 300).collect()
+}
+
+/// Decodes `toks` one at a time; the logits after each.
+fn one_by_one(s: &mut State, toks: &[u32]) -> Vec<Vec<u32>> {
+    toks.iter().map(|&t| {
+        s.decode(t).unwrap();
+        logits(s)
+    }).collect()
+}
+
+/// The tiny_native fixture in F32, loaded for `on` with a rewind window of 3.
+fn native(on: On) -> Option<Arc<Model>> {
+    let path = converted("tiny_native", OutType::F32);
+    on.load(&path, LoadOptions { rewind_window: 3, ..Default::default() })
+}
+
+every_backend! {
+    fn golden_f32(on) {
+        for fixture in fixtures() {
+            let name = fixture.file_name().unwrap().to_string_lossy().into_owned();
+            let manifest = Manifest::read(&fixture);
+            let path = converted(&name, OutType::F32);
+            let Some(model) = on.load(&path, LoadOptions::default()) else { return };
+            let vocab = model.vocab_size();
+            assert_eq!(manifest.vocab_size, vocab);
+            let (mut worst, mut n) = (0f32, 0);
+            for seq in &manifest.sequences {
+                let want_all = seq.logits(&fixture);
+                let mut s = State::new(model.clone()).unwrap();
+                for (pos, &t) in seq.tokens.iter().enumerate().take(seq.first_tie()) {
+                    s.decode(t).unwrap();
+                    let want = &want_all[pos * vocab..(pos + 1) * vocab];
+                    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let got = s.logits().unwrap();
+                    let err = got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+                    assert!(err <= 1e-4, "{on:?} {name} {} position {pos}: rel err {err:.3e}", seq.name);
+                    worst = worst.max(err);
+                    n += 1;
+                }
+            }
+            println!("{on:?} {name}: worst rel err {worst:.3e} over {n} positions");
+            assert!(n > 0);
+        }
+    }
+
+    fn batches_match_token_by_token(on) {
+        let Some(model) = native(on) else { return };
+        let toks = tokens(23, 1);
+        let mut a = State::new(model.clone()).unwrap();
+        let want = one_by_one(&mut a, &toks);
+        let mut b = State::new(model.clone()).unwrap();
+        let mut got = Vec::new();
+        // Batches of 1, 7 and the rest, with every position's logits.
+        for chunk in [&toks[..1], &toks[1..8], &toks[8..]] {
+            let all = b.decode_batch(chunk, LogitsFor::All).unwrap();
+            got.extend(all.chunks_exact(model.vocab_size()).map(|l| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>()));
+        }
+        assert_eq!(got, want);
+        assert_eq!(logits(&b), logits(&a));
+        // The last position only, by default.
+        let mut c = State::new(model.clone()).unwrap();
+        let last = c.decode_batch(&toks, LogitsFor::Last).unwrap();
+        assert_eq!(last.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want[toks.len() - 1]);
+    }
+
+    fn rewinds_return_exactly(on) {
+        let Some(model) = native(on) else { return };
+        let (w, toks, other) = (model.rewind_window, tokens(20, 2), tokens(6, 9));
+        let mut reference = State::new(model.clone()).unwrap();
+        let want = one_by_one(&mut reference, &toks);
+        let mut s = State::new(model.clone()).unwrap();
+        one_by_one(&mut s, &toks[..12]);
+        for k in 0..=w {
+            // Back k positions, then down another path, then back and on the first path again.
+            s.rewind(12 - k).unwrap();
+            assert_eq!(s.position(), 12 - k);
+            if k > 0 {
+                assert_eq!(logits(&s), want[11 - k], "{on:?}: logits after rewinding {k}");
+            }
+            one_by_one(&mut s, &other[..k]);
+            s.rewind(12 - k).unwrap();
+            assert_eq!(one_by_one(&mut s, &toks[12 - k..12]), want[12 - k..12].to_vec(), "{on:?}: rewound {k}");
+        }
+        // A batch's positions are all reachable again.
+        s.decode_batch(&toks[12..15], LogitsFor::Last).unwrap();
+        assert_eq!(s.rewind_floor(), 15 - w);
+        s.rewind(13).unwrap();
+        assert_eq!(one_by_one(&mut s, &toks[13..20]), want[13..20].to_vec());
+        // Beyond the window: refused, nothing changed.
+        let floor = s.rewind_floor();
+        assert_eq!(floor, 20 - w);
+        assert!(matches!(s.rewind(floor - 1), Err(Error::InvalidArgument(_))));
+        assert!(matches!(s.rewind(21), Err(Error::InvalidArgument(_))));
+        assert_eq!((s.position(), logits(&s)), (20, want[19].clone()));
+    }
+
+    fn failed_and_aborted_calls_leave_the_state(on) {
+        let Some(model) = native(on) else { return };
+        let toks = tokens(30, 3);
+        let mut s = State::new(model.clone()).unwrap();
+        one_by_one(&mut s, &toks[..5]);
+        let snap = s.save().unwrap();
+        // An abort after more tokens than the window: undone by a checkpoint.
+        let mut n = 0;
+        let r = flashnext::generate::decode_tokens(&mut s, &toks[5..20], &mut || { n += 1; n > 12 });
+        assert!(matches!(r, Err(Error::Aborted)));
+        assert_eq!(s.save().unwrap(), snap);
+        // Within the window: undone by a rewind.
+        let mut n = 0;
+        let r = flashnext::generate::decode_tokens(&mut s, &toks[5..8], &mut || { n += 1; n > 2 });
+        assert!(matches!(r, Err(Error::Aborted)));
+        assert_eq!(s.save().unwrap(), snap);
+        // A bad token anywhere: refused before anything runs.
+        assert!(matches!(s.decode_batch(&[1, 2, 1_000_000], LogitsFor::Last), Err(Error::TokenOutOfRange(_))));
+        assert_eq!(s.save().unwrap(), snap);
+        let mut reference = State::new(model.clone()).unwrap();
+        let want = one_by_one(&mut reference, &toks);
+        assert_eq!(one_by_one(&mut s, &toks[5..]), want[5..].to_vec());
+    }
+
+    fn copies_and_snapshots_continue_exactly(on) {
+        let Some(model) = native(on) else { return };
+        let toks = tokens(18, 4);
+        let mut reference = State::new(model.clone()).unwrap();
+        let want = one_by_one(&mut reference, &toks);
+        let mut s = State::new(model.clone()).unwrap();
+        one_by_one(&mut s, &toks[..9]);
+        let mut copy = s.try_clone().unwrap();
+        let mut restored = State::new(model.clone()).unwrap();
+        restored.restore(&s.save().unwrap()).unwrap();
+        assert_eq!(one_by_one(&mut s, &toks[9..]), want[9..].to_vec());
+        assert_eq!(one_by_one(&mut copy, &toks[9..]), want[9..].to_vec());
+        assert_eq!(one_by_one(&mut restored, &toks[9..]), want[9..].to_vec());
+        // A restored state starts its rewind window at the snapshot.
+        assert_eq!(restored.rewind_floor(), 18 - model.rewind_window);
+        // Rewound into a batch that computed only its last logits: a position
+        // without logits, which a snapshot carries as such.
+        let mut t = State::new(model.clone()).unwrap();
+        one_by_one(&mut t, &toks[..9]);
+        t.decode_batch(&toks[9..14], LogitsFor::Last).unwrap();
+        t.rewind(12).unwrap();
+        assert_eq!(t.logits(), None);
+        let mut again = State::new(model.clone()).unwrap();
+        again.restore(&t.save().unwrap()).unwrap();
+        assert_eq!((again.position(), again.logits()), (12, None));
+        assert_eq!(one_by_one(&mut again, &toks[12..]), want[12..].to_vec());
+    }
+
+    fn reset_forgets_everything(on) {
+        let Some(model) = native(on) else { return };
+        let toks = tokens(10, 5);
+        let mut s = State::new(model.clone()).unwrap();
+        let want = one_by_one(&mut s, &toks);
+        s.reset().unwrap();
+        assert_eq!((s.position(), s.logits(), s.rewind_floor()), (0, None, 0));
+        assert_eq!(one_by_one(&mut s, &toks), want);
+    }
+}
