@@ -45,7 +45,7 @@ layout(push_constant) uniform Push {
     uint expert_off;  // ARENA: scratch offset of the chosen expert ids
     uint x_stride;    // a multiple of 4
     uint y_stride;
-    uint slot_table;  // ARENA: params offset of this layer's slot table
+    uint slot_table;  // ARENA: params offset of this layer's slot table; ~0: the ids are slots
     uint slots_per_slab;
     uint slot_bytes;
     uint part_off;    // ARENA: byte offset of this matrix inside a slot
@@ -73,8 +73,10 @@ void main() {
     uint k = gl_WorkGroupID.y;
     uint base = 0u;
 #ifdef ARENA
+    // An expert id through the layer's slot table, or (slot_table = ~0, the
+    // expert cache's host-chosen slots) the slot itself.
     uint id = floatBitsToUint(s[pc.expert_off + k]);
-    uint slot = floatBitsToUint(prm[pc.slot_table + id]);
+    uint slot = pc.slot_table == 0xffffffffu ? id : floatBitsToUint(prm[pc.slot_table + id]);
     g_slab = slot / pc.slots_per_slab;
     base = (slot % pc.slots_per_slab) * pc.slot_bytes + pc.part_off;
 #endif

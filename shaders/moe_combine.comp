@@ -2,7 +2,8 @@
 // MoE output and residual write-back, WG columns per workgroup (each
 // workgroup computes the shared-expert gate, a dot over h, itself):
 // out = sum_k w_k y_k (+ sigmoid(shared_gate . x) * shared when the shared
-// expert ran outside the arena); X_c += inject_c * out.
+// expert ran outside the arena) (+ the experts the host computed, already
+// weighted and summed, with the expert cache); X_c += inject_c * out.
 #define WG 256
 #include "common.glsl"
 
@@ -18,6 +19,7 @@ layout(push_constant) uniform Push {
     uint k;
     uint streams;
     uint shared_separate;
+    uint partial_off; // [h] the host's weighted sum of the experts it computed; ~0: none
 } pc;
 
 void main() {
@@ -31,6 +33,7 @@ void main() {
         float out_d = 0.0;
         for (uint e = 0u; e < pc.k; e++) out_d += s[pc.y_off + e * h + d] * s[pc.w_off + e];
         if (pc.shared_separate == 1u) out_d += sg * s[pc.shared_off + d];
+        if (pc.partial_off != 0xffffffffu) out_d += s[pc.partial_off + d];
         for (uint c = 0u; c < pc.streams; c++) s[pc.res_off + c * h + d] += s[pc.inject_off + c] * out_d;
     }
 }

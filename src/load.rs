@@ -38,8 +38,17 @@ pub struct LoadOptions {
     pub backend: Backend,
     /// Vulkan device index; `FNX_DEVICE=N` wins.
     pub device_index: usize,
-    /// Device memory the Vulkan backend may use, in MiB (0 = no limit); `FNX_VRAM_BUDGET_MB=N` wins.
+    /// Device memory the Vulkan backend may use at most, in MiB (0 = nine
+    /// tenths of the device's); `FNX_VRAM_BUDGET_MB=N` wins. What the dense
+    /// weights and one state leave becomes expert-cache slots when not every
+    /// routed expert fits (see `vulkan::model`).
     pub vram_budget_mb: u64,
+    /// Expert-cache slots per layer, forced (`None` = from the budget; as many
+    /// as there are experts = all resident); `FNX_EXPERT_CACHE_SLOTS=N` wins.
+    pub expert_cache_slots: Option<usize>,
+    /// A routing profile (`model::profile`) whose most used experts fill the
+    /// expert cache at load; `FNX_ROUTING_PROFILE=FILE` wins.
+    pub routing_profile: Option<std::path::PathBuf>,
     /// Largest number of positions a state may hold; 0 = the model's `context_length`.
     pub n_ctx: usize,
     /// Worker threads for this model's matrix products; 0 = rayon's global pool (all cores).
@@ -74,6 +83,8 @@ impl std::fmt::Debug for LoadOptions {
             .field("backend", &self.backend)
             .field("device_index", &self.device_index)
             .field("vram_budget_mb", &self.vram_budget_mb)
+            .field("expert_cache_slots", &self.expert_cache_slots)
+            .field("routing_profile", &self.routing_profile)
             .field("cpu_kernels", &self.cpu_kernels)
             .field("rewind_window", &self.rewind_window)
             .field("progress", &self.progress.as_ref().map(|_| "Fn(f32) -> bool"))
@@ -104,6 +115,13 @@ impl LoadOptions {
             let k = Kernels::parse(&v).ok_or_else(|| Error::arg(format!("FNX_CPU_KERNELS={v:?}: expected exact or fast")))?;
             o.cpu_kernels = o.cpu_kernels.or(Some(k));
         }
+        if let Some(v) = env_value("FNX_EXPERT_CACHE_SLOTS") {
+            o.expert_cache_slots =
+                Some(v.parse().map_err(|_| Error::arg(format!("FNX_EXPERT_CACHE_SLOTS={v:?}: expected a number of slots per layer")))?);
+        }
+        if let Some(v) = env_value("FNX_ROUTING_PROFILE") {
+            o.routing_profile = Some(v.into());
+        }
         if let Some(v) = env_value("FNX_REWIND_WINDOW") {
             o.rewind_window = v.parse().map_err(|_| Error::arg(format!("FNX_REWIND_WINDOW={v:?}: expected a number of positions")))?;
         }
@@ -122,6 +140,15 @@ impl LoadOptions {
     }
 }
 
+/// The rewind window `opts` asks for (0 = the default).
+fn rewind_window(opts: &LoadOptions) -> usize {
+    if opts.rewind_window == 0 {
+        DEFAULT_REWIND_WINDOW
+    } else {
+        opts.rewind_window
+    }
+}
+
 fn env_value(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
@@ -133,27 +160,45 @@ fn env_value(name: &str) -> Option<String> {
 fn choose_backend(
     config: &Config,
     weights: &Weights,
-    file: &GgufFile,
     opts: &LoadOptions,
+    n_ctx: usize,
+    host: &(dyn Fn(&mut (dyn FnMut() + Send)) + Sync),
 ) -> Result<(Box<dyn BackendModel>, String)> {
     let budget = opts.vram_budget_mb.saturating_mul(1 << 20);
     let choice = |index| crate::vulkan::DeviceChoice { index, budget };
+    let warm = opts.routing_profile.as_deref().map(|p| crate::model::profile::RoutingProfile::load(p, config)).transpose()?;
+    let placement = crate::vulkan::ExpertPlacement {
+        forced_slots: opts.expert_cache_slots,
+        state_positions: n_ctx.min(crate::vulkan::INITIAL_CAPACITY),
+        window: rewind_window(opts),
+        warm,
+    };
+    let vulkan = |index| crate::vulkan::VulkanBackend::load(config, weights, &choice(index), &placement, host);
     let cpu = || Box::new(CpuBackend);
+    let placed = |gpu: &crate::vulkan::VulkanBackend| {
+        let r = gpu.report();
+        if r.resident {
+            "every expert resident".to_string()
+        } else {
+            format!("expert cache of {} slots per layer", r.slots_per_layer)
+        }
+    };
     match opts.backend {
         Backend::Cpu => Ok((cpu(), "cpu (requested)".into())),
         Backend::Vulkan => {
-            let gpu = crate::vulkan::VulkanBackend::load(config, weights, &choice(opts.device_index))?;
-            let note = format!("vulkan on {} (requested)", gpu.device_name());
+            let gpu = vulkan(opts.device_index)?;
+            let note = format!("vulkan on {} (requested; {})", gpu.device_name(), placed(&gpu));
             Ok((Box::new(gpu), note))
         }
         Backend::Auto => {
-            let need = crate::vulkan::device_weight_bytes(file);
+            // The GPU whenever the dense part fits: experts beyond it are cached.
+            let need = crate::vulkan::dense_weight_bytes(weights);
             let picked = crate::vulkan::probe()
                 .map_err(|e| e.to_string())
                 .and_then(|devices| auto_device(&devices, opts.device_index, need, budget));
-            match picked.and_then(|i| crate::vulkan::VulkanBackend::load(config, weights, &choice(i)).map_err(|e| e.to_string())) {
+            match picked.and_then(|i| vulkan(i).map_err(|e| e.to_string())) {
                 Ok(gpu) => {
-                    let note = format!("vulkan on {} (auto)", gpu.device_name());
+                    let note = format!("vulkan on {} (auto; {})", gpu.device_name(), placed(&gpu));
                     Ok((Box::new(gpu), note))
                 }
                 Err(why) => Ok((cpu(), format!("cpu (auto: {why})"))),
@@ -168,8 +213,8 @@ fn choose_backend(
 /// path) whose largest device-local heap, capped by `budget` (0 = none),
 /// holds the `need` bytes of weights uploaded plus an eighth and 512 MiB for
 /// caches and scratch. `index` other than 0 restricts the choice to that
-/// device. Every routed expert must be resident today, so a model larger
-/// than the device stays on the CPU.
+/// device. `need` is the dense part (the routed experts beyond the room
+/// are cached), so a model larger than the device still runs on it.
 pub fn auto_device(
     devices: &[crate::vulkan::DeviceInfo],
     index: usize,
@@ -277,7 +322,15 @@ impl Model {
         } else {
             None
         };
-        let (backend, backend_note) = choose_backend(&config, &weights, &file, opts)?;
+        let kernels = opts.cpu_kernels.unwrap_or_else(Kernels::from_env);
+        let host = |f: &mut (dyn FnMut() + Send)| {
+            let run = || crate::quant::kernels::with_kernels(kernels, f);
+            match &pool {
+                Some(p) => p.install(run),
+                None => run(),
+            }
+        };
+        let (backend, backend_note) = choose_backend(&config, &weights, opts, n_ctx, &host)?;
         opts.report(1.0)?;
         Ok(Arc::new(Model {
             backend,
@@ -286,9 +339,9 @@ impl Model {
             weights,
             metadata: file.metadata,
             n_ctx,
-            rewind_window: if opts.rewind_window == 0 { DEFAULT_REWIND_WINDOW } else { opts.rewind_window },
+            rewind_window: rewind_window(opts),
             pool,
-            cpu_kernels: opts.cpu_kernels.unwrap_or_else(Kernels::from_env),
+            cpu_kernels: kernels,
             fingerprint,
             file_size,
             tensor_types: census,

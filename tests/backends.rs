@@ -225,3 +225,124 @@ every_backend! {
         assert_eq!(one_by_one(&mut s, &toks), want);
     }
 }
+
+/// The expert cache: with 0, 1 and 2 slots per layer (most experts then run
+/// on the host, some are uploaded), every golden position still matches
+/// transformers within the GPU's bound, also across snapshots, copies,
+/// rewinds and resets; the cache's contents never change a result.
+#[test]
+fn vulkan_expert_cache_matches_transformers() {
+    for slots in [0, 1, 2] {
+        for fixture in fixtures() {
+            let name = fixture.file_name().unwrap().to_string_lossy().into_owned();
+            let manifest = Manifest::read(&fixture);
+            let path = converted(&name, OutType::F32);
+            let opts = LoadOptions { expert_cache_slots: Some(slots), ..Default::default() };
+            let Some(model) = On::Vulkan.load(&path, opts) else { return };
+            let cache = model.expert_cache().expect("a cache when fewer slots than experts");
+            assert_eq!(cache.slots_per_layer, slots);
+            assert!(model.backend_note().contains(&format!("expert cache of {slots} slots")), "{}", model.backend_note());
+            let vocab = model.vocab_size();
+            let mut worst = 0f32;
+            for seq in &manifest.sequences {
+                let want_all = seq.logits(&fixture);
+                let n = seq.tokens.len().min(seq.first_tie());
+                let check = |s: &State, pos: usize, worst: &mut f32| {
+                    let want = &want_all[pos * vocab..(pos + 1) * vocab];
+                    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let err = s.logits().unwrap().iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+                    assert!(err <= 1e-4, "{name} {} slots {slots} position {pos}: rel err {err:.3e}", seq.name);
+                    *worst = worst.max(err);
+                };
+                let mut s = State::new(model.clone()).unwrap();
+                for pos in 0..n {
+                    s.decode(seq.tokens[pos]).unwrap();
+                    check(&s, pos, &mut worst);
+                    // Half way: a copy and a restored snapshot go on the same way.
+                    if pos == n / 2 {
+                        let mut copy = s.try_clone().unwrap();
+                        let mut restored = State::new(model.clone()).unwrap();
+                        restored.restore(&s.save().unwrap()).unwrap();
+                        for p in pos + 1..n.min(pos + 4) {
+                            copy.decode(seq.tokens[p]).unwrap();
+                            restored.decode(seq.tokens[p]).unwrap();
+                            check(&copy, p, &mut worst);
+                            check(&restored, p, &mut worst);
+                        }
+                    }
+                }
+                if n > 3 {
+                    s.rewind(n - 2).unwrap();
+                    s.decode(seq.tokens[n - 2]).unwrap();
+                    check(&s, n - 2, &mut worst);
+                }
+                s.reset().unwrap();
+                s.decode(seq.tokens[0]).unwrap();
+                check(&s, 0, &mut worst);
+            }
+            let c = model.expert_cache().unwrap();
+            println!(
+                "{name} {slots} slots: worst rel err {worst:.3e}; {} hits, {} misses, {} on the host, {} uploaded",
+                c.hits, c.misses, c.host_experts, c.uploads
+            );
+            assert!(c.misses > 0 && c.host_experts > 0);
+            if slots > 0 {
+                assert!(c.uploads > 0 && c.hits > 0, "slots were filled and used");
+            }
+        }
+    }
+}
+
+/// Two states of one cached model decoding on two threads at once give
+/// what each gives alone.
+#[test]
+fn vulkan_expert_cache_two_states_on_two_threads() {
+    let path = converted("tiny_native", OutType::F32);
+    let Some(model) = On::Vulkan.load(&path, LoadOptions { expert_cache_slots: Some(1), ..Default::default() }) else { return };
+    let (a, b) = (tokens(40, 6), tokens(40, 7));
+    let alone = |toks: &[u32]| {
+        let mut s = State::new(model.clone()).unwrap();
+        one_by_one(&mut s, toks)
+    };
+    let (want_a, want_b) = (alone(&a), alone(&b));
+    let (got_a, got_b) = std::thread::scope(|sc| {
+        let ta = sc.spawn(|| alone(&a));
+        let tb = sc.spawn(|| alone(&b));
+        (ta.join().unwrap(), tb.join().unwrap())
+    });
+    // The cache's contents differ between the runs: results agree to the GPU's rounding.
+    let close = |x: &[Vec<u32>], y: &[Vec<u32>]| {
+        x.iter().zip(y).all(|(p, q)| {
+            let (p, q): (Vec<f32>, Vec<f32>) = (p.iter().map(|b| f32::from_bits(*b)).collect(), q.iter().map(|b| f32::from_bits(*b)).collect());
+            let scale = q.iter().fold(0f32, |m, v| m.max(v.abs()));
+            p.iter().zip(&q).all(|(a, b)| (a - b).abs() <= 1e-5 * scale)
+        })
+    };
+    assert!(close(&got_a, &want_a) && close(&got_b, &want_b));
+}
+
+/// A routing profile saved from one session fills the next load's cache:
+/// its first token already hits, and the logits are those of a cold cache.
+#[test]
+fn vulkan_routing_profile_warms_the_cache() {
+    let path = converted("tiny_native", OutType::F32);
+    let opts = LoadOptions { expert_cache_slots: Some(2), ..Default::default() };
+    let Some(cold) = On::Vulkan.load(&path, opts.clone()) else { return };
+    let toks = tokens(30, 8);
+    let want = one_by_one(&mut State::new(cold.clone()).unwrap(), &toks);
+    let profile = cold.routing_profile().expect("a cached model keeps a profile");
+    assert_eq!(profile.layers.iter().map(|l| l.iter().map(|&c| c as usize).sum::<usize>()).collect::<Vec<_>>(), vec![30 * cold.config.n_experts_used; cold.config.n_layers]);
+    let file = std::env::temp_dir().join(format!("flashnext-profile-{}.json", std::process::id()));
+    profile.save(&file).unwrap();
+    let Some(warm) = On::Vulkan.load(&path, LoadOptions { routing_profile: Some(file.clone()), ..opts }) else { return };
+    let mut s = State::new(warm.clone()).unwrap();
+    s.decode(toks[0]).unwrap();
+    assert!(warm.expert_cache().unwrap().hits > 0, "the first token hits the warmed cache");
+    let got = [vec![logits(&s)], one_by_one(&mut s, &toks[1..])].concat();
+    let close = got.iter().zip(&want).all(|(p, q)| {
+        let scale = q.iter().fold(0f32, |m, b| m.max(f32::from_bits(*b).abs()));
+        p.iter().zip(q).all(|(a, b)| (f32::from_bits(*a) - f32::from_bits(*b)).abs() <= 1e-5 * scale)
+    });
+    assert!(close, "a warm cache gives the cold cache's logits");
+    std::fs::remove_file(&file).ok();
+}

@@ -147,6 +147,39 @@ pub trait BackendModel: Send + Sync {
     }
     /// An empty sequence state.
     fn new_state(&self, model: &Model) -> Result<Box<dyn BackendState>>;
+    /// The expert cache's figures, when the backend keeps routed experts in one.
+    fn expert_cache(&self) -> Option<ExpertCacheReport> {
+        None
+    }
+    /// Restarts the expert cache's counts.
+    fn reset_expert_cache_counts(&self) {}
+    /// The expert cache's routing profile (see `model::profile`).
+    fn routing_profile(&self) -> Option<super::profile::RoutingProfile> {
+        None
+    }
+    /// Bytes the load moved to the device and the seconds it took (`None` on the CPU).
+    fn load_transfer(&self) -> Option<(u64, f64)> {
+        None
+    }
+}
+
+/// A backend's expert cache: its size, what it measured at load, and its
+/// counts since the load or the last reset.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ExpertCacheReport {
+    pub slots_per_layer: usize,
+    /// Expert weights the host's cores compute, and the bus uploads, per second.
+    pub host_bytes_per_s: f64,
+    pub upload_bytes_per_s: f64,
+    /// Decode steps counted.
+    pub tokens: u64,
+    /// Routed expert uses served from the cache, and not.
+    pub hits: u64,
+    pub misses: u64,
+    /// Misses computed on the host, and uploaded into the cache.
+    pub host_experts: u64,
+    pub uploads: u64,
+    pub upload_bytes: u64,
 }
 
 /// Counts of the last forward pass's device work (zero on the CPU).

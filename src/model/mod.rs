@@ -13,11 +13,12 @@ pub mod backend;
 pub mod config;
 pub mod forward;
 pub mod ple;
+pub mod profile;
 pub mod snapshot;
 pub mod state;
 pub mod weights;
 
-pub use backend::{BackendKind, LogitsFor, PassStats};
+pub use backend::{BackendKind, ExpertCacheReport, LogitsFor, PassStats};
 pub use config::{Config, GateActivation, LayerKind};
 pub use snapshot::SnapshotError;
 pub use state::State;
@@ -82,6 +83,27 @@ impl Model {
     /// Bytes of device memory in use (weights and every live state); 0 on the CPU.
     pub fn device_bytes_used(&self) -> u64 {
         self.backend.device_bytes_used()
+    }
+
+    /// The expert cache's figures, when the backend keeps routed experts in one.
+    pub fn expert_cache(&self) -> Option<ExpertCacheReport> {
+        self.backend.expert_cache()
+    }
+
+    /// How often each layer chose each expert since load, when the backend
+    /// keeps an expert cache (save it to warm a later load's cache).
+    pub fn routing_profile(&self) -> Option<profile::RoutingProfile> {
+        self.backend.routing_profile()
+    }
+
+    /// Restarts the expert cache's counts (e.g. after a warm-up).
+    pub fn reset_expert_cache_counts(&self) {
+        self.backend.reset_expert_cache_counts()
+    }
+
+    /// Bytes the load moved to the device and the seconds that took.
+    pub fn load_transfer(&self) -> Option<(u64, f64)> {
+        self.backend.load_transfer()
     }
 
     /// Where the model computes and why, e.g. `vulkan on NVIDIA H200 (auto)`

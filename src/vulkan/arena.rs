@@ -17,17 +17,17 @@
 //! in the same two dispatches as the chosen k; otherwise it stays outside
 //! the arena as ordinary resident weights.
 //!
-//! Today every expert is resident (slot = layer * per_layer + expert). A
-//! budget smaller than the model keeps the same shaders: fewer slots than
-//! experts, the slot table rewritten as experts are paged in from the mmap
-//! (the router's choice read back, missing experts uploaded into evicted
-//! slots, then the expert dispatches run), the shared experts, which every
-//! token uses, pinned.
+//! When every expert fits, each is resident in slot `layer * per_layer +
+//! expert` and the slot table is that identity. When they do not (the
+//! device, or the VRAM budget, is smaller than the model), each layer gets
+//! `per_layer` slots that [`super::cache`] fills and evicts; the host then
+//! passes the expert dispatches slot numbers directly (no slot table), and
+//! the shared experts stay outside the arena, resident.
 
-use super::buffer::{Buffer, Commands};
+use super::buffer::{Buffer, Stream};
 use super::device::Context;
 use super::layout::PartLayout;
-use super::matrix::{max_binding_bytes, part_layout};
+use super::matrix::part_layout;
 use super::pipelines::Pipelines;
 use super::record::DescriptorPool;
 use crate::error::{Error, Result};
@@ -69,69 +69,75 @@ pub(crate) struct ExpertArena {
     pub layers: Vec<ArenaLayer>,
     pub slot_bytes: usize,
     pub slots_per_slab: usize,
+    /// Slots of each layer: layer `l`'s slot `j` is arena slot `l * per_layer + j`.
+    pub per_layer: usize,
     pub set: ash::vk::DescriptorSet,
-    /// Whether each layer's shared expert is slot-table entry `E`.
+    /// Whether each layer's shared expert is slot-table entry `E` (only
+    /// when every expert is resident).
     pub shared_in_arena: bool,
-    _slabs: Vec<Buffer>,
+    slabs: Vec<Buffer>,
     _pool: DescriptorPool,
 }
 
 /// The file-format bytes of one expert: gate/up rows (one or two runs) and down rows.
 pub(crate) type ExpertBytes<'a> = (Vec<&'a [u8]>, &'a [u8]);
 
-impl ExpertArena {
-    /// Uploads every layer's routed experts (and shared expert, when it has
-    /// their shape); returns the arena and the slot table (layer-major, `E`
-    /// or `E + 1` entries per layer).
-    pub fn new(ctx: &Arc<Context>, pipes: &Pipelines, cmds: &Commands, cfg: &Config, moes: &[&Moe]) -> Result<(Self, Vec<u32>)> {
-        let (h, f, e) = (cfg.hidden, cfg.expert_ff, cfg.n_experts);
-        let mut layers = Vec::with_capacity(moes.len());
-        for (l, moe) in moes.iter().enumerate() {
-            let gate_up_types: Vec<_> = match &moe.gate_up {
-                ExpertGateUp::Separate { gate, up } => vec![gate.ty, up.ty],
-                ExpertGateUp::Fused(t) => vec![t.ty],
-            };
-            if gate_up_types.iter().any(|&t| t != gate_up_types[0]) {
-                return Err(Error::Backend(format!("layer {l}: routed expert gate and up types differ")));
-            }
-            layers.push(ArenaLayer::new(gate_up_types[0], moe.down.ty, h, f)?);
+/// The layers' expert types and part layouts, and whether the shared
+/// experts have the routed experts' shape and types (so they can share
+/// their dispatches when everything is resident).
+pub(crate) fn arena_layers(cfg: &Config, moes: &[&Moe]) -> Result<(Vec<ArenaLayer>, bool)> {
+    let (h, f) = (cfg.hidden, cfg.expert_ff);
+    let mut layers = Vec::with_capacity(moes.len());
+    for (l, moe) in moes.iter().enumerate() {
+        let gate_up_types: Vec<_> = match &moe.gate_up {
+            ExpertGateUp::Separate { gate, up } => vec![gate.ty, up.ty],
+            ExpertGateUp::Fused(t) => vec![t.ty],
+        };
+        if gate_up_types.iter().any(|&t| t != gate_up_types[0]) {
+            return Err(Error::Backend(format!("layer {l}: routed expert gate and up types differ")));
         }
-        let shared_in_arena = cfg.shared_ff == f
-            && moes.iter().zip(&layers).all(|(m, a)| {
-                m.shared_gate_proj.ty == a.gate_ty && m.shared_up.ty == a.gate_ty && m.shared_down.ty == a.down_ty
-            });
-        let per_layer = e + shared_in_arena as usize;
-        Self::upload(ctx, pipes, cmds, layers, per_layer, shared_in_arena, max_binding_bytes(ctx), |l, x| {
-            let moe = moes[l];
-            let a = &layers_row_bytes(moe, h, f);
-            let (gate_up, down) = (f * a.0, h * a.1);
-            if x == e {
-                (vec![rows(&moe.shared_gate_proj, gate_up, 0), rows(&moe.shared_up, gate_up, 0)], rows(&moe.shared_down, down, 0))
-            } else {
-                let gu = match &moe.gate_up {
-                    ExpertGateUp::Separate { gate, up } => vec![rows(gate, gate_up, x), rows(up, gate_up, x)],
-                    ExpertGateUp::Fused(t) => vec![rows(t, 2 * gate_up, x)],
-                };
-                (gu, rows(&moe.down, down, x))
-            }
-        })
+        layers.push(ArenaLayer::new(gate_up_types[0], moe.down.ty, h, f)?);
     }
+    let shared_fits = cfg.shared_ff == f
+        && moes.iter().zip(&layers).all(|(m, a)| {
+            m.shared_gate_proj.ty == a.gate_ty && m.shared_up.ty == a.gate_ty && m.shared_down.ty == a.down_ty
+        });
+    Ok((layers, shared_fits))
+}
 
-    /// Uploads `per_layer` experts of each of `layers` into slots
-    /// `l * per_layer + x` of slabs of at most `max_bytes`; `expert(l, x)`
-    /// gives an expert's bytes in the file's format.
-    #[allow(clippy::too_many_arguments)]
-    pub fn upload<'a>(
+/// Bytes of one arena slot for `layers` (the largest layer's expert).
+pub(crate) fn slot_bytes(layers: &[ArenaLayer]) -> usize {
+    layers.iter().map(ArenaLayer::slot_bytes).max().unwrap_or(16)
+}
+
+/// The file bytes of routed expert `x` of `moe`, or its shared expert when `x == E`.
+pub(crate) fn expert_bytes<'a>(moe: &'a Moe, cfg: &Config, x: usize) -> ExpertBytes<'a> {
+    let (h, f) = (cfg.hidden, cfg.expert_ff);
+    let a = layers_row_bytes(moe, h, f);
+    let (gate_up, down) = (f * a.0, h * a.1);
+    if x == cfg.n_experts {
+        (vec![rows(&moe.shared_gate_proj, gate_up, 0), rows(&moe.shared_up, gate_up, 0)], rows(&moe.shared_down, down, 0))
+    } else {
+        let gu = match &moe.gate_up {
+            ExpertGateUp::Separate { gate, up } => vec![rows(gate, gate_up, x), rows(up, gate_up, x)],
+            ExpertGateUp::Fused(t) => vec![rows(t, 2 * gate_up, x)],
+        };
+        (gu, rows(&moe.down, down, x))
+    }
+}
+
+impl ExpertArena {
+    /// Allocates `per_layer` slots for each of `layers`, in slabs of at most
+    /// `max_bytes`, and the descriptor set that binds them all.
+    pub fn alloc(
         ctx: &Arc<Context>,
         pipes: &Pipelines,
-        cmds: &Commands,
         layers: Vec<ArenaLayer>,
         per_layer: usize,
         shared_in_arena: bool,
         max_bytes: usize,
-        expert: impl Fn(usize, usize) -> ExpertBytes<'a>,
-    ) -> Result<(Self, Vec<u32>)> {
-        let slot_bytes = layers.iter().map(ArenaLayer::slot_bytes).max().unwrap_or(16);
+    ) -> Result<Self> {
+        let slot_bytes = slot_bytes(&layers);
         let slots_per_slab = max_bytes / slot_bytes;
         if slots_per_slab == 0 {
             return Err(Error::Backend(format!("one expert ({slot_bytes} bytes) exceeds a storage-buffer binding")));
@@ -150,43 +156,51 @@ impl ExpertArena {
         }
         let mut slabs = Vec::with_capacity(n_slabs);
         for s in 0..n_slabs {
-            let n = slots_per_slab.min(n_slots - s * slots_per_slab);
+            let n = slots_per_slab.min(n_slots - s * slots_per_slab).max(1);
             slabs.push(Buffer::new(ctx, "expert arena slab", (n * slot_bytes) as u64, MemoryLocation::GpuOnly)?);
         }
-        // Consecutive slots of a slab are uploaded together, up to 64 MiB at a time.
-        let mut pending: Vec<u8> = Vec::new();
-        let mut pending_at = (0usize, 0u64);
-        let flush = |pending: &mut Vec<u8>, at: (usize, u64)| -> Result<()> {
-            if !pending.is_empty() {
-                cmds.upload(&slabs[at.0], at.1, pending)?;
-                pending.clear();
-            }
-            Ok(())
-        };
-        let mut table = Vec::with_capacity(n_slots);
-        for (l, layer) in layers.iter().enumerate() {
-            for x in 0..per_layer {
-                let slot = l * per_layer + x;
-                let (slab, base) = (slot / slots_per_slab, ((slot % slots_per_slab) * slot_bytes) as u64);
-                if pending.is_empty() || slab != pending_at.0 || pending.len() >= 64 << 20 {
-                    flush(&mut pending, pending_at)?;
-                    pending_at = (slab, base);
-                }
-                let (gate_up, down) = expert(l, x);
-                let start = pending.len();
-                pending.resize(start + slot_bytes, 0);
-                pending[start..start + layer.gate.bytes].copy_from_slice(&layer.gate.repack(&gate_up));
-                let d = start + layer.gate.bytes;
-                pending[d..d + layer.down.bytes].copy_from_slice(&layer.down.repack(&[down]));
-                table.push(slot as u32);
-            }
-        }
-        flush(&mut pending, pending_at)?;
         let pool = DescriptorPool::new(ctx, 1, max_slabs as u32)?;
         // Unused bindings repeat the last slab: every array element must be valid.
         let infos: Vec<_> = (0..max_slabs).map(|i| slabs[i.min(n_slabs - 1)].info()).collect();
         let set = pool.set(pipes.arena_layout, &[&infos])?;
-        Ok((ExpertArena { layers, slot_bytes, slots_per_slab, set, shared_in_arena, _slabs: slabs, _pool: pool }, table))
+        Ok(ExpertArena { layers, slot_bytes, slots_per_slab, per_layer, set, shared_in_arena, slabs, _pool: pool })
+    }
+
+    /// The slab and byte offset of layer `layer`'s local slot `slot`.
+    pub fn place(&self, layer: usize, slot: usize) -> (&Buffer, u64) {
+        let s = layer * self.per_layer + slot;
+        (&self.slabs[s / self.slots_per_slab], ((s % self.slots_per_slab) * self.slot_bytes) as u64)
+    }
+
+    /// Layer `layer`'s expert (`bytes` in the file's format) in the device
+    /// layout of a slot, into `out` (`slot_bytes` long).
+    pub fn repack_into(&self, layer: usize, bytes: &ExpertBytes, out: &mut [u8]) {
+        let l = &self.layers[layer];
+        let (gate, rest) = out.split_at_mut(l.gate.bytes);
+        l.gate.repack_into(&bytes.0, gate);
+        let (down, pad) = rest.split_at_mut(l.down.bytes);
+        l.down.repack_into(&[bytes.1], down);
+        pad.fill(0);
+    }
+
+    /// Streams every layer's experts `0..per_layer` into their slots
+    /// (`expert(l, x)` gives an expert's file bytes) and returns the identity
+    /// slot table (layer-major, `per_layer` entries per layer).
+    pub fn fill_all<'a>(&self, stream: &mut Stream, expert: impl Fn(usize, usize) -> ExpertBytes<'a>) -> Result<Vec<u32>> {
+        let mut table = Vec::with_capacity(self.layers.len() * self.per_layer);
+        for l in 0..self.layers.len() {
+            for x in 0..self.per_layer {
+                self.write(stream, l, x, &expert(l, x))?;
+                table.push((l * self.per_layer + x) as u32);
+            }
+        }
+        Ok(table)
+    }
+
+    /// Streams `bytes` into layer `layer`'s local slot `slot`.
+    pub fn write(&self, stream: &mut Stream, layer: usize, slot: usize, bytes: &ExpertBytes) -> Result<()> {
+        let (slab, at) = self.place(layer, slot);
+        stream.write_with(slab, at, self.slot_bytes, |out| self.repack_into(layer, bytes, out))
     }
 }
 

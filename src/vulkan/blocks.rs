@@ -9,12 +9,26 @@
 //! Where the CPU adds a block's output back into the streams in a separate
 //! step, the GPU fuses it into the block's last dispatch: the mixers' out
 //! projections (matvec epilogue 3) and `moe_combine`.
+//!
+//! With the expert cache ([`super::cache`]) a layer's MoE splits the token
+//! into segments: the work up to the router is submitted and waited for,
+//! and the router's choice and the MoE input are read back
+//! (`moe_route`); the cache places each chosen expert; the resident ones
+//! (and those uploaded now) run in a second command buffer, submitted at
+//! once, while the host computes the rest from the mapped file on its cores
+//! (`moe_experts`); the host's weighted sum goes up with the next segment,
+//! which combines everything (`moe_combine`) and records on to the next
+//! layer's router.
 
+use super::arena::expert_bytes;
+use super::buffer::Buffer;
+use super::cache::{Place, Token};
 use super::model::{GpuHyper, GpuMixer, GpuModel};
 use super::pipelines::*;
 use super::record::{Recorder, TokenStats};
 use super::scratch::exp_h_stride;
 use super::state::GpuState;
+use crate::cpu::moe::{expert_outputs, Expert};
 use crate::cpu::ops::Rope;
 use crate::error::Result;
 use crate::model::backend::{Blocks, Site};
@@ -25,20 +39,40 @@ use ash::vk;
 pub(crate) struct Streams;
 /// A hyper-connection's output, at `input` and `inject`.
 pub(crate) struct Branch;
-/// The router's choice, at `ids` and `weights`.
-pub(crate) struct Routes;
-/// The expert outputs, at `exp_y` (and `sh_y` when the shared expert runs apart).
-pub(crate) struct Experts;
+/// The router's choice, at `ids` and `weights`; with the expert cache also
+/// read back to the host.
+pub(crate) struct Routes {
+    host: Option<HostRoutes>,
+}
+
+/// The router's choice and the MoE input, on the host.
+struct HostRoutes {
+    ids: Vec<u32>,
+    weights: Vec<f32>,
+    x: Vec<f32>,
+}
+
+/// The expert outputs, at `exp_y` (and `sh_y` when the shared expert runs
+/// apart), and how many ran on the GPU and whether the host's sum is at `partial`.
+pub(crate) struct Experts {
+    on_gpu: usize,
+    host_sum: bool,
+}
 
 /// One token being recorded.
 pub(crate) struct VkPass<'a> {
     state: &'a mut GpuState,
     gpu: &'a GpuModel,
+    model: &'a Model,
     cfg: &'a Config,
     rec: Recorder<'a>,
     pos: usize,
     /// Index among the attention layers, per layer (for its block RoPE table).
     attn_index: Vec<usize>,
+    /// The expert cache's hold for this step, when the model has one.
+    cache: Option<Token<'a>>,
+    /// Segments submitted so far (with the expert cache).
+    pub submits: u32,
 }
 
 /// The host's cos/sin table of position `pos`: `(1.., 0..)` rotated, i.e.
@@ -55,7 +89,14 @@ impl<'a> VkPass<'a> {
     /// (written by the blocks as they are called, read when the command
     /// buffer runs) and the RoPE tables of this position and of any block
     /// it completes.
-    pub fn begin(state: &'a mut GpuState, gpu: &'a GpuModel, model: &'a Model, pos: usize, mut rec: Recorder<'a>) -> Self {
+    pub fn begin(
+        state: &'a mut GpuState,
+        gpu: &'a GpuModel,
+        model: &'a Model,
+        pos: usize,
+        mut rec: Recorder<'a>,
+        cache: Option<Token<'a>>,
+    ) -> Self {
         let cfg = &model.config;
         let l = &state.layout;
         let input_bytes = (l.input_len * 4) as u64;
@@ -86,12 +127,85 @@ impl<'a> VkPass<'a> {
             }
         }
         state.write_upload(0, &inputs);
-        VkPass { state, gpu, cfg, rec, pos, attn_index }
+        VkPass { state, gpu, model, cfg, rec, pos, attn_index, cache, submits: 0 }
     }
 
-    /// The token's counts and the pipelines it timed.
+    /// The token's counts (segments submitted included) and the pipelines it timed.
     pub fn finish(self) -> (TokenStats, Vec<Pipe>) {
-        (self.rec.stats, self.rec.profiled().to_vec())
+        let mut stats = self.rec.stats;
+        stats.submits += self.submits;
+        (stats, self.rec.profiled().to_vec())
+    }
+
+    /// After a failed block: ends the recording and waits for any segment in
+    /// flight, so the next step can begin.
+    pub fn abandon(self) {
+        let d = &self.gpu.ctx.device;
+        // SAFETY: the main command buffer is recording (every segment begins it again).
+        let _ = unsafe { d.end_command_buffer(self.state.cmds.cmd) };
+        if let Some(o) = self.state.offload.as_mut().filter(|o| o.pending) {
+            let _ = o.cmds.wait();
+            o.pending = false;
+        }
+    }
+
+    /// Records a copy of `n` floats from `src` at float `from` to `dst` at float `to`.
+    fn copy(&self, cmd: vk::CommandBuffer, src: &Buffer, from: u32, dst: &Buffer, to: u32, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let region = [vk::BufferCopy { src_offset: from as u64 * 4, dst_offset: to as u64 * 4, size: (n * 4) as u64 }];
+        // SAFETY: recording; both buffers are live and the region lies inside both.
+        unsafe { self.gpu.ctx.device.cmd_copy_buffer(cmd, src.raw, dst.raw, &region) };
+    }
+
+    /// The expert dispatches of `layer` for the first `experts` ids (expert
+    /// ids through the slot table, or slots with the cache) and the shared
+    /// expert when it runs apart.
+    fn record_experts(&mut self, layer: usize, set: vk::DescriptorSet, experts: usize) {
+        let (cfg, gpu) = (self.cfg, self.gpu);
+        let l = &self.state.layout;
+        let w = &gpu.layers[layer].moe;
+        let ar = &gpu.arena;
+        let (h, f) = (cfg.hidden, cfg.expert_ff);
+        if experts > 0 {
+            let part = &ar.layers[layer];
+            let base = MatvecPush {
+                expert_off: l.ids,
+                slot_table: w.slot_table,
+                slots_per_slab: ar.slots_per_slab as u32,
+                slot_bytes: ar.slot_bytes as u32,
+                scale: 1.0,
+                ..Default::default()
+            };
+            let f_stride = exp_h_stride(cfg);
+            let gate_up = MatvecPush { rows: f as u32, x_off: l.input, y_off: l.exp_h, y_stride: f_stride, mode: 4, ..base };
+            let sets = [set, ar.set];
+            self.rec.expert_matvec(part.gate_ty, sets, gate_up, &part.gate, experts);
+            let down = MatvecPush {
+                rows: h as u32,
+                x_off: l.exp_h,
+                x_stride: f_stride,
+                y_off: l.exp_y,
+                y_stride: h as u32,
+                part_off: part.gate.bytes as u32,
+                ..base
+            };
+            self.rec.expert_matvec(part.down_ty, sets, down, &part.down, experts);
+        }
+        if let Some(sh) = &w.shared {
+            self.rec.matvec(&sh.gate_up, set, MatvecPush { x_off: l.input, y_off: l.sh_h, mode: 4, ..Default::default() });
+            self.rec.matvec(&sh.down, set, MatvecPush { x_off: l.sh_h, y_off: l.sh_y, ..Default::default() });
+        }
+    }
+
+    /// Ends the main segment, submits it and waits; then begins the next one.
+    fn sync(&mut self) -> Result<()> {
+        self.state.cmds.submit()?;
+        self.submits += 1;
+        self.state.cmds.begin()?;
+        self.rec.cmd = self.state.cmds.cmd;
+        Ok(())
     }
 
     fn set(&self, layer: usize) -> vk::DescriptorSet {
@@ -151,6 +265,11 @@ impl Blocks for VkPass<'_> {
         let at = self.state.layout.ple_rows as usize;
         self.state.write_upload(at, &rows[..cfg.hidden]);
         let l = &self.state.layout;
+        if self.submits > 0 {
+            // The token's first segment, which uploaded its inputs, has run: these rows go up now.
+            self.copy(self.rec.cmd, &self.state.upload, l.ple_rows, &self.state.scratch, l.ple_rows, cfg.hidden);
+            self.rec.barrier(vk::PipelineStageFlags::TRANSFER, vk::AccessFlags::TRANSFER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
+        }
         let (set, ple_set) = (self.set(layer), *self.state.caches.bindings.sets.last().expect("the PLE layer's set"));
         let mv = |x_off, y_off| MatvecPush { x_off, y_off, ..Default::default() };
         self.rec.matvec(&p.key, set, mv(l.ple_rows, l.ple_key));
@@ -340,47 +459,127 @@ impl Blocks for VkPass<'_> {
             h: cfg.hidden as u32,
         };
         self.rec.dispatch(Pipe::MoeRoute, &[set], &route, [1, 1, 1]);
-        Ok(Routes)
+        let Some(o) = self.state.offload.as_ref() else { return Ok(Routes { host: None }) };
+        // The choice and the input go to the host.
+        let (k, h) = (cfg.n_experts_used, cfg.hidden);
+        self.rec.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::TRANSFER);
+        let (cmd, scratch) = (self.rec.cmd, &self.state.scratch);
+        self.copy(cmd, scratch, l.ids, &o.down, 0, k);
+        self.copy(cmd, scratch, l.weights, &o.down, k as u32, k);
+        self.copy(cmd, scratch, l.input, &o.down, 2 * k as u32, h);
+        self.sync()?;
+        let o = self.state.offload.as_mut().expect("checked above");
+        let v: Vec<f32> = o.down.mapped()[..(2 * k + h) * 4].chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+        let host = HostRoutes { ids: v[..k].iter().map(|f| f.to_bits()).collect(), weights: v[k..2 * k].to_vec(), x: v[2 * k..].to_vec() };
+        Ok(Routes { host: Some(host) })
     }
 
-    fn moe_experts(&mut self, layer: usize, _branch: &Branch, _routes: &Routes) -> Result<Experts> {
+    fn moe_experts(&mut self, layer: usize, _branch: &Branch, routes: &Routes) -> Result<Experts> {
         let (cfg, gpu, set) = (self.cfg, self.gpu, self.set(layer));
-        let l = &self.state.layout;
-        let w = &gpu.layers[layer].moe;
-        let ar = &gpu.arena;
-        let (h, f) = (cfg.hidden, cfg.expert_ff);
-        let experts = cfg.n_experts_used + ar.shared_in_arena as usize;
-        let part = &ar.layers[layer];
-        let base = MatvecPush {
-            expert_off: l.ids,
-            slot_table: w.slot_table,
-            slots_per_slab: ar.slots_per_slab as u32,
-            slot_bytes: ar.slot_bytes as u32,
-            scale: 1.0,
-            ..Default::default()
+        let Some(host) = &routes.host else {
+            let experts = cfg.n_experts_used + gpu.arena.shared_in_arena as usize;
+            self.record_experts(layer, set, experts);
+            return Ok(Experts { on_gpu: experts, host_sum: false });
         };
-        let f_stride = exp_h_stride(cfg);
-        let gate_up = MatvecPush { rows: f as u32, x_off: l.input, y_off: l.exp_h, y_stride: f_stride, mode: 4, ..base };
-        let sets = [set, ar.set];
-        self.rec.expert_matvec(part.gate_ty, sets, gate_up, &part.gate, experts);
-        let down = MatvecPush {
-            rows: h as u32,
-            x_off: l.exp_h,
-            x_stride: f_stride,
-            y_off: l.exp_y,
-            y_stride: h as u32,
-            part_off: part.gate.bytes as u32,
-            ..base
-        };
-        self.rec.expert_matvec(part.down_ty, sets, down, &part.down, experts);
-        if let Some(sh) = &w.shared {
-            self.rec.matvec(&sh.gate_up, set, MatvecPush { x_off: l.input, y_off: l.sh_h, mode: 4, ..Default::default() });
-            self.rec.matvec(&sh.down, set, MatvecPush { x_off: l.sh_h, y_off: l.sh_y, ..Default::default() });
+        // Where each chosen expert runs.
+        let places = self.cache.as_mut().expect("routes come back only with a cache").place(layer, &host.ids);
+        let moe = &self.model.weights.layers[layer].moe;
+        let (k, h) = (cfg.n_experts_used, cfg.hidden);
+        let (mut slots, mut weights, mut uploads) = (Vec::new(), Vec::new(), Vec::new());
+        let mut on_host: Vec<(Expert, f32)> = Vec::new();
+        for (i, p) in places.iter().enumerate() {
+            match *p {
+                Place::Hit(s) | Place::Upload(s) => {
+                    slots.push(f32::from_bits((layer * gpu.arena.per_layer + s) as u32));
+                    weights.push(host.weights[i]);
+                    if let Place::Upload(s) = *p {
+                        uploads.push((s, host.ids[i] as usize));
+                    }
+                }
+                Place::Host => on_host.push((Expert::Routed(host.ids[i] as usize), host.weights[i])),
+            }
         }
-        Ok(Experts)
+        let on_gpu = slots.len();
+        let slot_bytes = gpu.arena.slot_bytes;
+        let o = self.state.offload.as_mut().expect("a state of a cached model has the exchange buffers");
+        if o.pending {
+            o.cmds.wait()?;
+            o.pending = false;
+        }
+        let up = o.up.mapped();
+        for (i, v) in slots.iter().chain(&weights).enumerate() {
+            let at = if i < on_gpu { i } else { k + i - on_gpu };
+            up[at * 4..at * 4 + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        // Experts admitted now: repacked into staging, copied into their slots.
+        let staging = o.staging.mapped();
+        for (j, &(_, e)) in uploads.iter().enumerate() {
+            gpu.arena.repack_into(layer, &expert_bytes(moe, cfg, e), &mut staging[j * slot_bytes..(j + 1) * slot_bytes]);
+        }
+        if let Some(t) = self.cache.as_mut() {
+            t.uploaded((uploads.len() * slot_bytes) as u64);
+        }
+        // The GPU's share, submitted now.
+        let o = self.state.offload.as_ref().expect("checked above");
+        o.cmds.begin()?;
+        let cmd = o.cmds.cmd;
+        let l = &self.state.layout;
+        let d = &gpu.ctx.device;
+        // Ordered after the main segment's work (queue order) for the slots and scratch.
+        let after = [vk::MemoryBarrier::default()
+            .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE)
+            .dst_access_mask(vk::AccessFlags::TRANSFER_WRITE | vk::AccessFlags::SHADER_READ)];
+        let stages = vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER;
+        // SAFETY: recording a barrier.
+        unsafe { d.cmd_pipeline_barrier(cmd, stages, stages, vk::DependencyFlags::empty(), &after, &[], &[]) };
+        self.copy(cmd, &o.up, 0, &self.state.scratch, l.ids, on_gpu);
+        self.copy(cmd, &o.up, k as u32, &self.state.scratch, l.weights, on_gpu);
+        for (j, &(s, _)) in uploads.iter().enumerate() {
+            let (slab, at) = gpu.arena.place(layer, s);
+            let region = [vk::BufferCopy { src_offset: (j * slot_bytes) as u64, dst_offset: at, size: slot_bytes as u64 }];
+            // SAFETY: recording; the staging buffer holds `uploads.len()` slots and the slot lies in its slab.
+            unsafe { d.cmd_copy_buffer(cmd, o.staging.raw, slab.raw, &region) };
+        }
+        let copied = [vk::MemoryBarrier::default().src_access_mask(vk::AccessFlags::TRANSFER_WRITE).dst_access_mask(vk::AccessFlags::SHADER_READ)];
+        // SAFETY: recording a barrier.
+        unsafe {
+            d.cmd_pipeline_barrier(cmd, vk::PipelineStageFlags::TRANSFER, vk::PipelineStageFlags::COMPUTE_SHADER, vk::DependencyFlags::empty(), &copied, &[], &[])
+        };
+        self.rec.cmd = cmd;
+        self.record_experts(layer, set, on_gpu);
+        self.rec.cmd = self.state.cmds.cmd;
+        let o = self.state.offload.as_mut().expect("checked above");
+        o.cmds.submit_async()?;
+        o.pending = true;
+        self.submits += 1;
+        // The host's share meanwhile, from the mapped file on the model's threads.
+        let host_sum = !on_host.is_empty();
+        if host_sum {
+            let experts: Vec<Expert> = on_host.iter().map(|e| e.0).collect();
+            let ys = self.model.install(|| expert_outputs(moe, cfg, &host.x, &experts));
+            let mut sum = vec![0f32; h];
+            for ((_, w), y) in on_host.iter().zip(ys.chunks_exact(h)) {
+                for (s, v) in sum.iter_mut().zip(y) {
+                    *s += w * v;
+                }
+            }
+            let up = self.state.offload.as_mut().expect("checked above").up.mapped();
+            for (i, v) in sum.iter().enumerate() {
+                up[(2 * k + i) * 4..(2 * k + i + 1) * 4].copy_from_slice(&v.to_le_bytes());
+            }
+            let (o, l) = (self.state.offload.as_ref().expect("checked above"), &self.state.layout);
+            self.copy(self.rec.cmd, &o.up, 2 * k as u32, &self.state.scratch, l.partial, h);
+        }
+        // The combine reads what both the GPU's segment and the copy wrote.
+        let after = [vk::MemoryBarrier::default()
+            .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE)
+            .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE)];
+        // SAFETY: recording a barrier.
+        unsafe { d.cmd_pipeline_barrier(self.rec.cmd, stages, vk::PipelineStageFlags::COMPUTE_SHADER, vk::DependencyFlags::empty(), &after, &[], &[]) };
+        Ok(Experts { on_gpu, host_sum })
     }
 
-    fn moe_combine(&mut self, layer: usize, _branch: &Branch, _routes: &Routes, _experts: Experts, _x: &mut Streams) -> Result<()> {
+    fn moe_combine(&mut self, layer: usize, _branch: &Branch, _routes: &Routes, experts: Experts, _x: &mut Streams) -> Result<()> {
         let (cfg, gpu, set) = (self.cfg, self.gpu, self.set(layer));
         let l = &self.state.layout;
         let w = &gpu.layers[layer].moe;
@@ -393,9 +592,10 @@ impl Blocks for VkPass<'_> {
             res_off: l.residual,
             inject_off: l.inject,
             h: cfg.hidden as u32,
-            k: (cfg.n_experts_used + gpu.arena.shared_in_arena as usize) as u32,
+            k: experts.on_gpu as u32,
             streams: cfg.hc as u32,
             shared_separate: w.shared.is_some() as u32,
+            partial_off: if experts.host_sum { l.partial } else { NO_PARTIAL },
         };
         let groups = self.rec.threads(Pipe::MoeCombine, cfg.hidden);
         self.rec.dispatch(Pipe::MoeCombine, &[set], &combine, groups);

@@ -1,5 +1,6 @@
-//! Storage buffers with their memory (from `gpu-allocator`), and the one
-//! command buffer + fence each user of the queue records into.
+//! Storage buffers with their memory (from `gpu-allocator`), the command
+//! buffer + fence each user of the queue records into, and [`Stream`], which
+//! moves host bytes into device buffers at the speed of the bus.
 
 use super::device::{err, Context};
 use crate::error::{Error, Result};
@@ -114,9 +115,21 @@ impl Commands {
 
     /// Ends recording, submits, and waits for completion.
     pub fn submit(&self) -> Result<()> {
+        self.submit_async()?;
+        self.wait()
+    }
+
+    /// Ends recording and submits; [`Commands::wait`] waits for it (and
+    /// [`Commands::begin`] must not be called before that).
+    pub fn submit_async(&self) -> Result<()> {
         // SAFETY: the buffer is recording.
         unsafe { self.ctx.device.end_command_buffer(self.cmd) }.map_err(err("ending a command buffer"))?;
-        self.ctx.submit_and_wait(self.cmd, self.fence)
+        self.ctx.submit(self.cmd, self.fence)
+    }
+
+    /// Waits for the last submission.
+    pub fn wait(&self) -> Result<()> {
+        self.ctx.wait(self.fence)
     }
 
     /// Copies `bytes` into `dst` at `offset` through a host-visible staging buffer.
@@ -153,5 +166,115 @@ impl Drop for Commands {
             self.ctx.device.destroy_fence(self.fence, None);
             self.ctx.device.destroy_command_pool(self.pool, None);
         }
+    }
+}
+
+/// Bytes of each staging buffer of a [`Stream`].
+const STAGE_BYTES: usize = 64 << 20;
+
+/// One staging buffer of a [`Stream`] and the copies recorded from it.
+struct Stage {
+    buffer: Buffer,
+    cmds: Commands,
+    /// Bytes filled.
+    used: usize,
+    /// Whether `cmds` holds a submission not yet waited for.
+    in_flight: bool,
+    /// (destination, destination offset, source offset, bytes)
+    copies: Vec<(vk::Buffer, u64, u64, u64)>,
+}
+
+/// Host bytes into device buffers through a ring of host-visible staging
+/// buffers: while the GPU copies out of one, the host fills the next (the
+/// filling itself spread over the rayon pool by the callers that repack).
+/// [`Stream::finish`] submits what is left and waits for every copy.
+pub(crate) struct Stream {
+    stages: Vec<Stage>,
+    current: usize,
+    /// Bytes streamed so far.
+    pub bytes: u64,
+}
+
+impl Stream {
+    pub fn new(ctx: &Arc<Context>) -> Result<Stream> {
+        let mut stages = Vec::new();
+        for _ in 0..3 {
+            stages.push(Stage {
+                buffer: Buffer::new(ctx, "upload staging", STAGE_BYTES as u64, MemoryLocation::CpuToGpu)?,
+                cmds: Commands::new(ctx)?,
+                used: 0,
+                in_flight: false,
+                copies: Vec::new(),
+            });
+        }
+        Ok(Stream { stages, current: 0, bytes: 0 })
+    }
+
+    /// Writes `len` bytes at `offset` of `dst`, produced by `fill` into a
+    /// staging slice of exactly `len` bytes. Larger than a staging buffer:
+    /// `fill` runs on a temporary and the bytes are streamed in pieces.
+    pub fn write_with(&mut self, dst: &Buffer, offset: u64, len: usize, fill: impl FnOnce(&mut [u8])) -> Result<()> {
+        if len > STAGE_BYTES {
+            let mut tmp = vec![0u8; len];
+            fill(&mut tmp);
+            return self.write(dst, offset, &tmp);
+        }
+        if self.stages[self.current].used + len > STAGE_BYTES {
+            self.flush()?;
+        }
+        let st = &mut self.stages[self.current];
+        let at = st.used;
+        fill(&mut st.buffer.mapped()[at..at + len]);
+        st.copies.push((dst.raw, offset, at as u64, len as u64));
+        st.used += len.div_ceil(16) * 16;
+        self.bytes += len as u64;
+        Ok(())
+    }
+
+    /// Writes `bytes` at `offset` of `dst`.
+    pub fn write(&mut self, dst: &Buffer, offset: u64, bytes: &[u8]) -> Result<()> {
+        for (i, part) in bytes.chunks(STAGE_BYTES).enumerate() {
+            self.write_with(dst, offset + (i * STAGE_BYTES) as u64, part.len(), |out| out.copy_from_slice(part))?;
+        }
+        Ok(())
+    }
+
+    /// Submits the current staging buffer's copies and moves to the next one
+    /// (waiting for its previous copies first).
+    fn flush(&mut self) -> Result<()> {
+        let st = &mut self.stages[self.current];
+        if !st.copies.is_empty() {
+            st.cmds.begin()?;
+            let d = &st.buffer.ctx.device;
+            for &(dst, dst_off, src_off, size) in &st.copies {
+                let region = [vk::BufferCopy { src_offset: src_off, dst_offset: dst_off, size }];
+                // SAFETY: recording; the staging buffer and `dst` are live (callers keep
+                // destinations alive until `finish`), and the regions lie inside both.
+                unsafe { d.cmd_copy_buffer(st.cmds.cmd, st.buffer.raw, dst, &region) };
+            }
+            st.cmds.submit_async()?;
+            st.in_flight = true;
+            st.copies.clear();
+        }
+        self.current = (self.current + 1) % self.stages.len();
+        let next = &mut self.stages[self.current];
+        if next.in_flight {
+            next.cmds.wait()?;
+            next.in_flight = false;
+        }
+        next.used = 0;
+        Ok(())
+    }
+
+    /// Submits everything written and waits for all of it.
+    pub fn finish(&mut self) -> Result<()> {
+        self.flush()?;
+        for st in &mut self.stages {
+            if st.in_flight {
+                st.cmds.wait()?;
+                st.in_flight = false;
+            }
+        }
+        Ok(())
     }
 }

@@ -143,6 +143,8 @@ pub(crate) struct Context {
     pub allocator: ManuallyDrop<Mutex<Allocator>>,
     budget: u64,
     used: AtomicU64,
+    /// Size of the largest device-local heap.
+    pub device_local_bytes: u64,
 }
 
 pub(crate) fn err(what: &str) -> impl Fn(vk::Result) -> Error + '_ {
@@ -194,7 +196,8 @@ impl Context {
                 None
             };
             match Self::open_device(instance.clone(), choice) {
-                Ok(((limits, subgroup_size), name, device, queue_family, queue, allocator)) => Ok(Context {
+                Ok(((limits, subgroup_size, device_local_bytes), name, device, queue_family, queue, allocator)) => Ok(Context {
+                    device_local_bytes,
                     instance,
                     debug,
                     limits,
@@ -222,7 +225,7 @@ impl Context {
     unsafe fn open_device(
         instance: ash::Instance,
         choice: &DeviceChoice,
-    ) -> Result<((vk::PhysicalDeviceLimits, u32), String, ash::Device, u32, vk::Queue, Allocator)> {
+    ) -> Result<((vk::PhysicalDeviceLimits, u32, u64), String, ash::Device, u32, vk::Queue, Allocator)> {
         // SAFETY (whole body): valid instance; create infos outlive the calls.
         let devices = unsafe { instance.enumerate_physical_devices() }.map_err(err("listing devices"))?;
         if devices.is_empty() {
@@ -270,7 +273,14 @@ impl Context {
             unsafe { device.destroy_device(None) };
             Error::Backend(format!("Vulkan memory allocator: {e}"))
         })?;
-        Ok(((props.limits, subgroup.subgroup_size), name, device, queue_family, queue, allocator))
+        let memory = unsafe { instance.get_physical_device_memory_properties(physical) };
+        let heap = memory.memory_heaps[..memory.memory_heap_count as usize]
+            .iter()
+            .filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))
+            .map(|h| h.size)
+            .max()
+            .unwrap_or(0);
+        Ok(((props.limits, subgroup.subgroup_size, heap), name, device, queue_family, queue, allocator))
     }
 
     /// Counts `bytes` of device memory against the budget.
@@ -291,13 +301,23 @@ impl Context {
         self.used.fetch_sub(bytes, Ordering::SeqCst);
     }
 
+    /// Bytes of device memory flashnext may use: the budget, or without one
+    /// nine tenths of the largest device-local heap (the rest for the
+    /// driver and other programs).
+    pub fn room(&self) -> u64 {
+        match self.budget {
+            0 => self.device_local_bytes / 10 * 9,
+            b => b.min(self.device_local_bytes),
+        }
+    }
+
     /// Bytes of device memory in use.
     pub fn used(&self) -> u64 {
         self.used.load(Ordering::SeqCst)
     }
 
-    /// Submits `cmd` and waits on `fence` (which is reset first).
-    pub fn submit_and_wait(&self, cmd: vk::CommandBuffer, fence: vk::Fence) -> Result<()> {
+    /// Submits `cmd`, to signal `fence` (which is reset first) when done.
+    pub fn submit(&self, cmd: vk::CommandBuffer, fence: vk::Fence) -> Result<()> {
         let cmds = [cmd];
         let submit = [vk::SubmitInfo::default().command_buffers(&cmds)];
         // SAFETY: the command buffer is recorded and the fence is unsignalled after the
@@ -305,10 +325,14 @@ impl Context {
         unsafe {
             self.device.reset_fences(&[fence]).map_err(err("resetting a fence"))?;
             let queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-            self.device.queue_submit(*queue, &submit, fence).map_err(err("submitting"))?;
-            drop(queue);
-            self.device.wait_for_fences(&[fence], true, u64::MAX).map_err(err("waiting for the GPU"))
+            self.device.queue_submit(*queue, &submit, fence).map_err(err("submitting"))
         }
+    }
+
+    /// Waits until `fence` is signalled.
+    pub fn wait(&self, fence: vk::Fence) -> Result<()> {
+        // SAFETY: a fence of this device, submitted with work.
+        unsafe { self.device.wait_for_fences(&[fence], true, u64::MAX) }.map_err(err("waiting for the GPU"))
     }
 }
 

@@ -115,36 +115,80 @@ impl PartLayout {
         Some(p)
     }
 
-    /// The part's bytes from whole file-format rows (`srcs`, concatenated: `rows` rows in all).
-    pub fn repack(&self, srcs: &[&[u8]]) -> Vec<u8> {
+    /// The part's bytes from whole file-format rows (`srcs`, concatenated:
+    /// `rows` rows in all), into `out` (`self.bytes` long; padding is
+    /// zeroed), rows spread over the rayon pool: each task writes its rows'
+    /// payload and their stretch of every field array.
+    pub fn repack_into(&self, srcs: &[&[u8]], out: &mut [u8]) {
+        use rayon::prelude::*;
         let ty = self.ty.expect("a layout made by PartLayout::new");
         let file_row = ty.row_bytes(self.cols).expect("checked in new");
-        let mut out = vec![0u8; self.bytes];
-        let rows = srcs.iter().flat_map(|s| s.chunks_exact(file_row));
+        assert_eq!(out.len(), self.bytes, "repack: output size");
         assert_eq!(srcs.iter().map(|s| s.len()).sum::<usize>(), self.rows * file_row, "repack: row count");
-        match type_layout(ty) {
-            None => {
-                for (r, row) in rows.enumerate() {
-                    out[r * self.row_bytes..r * self.row_bytes + file_row].copy_from_slice(row);
+        let rows: Vec<&[u8]> = srcs.iter().flat_map(|s| s.chunks_exact(file_row)).collect();
+        // About 256 KiB of rows per task.
+        let per_task = ((256 << 10) / file_row.max(1)).max(1);
+        let layout = type_layout(ty);
+        // The output's regions: the payload, then each field array (then padding).
+        let (payload, mut rest) = out.split_at_mut(self.rows * self.row_bytes);
+        let mut fields: Vec<&mut [u8]> = Vec::new();
+        let mut at = self.rows * self.row_bytes;
+        for (i, f) in layout.iter().flat_map(|t| t.fields.iter()).enumerate() {
+            let (gap, tail) = rest.split_at_mut(self.fields[i] - at);
+            gap.fill(0);
+            let nb = self.cols / ty.block_size();
+            let (field, tail) = tail.split_at_mut(self.rows * nb * f.1);
+            fields.push(field);
+            rest = tail;
+            at = self.fields[i] + self.rows * nb * f.1;
+        }
+        rest.fill(0);
+        match layout {
+            None => payload.par_chunks_mut(per_task * self.row_bytes).zip(rows.par_chunks(per_task)).for_each(|(out, rows)| {
+                for (o, row) in out.chunks_exact_mut(self.row_bytes).zip(rows) {
+                    o[..file_row].copy_from_slice(row);
+                    o[file_row..].fill(0);
                 }
-            }
+            }),
             Some(t) => {
+                let nb = self.cols / ty.block_size();
                 let per_block = t.payload_bytes();
-                let blocks = rows.flat_map(|row| row.chunks_exact(ty.block_bytes()));
-                for (g, block) in blocks.enumerate() {
-                    let mut at = g * per_block;
-                    for &(off, len) in t.payload {
-                        out[at..at + len].copy_from_slice(&block[off..off + len]);
-                        at += len;
-                    }
-                    for (i, &(off, len)) in t.fields.iter().enumerate() {
-                        let at = self.fields[i] + g * len;
-                        out[at..at + len].copy_from_slice(&block[off..off + len]);
-                    }
+                let mut f0: &mut [u8] = &mut [];
+                let mut f1: &mut [u8] = &mut [];
+                let mut it = fields.into_iter();
+                if let Some(f) = it.next() {
+                    f0 = f;
                 }
+                if let Some(f) = it.next() {
+                    f1 = f;
+                }
+                let lens = [t.fields.first().map_or(0, |f| f.1), t.fields.get(1).map_or(0, |f| f.1)];
+                let chunk = |n: usize| (per_task * nb * n).max(1);
+                let f0_chunks: Vec<&mut [u8]> = if lens[0] > 0 { f0.chunks_mut(chunk(lens[0])).collect() } else { Vec::new() };
+                let f1_chunks: Vec<&mut [u8]> = if lens[1] > 0 { f1.chunks_mut(chunk(lens[1])).collect() } else { Vec::new() };
+                let mut f0_it = f0_chunks.into_iter();
+                let mut f1_it = f1_chunks.into_iter();
+                let tasks: Vec<_> = payload
+                    .chunks_mut(per_task * self.row_bytes)
+                    .zip(rows.chunks(per_task))
+                    .map(|(p, r)| (p, r, f0_it.next(), f1_it.next()))
+                    .collect();
+                tasks.into_par_iter().for_each(|(out, rows, mut a, mut b)| {
+                    let blocks = rows.iter().flat_map(|row| row.chunks_exact(ty.block_bytes()));
+                    for (g, block) in blocks.enumerate() {
+                        let mut at = g * per_block;
+                        for &(off, len) in t.payload {
+                            out[at..at + len].copy_from_slice(&block[off..off + len]);
+                            at += len;
+                        }
+                        for (i, &(off, len)) in t.fields.iter().enumerate() {
+                            let dst = if i == 0 { a.as_deref_mut() } else { b.as_deref_mut() };
+                            dst.expect("a field chunk per task")[g * len..(g + 1) * len].copy_from_slice(&block[off..off + len]);
+                        }
+                    }
+                });
             }
         }
-        out
     }
 }
 

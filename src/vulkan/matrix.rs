@@ -4,7 +4,7 @@
 //! by rows into chunks, each its own buffer, part layout and descriptor set
 //! (written once here); a matvec dispatches once per chunk.
 
-use super::buffer::{Buffer, Commands};
+use super::buffer::{Buffer, Stream};
 use super::device::Context;
 use super::layout::PartLayout;
 use super::pipelines::Pipelines;
@@ -52,15 +52,15 @@ pub(crate) fn part_layout(name: &str, ty: GgmlType, rows: usize, cols: usize) ->
 
 impl GpuMatrix {
     /// Uploads the rows of `parts` (same type and row length), concatenated.
-    pub fn upload(ctx: &Arc<Context>, pipes: &Pipelines, cmds: &Commands, parts: &[&Tensor]) -> Result<GpuMatrix> {
-        Self::upload_split(ctx, pipes, cmds, parts, max_binding_bytes(ctx))
+    pub fn upload(ctx: &Arc<Context>, pipes: &Pipelines, stream: &mut Stream, parts: &[&Tensor]) -> Result<GpuMatrix> {
+        Self::upload_split(ctx, pipes, stream, parts, max_binding_bytes(ctx))
     }
 
     /// As [`GpuMatrix::upload`], with chunks of at most `max_bytes`.
     pub fn upload_split(
         ctx: &Arc<Context>,
         pipes: &Pipelines,
-        cmds: &Commands,
+        stream: &mut Stream,
         parts: &[&Tensor],
         max_bytes: usize,
     ) -> Result<GpuMatrix> {
@@ -98,7 +98,7 @@ impl GpuMatrix {
                 part_start += t.rows();
             }
             let buffer = Buffer::new(ctx, &name, layout.bytes as u64, MemoryLocation::GpuOnly)?;
-            cmds.upload(&buffer, 0, &layout.repack(&srcs))?;
+            stream.write_with(&buffer, 0, layout.bytes, |out| layout.repack_into(&srcs, out))?;
             let set = pool.set(pipes.weight_layout, &[&[buffer.info()]])?;
             chunks.push(Chunk { first_row, rows: n, layout, set, _buffer: buffer });
         }

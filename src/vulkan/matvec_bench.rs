@@ -23,7 +23,7 @@
 //! names to run); with `FNX_VULKAN_VALIDATION=1` it fails on any validation error.
 
 use super::arena::{ArenaLayer, ExpertArena};
-use super::buffer::{Buffer, Commands};
+use super::buffer::{Buffer, Commands, Stream};
 use super::device::{Context, DeviceChoice};
 use super::matrix::{max_binding_bytes, GpuMatrix};
 use super::pipelines::{MatvecPush, MatvecTuning, Pipe, Pipelines};
@@ -249,9 +249,11 @@ fn matvec_sweep() {
         let one = ty.row_bytes(cols).unwrap() * rows;
         let copies = L2_DEFEAT.div_ceil(one).clamp(1, 64);
         let t = random_tensor(ty, rows, cols, 1);
+        let mut stream = Stream::new(&ctx).unwrap();
         let ms: Vec<GpuMatrix> = (0..copies)
-            .map(|_| GpuMatrix::upload_split(&ctx, &sw.pipes[0], &sw.cmds, &[&t], max_binding_bytes(&ctx)).unwrap())
+            .map(|_| GpuMatrix::upload_split(&ctx, &sw.pipes[0], &mut stream, &[&t], max_binding_bytes(&ctx)).unwrap())
             .collect();
+        stream.finish().unwrap();
         sw.run(&case, Work::Dense(&ms));
     }
     let experts = [(GgmlType::Q4K, GgmlType::Q5_0), (GgmlType::Q8_0, GgmlType::Q8_0), (GgmlType::Q2K, GgmlType::Q4_0)];
@@ -265,10 +267,10 @@ fn matvec_sweep() {
         if !wanted(&case) {
             continue;
         }
-        let (arena, _) = ExpertArena::upload(&ctx, &sw.pipes[0], &sw.cmds, vec![layer], n, false, max_binding_bytes(&ctx), |_, _| {
-            (vec![&gate[..]], &down[..])
-        })
-        .unwrap();
+        let arena = ExpertArena::alloc(&ctx, &sw.pipes[0], vec![layer], n, false, max_binding_bytes(&ctx)).unwrap();
+        let mut stream = Stream::new(&ctx).unwrap();
+        arena.fill_all(&mut stream, |_, _| (vec![&gate[..]], &down[..])).unwrap();
+        stream.finish().unwrap();
         sw.run(&format!("{case} gate/up"), Work::Experts { arena: &arena, layer, k, n, down: false });
         sw.run(&format!("{case} down"), Work::Experts { arena: &arena, layer, k, n, down: true });
     }

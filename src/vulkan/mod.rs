@@ -45,6 +45,7 @@
 mod arena;
 mod blocks;
 mod buffer;
+mod cache;
 mod caches;
 mod device;
 mod layout;
@@ -65,5 +66,6 @@ mod stage_twins;
 
 pub use caches::INITIAL_CAPACITY;
 pub use device::{probe, validation_errors, DeviceChoice, DeviceInfo, DeviceKind};
-pub use model::{device_weight_bytes, VulkanBackend};
+pub use cache::{CacheStats, Split};
+pub use model::{dense_weight_bytes, ExpertPlacement, LoadReport, VulkanBackend};
 pub use record::TokenStats;

@@ -3,15 +3,25 @@
 //! (norm gammas, conv taps, decay constants) and the arena's slot tables.
 //! The token embedding and the PLE table stay in the mmap: the host gathers
 //! their rows for each token (a few KiB) and uploads them with it.
+//!
+//! The VRAM budget (`LoadOptions::vram_budget_mb`; without one, nine tenths
+//! of the device's memory) is a ceiling: the dense weights, the shared
+//! experts and one state at its initial size are resident, and what is left
+//! becomes expert slots. When every routed expert fits, all are resident;
+//! otherwise the arena is an expert cache ([`super::cache`]) with the same
+//! number of slots for every layer, and the misses run on the host's cores.
+//! Everything is streamed through [`Stream`] (staging buffers filled in
+//! parallel while the GPU copies the previous one).
 
-use super::arena::ExpertArena;
-use super::buffer::{Buffer, Commands};
+use super::arena::{arena_layers, expert_bytes, slot_bytes, ExpertArena};
+use super::buffer::{Buffer, Stream};
+use super::cache::{ExpertCache, Split};
 use super::device::{Context, DeviceChoice};
 use super::matrix::GpuMatrix;
 use super::pipelines::{Pipelines, MAX_ATTN_HEAD_DIM, MAX_GDN_HEAD_DIM, MAX_INDEX_DIM, MAX_EXPERTS, MAX_QSA_KEEP, MAX_TOP_K};
 use crate::error::{Error, Result};
-use crate::gguf::GgufFile;
-use crate::model::backend::{BackendKind, BackendModel, BackendState};
+use crate::model::backend::{BackendKind, BackendModel, BackendState, ExpertCacheReport};
+use crate::model::profile::RoutingProfile;
 use crate::model::weights::{HyperConnection, Mixer, Weights};
 use crate::model::{Config, LayerKind, Model};
 use crate::tensor::Tensor;
@@ -106,9 +116,40 @@ pub struct GpuModel {
     pub(crate) output_hc: GpuHyper,
     pub(crate) output: GpuMatrix,
     pub(crate) arena: ExpertArena,
+    /// Present when not every routed expert fits: the arena is a cache.
+    pub(crate) cache: Option<ExpertCache>,
     pub(crate) params: Buffer,
     pub(crate) pipes: Pipelines,
     pub(crate) ctx: Arc<Context>,
+    /// How the load went (for reports).
+    pub(crate) report: LoadReport,
+}
+
+/// What a load measured.
+#[derive(Clone, Debug, Default)]
+pub struct LoadReport {
+    /// Bytes streamed to the device and the seconds it took.
+    pub uploaded_bytes: u64,
+    pub upload_seconds: f64,
+    /// Expert slots per layer (all experts when resident).
+    pub slots_per_layer: usize,
+    /// Whether every routed expert is resident.
+    pub resident: bool,
+    /// The split the expert cache uses (bandwidths measured at load).
+    pub split: Option<Split>,
+}
+
+/// How the routed experts are placed, as the load options and budget decide.
+#[derive(Clone, Debug, Default)]
+pub struct ExpertPlacement {
+    /// Slots per layer, when forced (`FNX_EXPERT_CACHE_SLOTS`); `None` = from the budget.
+    pub forced_slots: Option<usize>,
+    /// Positions one state's caches are sized for (the budget keeps room for one).
+    pub state_positions: usize,
+    /// The model's rewind window (part of a state's size).
+    pub window: usize,
+    /// Fills the expert cache with each layer's most used experts at load.
+    pub warm: Option<RoutingProfile>,
 }
 
 impl std::fmt::Debug for GpuModel {
@@ -148,20 +189,20 @@ fn check_shapes(cfg: &Config) -> Result<()> {
     Ok(())
 }
 
-struct Uploader<'a> {
+struct Loader<'a> {
     ctx: &'a Arc<Context>,
     pipes: &'a Pipelines,
-    cmds: &'a Commands,
+    stream: &'a mut Stream,
     params: ParamsBuilder,
 }
 
-impl Uploader<'_> {
-    fn matrix(&self, parts: &[&Tensor]) -> Result<GpuMatrix> {
-        GpuMatrix::upload(self.ctx, self.pipes, self.cmds, parts)
+impl Loader<'_> {
+    fn matrix(&mut self, parts: &[&Tensor]) -> Result<GpuMatrix> {
+        GpuMatrix::upload(self.ctx, self.pipes, self.stream, parts)
     }
 
     /// Matrices with the same input, fused into one per run of equal type.
-    fn fused(&self, parts: &[&Tensor]) -> Result<Vec<GpuMatrix>> {
+    fn fused(&mut self, parts: &[&Tensor]) -> Result<Vec<GpuMatrix>> {
         parts.chunk_by(|a, b| a.ty == b.ty).map(|run| self.matrix(run)).collect()
     }
 
@@ -207,16 +248,81 @@ impl Uploader<'_> {
 }
 
 impl GpuModel {
-    /// Opens the device and uploads every weight but the embedding and PLE tables.
-    pub fn load(cfg: &Config, w: &Weights, choice: &DeviceChoice) -> Result<GpuModel> {
+    /// Opens the device and uploads every weight but the embedding and PLE
+    /// tables; the routed experts all, or as many as the budget leaves room
+    /// for (see the module docs). `host` runs the host's share of the work
+    /// (the expert cache's speed measurement) on the model's threads.
+    pub fn load(
+        cfg: &Config,
+        w: &Weights,
+        choice: &DeviceChoice,
+        placement: &ExpertPlacement,
+        host: &(dyn Fn(&mut (dyn FnMut() + Send)) + Sync),
+    ) -> Result<GpuModel> {
         check_shapes(cfg)?;
         let ctx = Arc::new(Context::new(choice)?);
         let pipes = Pipelines::new(&ctx)?;
-        let cmds = Commands::new(&ctx)?;
-        let mut up = Uploader { ctx: &ctx, pipes: &pipes, cmds: &cmds, params: ParamsBuilder::default() };
+        let mut stream = Stream::new(&ctx)?;
+        let started = std::time::Instant::now();
+        let loaded = Self::upload(cfg, w, &ctx, &pipes, &mut stream, placement, host);
+        // Every copy ends before anything it writes can be dropped.
+        let finished = stream.finish();
+        let (layers, output_hc, output, arena, params, mut report) = loaded?;
+        finished?;
+        report.uploaded_bytes = stream.bytes;
+        report.upload_seconds = started.elapsed().as_secs_f64();
+        drop(stream);
+        let cache = if report.resident {
+            None
+        } else {
+            let split = measure_split(cfg, w, &ctx, &arena, host)?;
+            report.split = Some(split);
+            let cache = ExpertCache::new(cfg.n_layers, arena.per_layer, cfg.n_experts, split);
+            if let Some(profile) = &placement.warm {
+                // Each layer's most used experts, in its first slots.
+                let top: Vec<Vec<u32>> = (0..cfg.n_layers).map(|l| profile.top(l, arena.per_layer)).collect();
+                let mut stream = Stream::new(&ctx)?;
+                for (l, experts) in top.iter().enumerate() {
+                    for (s, &e) in experts.iter().enumerate() {
+                        arena.write(&mut stream, l, s, &expert_bytes(&w.layers[l].moe, cfg, e as usize))?;
+                    }
+                }
+                stream.finish()?;
+                cache.fill(&top);
+            }
+            Some(cache)
+        };
+        Ok(GpuModel { layers, output_hc, output, arena, cache, params, pipes, ctx, report })
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn upload(
+        cfg: &Config,
+        w: &Weights,
+        ctx: &Arc<Context>,
+        pipes: &Pipelines,
+        stream: &mut Stream,
+        placement: &ExpertPlacement,
+        _host: &(dyn Fn(&mut (dyn FnMut() + Send)) + Sync),
+    ) -> Result<(Vec<GpuLayer>, GpuHyper, GpuMatrix, ExpertArena, Buffer, LoadReport)> {
         let moes: Vec<_> = w.layers.iter().map(|l| &l.moe).collect();
-        let (arena, slot_table) = ExpertArena::new(&ctx, &pipes, &cmds, cfg, &moes)?;
+        let (arena_layers, shared_fits) = arena_layers(cfg, &moes)?;
+        let slot = slot_bytes(&arena_layers) as u64;
+        let (n_layers, e) = (cfg.n_layers as u64, cfg.n_experts as u64);
+        let reserve = state_bytes(cfg, placement);
+        let room = ctx.room();
+        // Everything resident: the dense weights, every expert (the shared
+        // ones in the arena when they fit its slots) and one state.
+        let dense = dense_bytes(w, false);
+        let all = dense + n_layers * (e + shared_fits as u64) * slot + reserve;
+        let resident = match placement.forced_slots {
+            Some(n) => n >= cfg.n_experts,
+            None => all <= room,
+        };
+        let shared_in_arena = resident && shared_fits;
+        let mut up = Loader { ctx, pipes, stream, params: ParamsBuilder::default() };
         let mut layers = Vec::with_capacity(w.layers.len());
+        let per_layer_resident = cfg.n_experts + shared_in_arena as usize;
         for (l, layer) in w.layers.iter().enumerate() {
             let moe = &layer.moe;
             let ple = match &layer.ple {
@@ -230,16 +336,16 @@ impl GpuModel {
                     conv: up.params.add(&p.conv),
                 }),
             };
-            let per_layer = slot_table.len() / w.layers.len();
-            let table: Vec<f32> =
-                slot_table[l * per_layer..(l + 1) * per_layer].iter().map(|&s| f32::from_bits(s)).collect();
-            let shared = if arena.shared_in_arena {
+            let shared = if shared_in_arena {
                 None
             } else {
-                Some(SharedExpert {
-                    gate_up: up.matrix(&[&moe.shared_gate_proj, &moe.shared_up])?,
-                    down: up.matrix(&[&moe.shared_down])?,
-                })
+                Some(SharedExpert { gate_up: up.matrix(&[&moe.shared_gate_proj, &moe.shared_up])?, down: up.matrix(&[&moe.shared_down])? })
+            };
+            // Resident: slot = layer * per_layer + expert (the shared one at E).
+            let table: Vec<f32> = if resident {
+                (0..per_layer_resident).map(|x| f32::from_bits((l * per_layer_resident + x) as u32)).collect()
+            } else {
+                Vec::new()
             };
             layers.push(GpuLayer {
                 attn_hc: up.hyper(&layer.attn_hc)?,
@@ -249,7 +355,7 @@ impl GpuModel {
                     router: up.matrix(&[&moe.router])?,
                     shared,
                     shared_gate: up.params.add(&moe.shared_gate),
-                    slot_table: up.params.add(&table),
+                    slot_table: if resident { up.params.add(&table) } else { super::pipelines::SLOTS_DIRECT },
                 },
                 ple,
             });
@@ -257,10 +363,21 @@ impl GpuModel {
         let output_hc = up.hyper(&w.output_hc)?;
         let output = up.matrix(&[&w.output])?;
         let bytes: Vec<u8> = up.params.0.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let params = Buffer::new(&ctx, "model parameters", bytes.len() as u64, MemoryLocation::GpuOnly)?;
-        cmds.upload(&params, 0, &bytes)?;
-        drop(cmds);
-        Ok(GpuModel { layers, output_hc, output, arena, params, pipes, ctx })
+        let params = Buffer::new(ctx, "model parameters", bytes.len() as u64, MemoryLocation::GpuOnly)?;
+        up.stream.write(&params, 0, &bytes)?;
+        let per_layer = if resident {
+            per_layer_resident
+        } else {
+            let left = room.saturating_sub(ctx.used() + reserve);
+            let fits = (left / (n_layers * slot)) as usize;
+            placement.forced_slots.unwrap_or(fits).min(cfg.n_experts)
+        };
+        let arena = ExpertArena::alloc(ctx, pipes, arena_layers, per_layer, shared_in_arena, super::matrix::max_binding_bytes(ctx))?;
+        if resident {
+            arena.fill_all(up.stream, |l, x| expert_bytes(moes[l], cfg, x))?;
+        }
+        let report = LoadReport { slots_per_layer: per_layer, resident, ..Default::default() };
+        Ok((layers, output_hc, output, arena, params, report))
     }
 
     /// Bytes of device memory in use (weights and every live state).
@@ -269,29 +386,103 @@ impl GpuModel {
     }
 }
 
-/// Bytes of the tensors the Vulkan backend uploads: all but the token
-/// embedding (rows are gathered on the host, unless it doubles as the LM
-/// head) and the PLE table (rows are gathered on the host).
-pub fn device_weight_bytes(file: &GgufFile) -> u64 {
-    let tied = !file.tensors.iter().any(|t| t.name == "output.weight");
-    file.tensors
-        .iter()
-        .filter(|t| match t.name.as_str() {
-            "per_layer_token_embd.weight" => false,
-            "token_embd.weight" => tied,
-            _ => true,
-        })
-        .map(|t| t.nbytes as u64)
-        .sum()
+/// Bytes the Vulkan backend needs resident at least: every weight it
+/// uploads but the routed experts (the token embedding's and the PLE
+/// table's rows are gathered on the host), in the file's encoding.
+pub fn dense_weight_bytes(w: &Weights) -> u64 {
+    dense_bytes(w, false)
+}
+
+/// Bytes of the weights uploaded besides the routed experts (the shared
+/// experts too unless `shared_in_arena`).
+fn dense_bytes(w: &Weights, shared_in_arena: bool) -> u64 {
+    let t = |t: &Tensor| t.bytes().len() as u64;
+    let hc = |h: &HyperConnection| t(&h.down) + t(&h.up) + h.inject.as_ref().map_or(0, t);
+    let mut n = hc(&w.output_hc) + t(&w.output);
+    for l in &w.layers {
+        n += hc(&l.attn_hc) + hc(&l.ffn_hc) + t(&l.moe.router);
+        if !shared_in_arena {
+            n += t(&l.moe.shared_gate_proj) + t(&l.moe.shared_up) + t(&l.moe.shared_down);
+        }
+        n += match &l.mixer {
+            Mixer::Gdn(g) => t(&g.qkv) + t(&g.z) + t(&g.beta) + t(&g.alpha) + t(&g.out),
+            Mixer::Attention(a) => {
+                t(&a.q) + t(&a.k) + t(&a.v) + t(&a.o) + a.indexer.as_ref().map_or(0, |ix| t(&ix.q_proj) + t(&ix.k_proj))
+            }
+        };
+        n += l.ple.as_ref().map_or(0, |p| t(&p.key) + t(&p.value));
+    }
+    n
+}
+
+/// Device bytes of one state at `placement.state_positions` positions
+/// (scratch, caches, rings), with a margin for the readback, upload and
+/// growth buffers.
+fn state_bytes(cfg: &Config, placement: &ExpertPlacement) -> u64 {
+    let positions = placement.state_positions.max(1);
+    let scratch = super::scratch::ScratchLayout::new(cfg, positions).map_or(0, |l| l.total as u64 * 4);
+    let layers: u64 = cfg.layers.iter().map(|k| 4 * super::caches::layer_len(cfg, k, placement.window, positions) as u64).sum();
+    let ple = cfg.ple.as_ref().map_or(0, |p| 4 * (crate::cpu::ple::conv_rows(p, placement.window) * cfg.hc * cfg.hidden) as u64);
+    scratch + layers + ple + (64 << 20)
+}
+
+/// The speeds the expert cache splits misses by: the host computing ten
+/// experts of layer 0 from the mapped file, and ten of them repacked and
+/// copied into the arena (both the second of two runs).
+fn measure_split(
+    cfg: &Config,
+    w: &Weights,
+    ctx: &Arc<Context>,
+    arena: &ExpertArena,
+    host: &(dyn Fn(&mut (dyn FnMut() + Send)) + Sync),
+) -> Result<Split> {
+    use crate::cpu::moe::{expert_outputs, Expert};
+    let moe = &w.layers[0].moe;
+    let n = cfg.n_experts.min(10);
+    let experts: Vec<Expert> = (0..n).map(Expert::Routed).collect();
+    let bytes: u64 = (0..n).map(|x| { let b = expert_bytes(moe, cfg, x); b.0.iter().map(|p| p.len()).sum::<usize>() + b.1.len() }).sum::<usize>() as u64;
+    let x = vec![0.5f32; cfg.hidden];
+    let mut host_s = f64::INFINITY;
+    for _ in 0..2 {
+        let t = std::time::Instant::now();
+        host(&mut || {
+            std::hint::black_box(expert_outputs(moe, cfg, &x, &experts));
+        });
+        host_s = host_s.min(t.elapsed().as_secs_f64());
+    }
+    let mut upload_s = f64::INFINITY;
+    if arena.per_layer > 0 {
+        let mut stream = Stream::new(ctx)?;
+        for _ in 0..2 {
+            let t = std::time::Instant::now();
+            for x in 0..n {
+                arena.write(&mut stream, 0, x % arena.per_layer, &expert_bytes(moe, cfg, x))?;
+            }
+            stream.finish()?;
+            upload_s = upload_s.min(t.elapsed().as_secs_f64());
+        }
+    }
+    Ok(Split { host_bytes_per_s: bytes as f64 / host_s.max(1e-9), upload_bytes_per_s: if upload_s.is_finite() { bytes as f64 / upload_s.max(1e-9) } else { 0.0 } })
 }
 
 /// The Vulkan backend of a model: its weights on the device, shared with every state.
 pub struct VulkanBackend(Arc<GpuModel>);
 
 impl VulkanBackend {
-    /// Opens the device `choice` names and uploads the weights.
-    pub fn load(cfg: &Config, w: &Weights, choice: &DeviceChoice) -> Result<VulkanBackend> {
-        Ok(VulkanBackend(Arc::new(GpuModel::load(cfg, w, choice)?)))
+    /// Opens the device `choice` names and uploads the weights (see [`GpuModel::load`]).
+    pub fn load(
+        cfg: &Config,
+        w: &Weights,
+        choice: &DeviceChoice,
+        placement: &ExpertPlacement,
+        host: &(dyn Fn(&mut (dyn FnMut() + Send)) + Sync),
+    ) -> Result<VulkanBackend> {
+        Ok(VulkanBackend(Arc::new(GpuModel::load(cfg, w, choice, placement, host)?)))
+    }
+
+    /// What the load measured.
+    pub fn report(&self) -> &LoadReport {
+        &self.0.report
     }
 }
 
@@ -310,5 +501,35 @@ impl BackendModel for VulkanBackend {
 
     fn new_state(&self, model: &Model) -> Result<Box<dyn BackendState>> {
         Ok(Box::new(super::state::GpuState::new(&self.0, model, 0)?))
+    }
+
+    fn expert_cache(&self) -> Option<ExpertCacheReport> {
+        let c = self.0.cache.as_ref()?;
+        let s = c.stats();
+        Some(ExpertCacheReport {
+            slots_per_layer: c.slots,
+            host_bytes_per_s: c.split.host_bytes_per_s,
+            upload_bytes_per_s: c.split.upload_bytes_per_s,
+            tokens: s.tokens,
+            hits: s.hits,
+            misses: s.misses,
+            host_experts: s.host_experts,
+            uploads: s.uploads,
+            upload_bytes: s.upload_bytes,
+        })
+    }
+
+    fn reset_expert_cache_counts(&self) {
+        if let Some(c) = &self.0.cache {
+            c.reset_stats();
+        }
+    }
+
+    fn routing_profile(&self) -> Option<RoutingProfile> {
+        self.0.cache.as_ref().map(|c| RoutingProfile::new(c.profile()))
+    }
+
+    fn load_transfer(&self) -> Option<(u64, f64)> {
+        Some((self.0.report.uploaded_bytes, self.0.report.upload_seconds))
     }
 }

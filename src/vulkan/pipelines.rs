@@ -136,7 +136,12 @@ MoeRoutePush { logits_off: u32, ids_off: u32, w_off: u32, n_experts: u32, k: u32
     shared_gate: u32, h: u32 });
 push_block!(/// shaders/moe_combine.comp
 MoeCombinePush { y_off: u32, w_off: u32, shared_off: u32, x_off: u32, shared_gate: u32, res_off: u32, inject_off: u32,
-    h: u32, k: u32, streams: u32, shared_separate: u32 });
+    h: u32, k: u32, streams: u32, shared_separate: u32, partial_off: u32 });
+
+/// `MatvecPush::slot_table` of the expert cache: the ids are slots.
+pub(crate) const SLOTS_DIRECT: u32 = u32::MAX;
+/// `MoeCombinePush::partial_off` when the host computed no expert.
+pub(crate) const NO_PARTIAL: u32 = u32::MAX;
 
 /// Largest `k` moe_route.comp handles (`MAX_K`).
 pub(crate) const MAX_TOP_K: usize = 64;

@@ -48,6 +48,8 @@ pub(crate) struct ScratchLayout {
     pub exp_y: u32,
     pub sh_h: u32,
     pub sh_y: u32,
+    /// The host's weighted sum of the experts it computed (expert cache): [H]
+    pub partial: u32,
     pub logits: u32,
     pub total: u32,
 }
@@ -104,6 +106,7 @@ impl ScratchLayout {
         l.exp_y = next(k * h);
         l.sh_h = next(cfg.shared_ff);
         l.sh_y = next(h);
+        l.partial = next(h);
         l.logits = next(cfg.vocab);
         // Last: the regions that scale with the capacity.
         l.scores = next(n_ctx);

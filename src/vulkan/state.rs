@@ -34,6 +34,22 @@ pub struct GpuState {
     readback: Buffer,
     pub(crate) scratch: Buffer,
     pub(crate) cmds: Commands,
+    /// With the expert cache: the per-layer exchange with the host.
+    pub(crate) offload: Option<Offload>,
+}
+
+/// What a state needs to run layers whose experts are partly on the host.
+pub(crate) struct Offload {
+    /// The expert dispatches of a layer, submitted while the host computes its share.
+    pub cmds: Commands,
+    /// Whether `cmds` holds a submission not yet waited for.
+    pub pending: bool,
+    /// Read back after the router: ids [k], weights [k], the MoE input [H].
+    pub down: Buffer,
+    /// Written by the host: slots [k], weights [k], the host's sum [H].
+    pub up: Buffer,
+    /// Experts to upload into the arena, in its layout: [k][slot bytes].
+    pub staging: Buffer,
 }
 
 impl std::fmt::Debug for GpuState {
@@ -66,6 +82,19 @@ impl GpuState {
         let readback = Buffer::new(ctx, "logits readback", f(cfg.vocab), MemoryLocation::GpuToCpu)?;
         let caches = Caches::new(gpu, cfg, model.rewind_window, n_ctx, capacity, &scratch)?;
         let cmds = Commands::new(ctx)?;
+        let offload = match &gpu.cache {
+            None => None,
+            Some(_) => {
+                let (k, h) = (cfg.n_experts_used, cfg.hidden);
+                Some(Offload {
+                    cmds: Commands::new(ctx)?,
+                    pending: false,
+                    down: Buffer::new(ctx, "expert routing readback", f(2 * k + h), MemoryLocation::GpuToCpu)?,
+                    up: Buffer::new(ctx, "expert placement upload", f(2 * k + h), MemoryLocation::CpuToGpu)?,
+                    staging: Buffer::new(ctx, "expert upload staging", (k * gpu.arena.slot_bytes) as u64, MemoryLocation::CpuToGpu)?,
+                })
+            }
+        };
         cmds.begin()?;
         caches.record_zero(&cmds);
         cmds.submit()?;
@@ -81,6 +110,7 @@ impl GpuState {
             readback,
             scratch,
             cmds,
+            offload,
         })
     }
 
@@ -113,19 +143,30 @@ impl BackendState for GpuState {
         }
         self.grow(model, batch.pos + 1, true)?;
         let gpu = self.gpu.clone();
+        // Steps of states sharing an expert cache take turns.
+        let cache = gpu.cache.as_ref().map(|c| c.token());
         self.cmds.begin()?;
         let mut rec = Recorder::new(&gpu.ctx, &gpu.pipes, self.cmds.cmd);
         if let Some(t) = &self.timestamps {
             rec.profile_into(t.pool);
         }
-        let stats = {
-            let mut pass = super::blocks::VkPass::begin(self, &gpu, model, batch.pos, rec);
-            crate::model::forward::forward(model, batch, &mut pass)?;
+        let (mut stats, profiled) = {
+            let mut pass = super::blocks::VkPass::begin(self, &gpu, model, batch.pos, rec, cache);
+            let walked = crate::model::forward::forward(model, batch, &mut pass);
+            // A pass that submitted part of its work has changed the state.
+            let submitted = pass.submits > 0;
+            if let Err(e) = walked {
+                pass.abandon();
+                return Err(if submitted { Error::StateLost(format!("a decode step failed part way: {e}")) } else { e });
+            }
             pass.finish()
         };
-        let (mut stats, profiled) = stats;
         self.cmds.submit().map_err(lost("a decode step"))?;
-        stats.submits = 1;
+        stats.submits += 1;
+        if let Some(o) = self.offload.as_mut().filter(|o| o.pending) {
+            o.cmds.wait().map_err(lost("a decode step's expert work"))?;
+            o.pending = false;
+        }
         self.stats = stats;
         if let Some(t) = &self.timestamps {
             self.stage_ms = t.read(&profiled)?;
@@ -171,6 +212,9 @@ impl BackendState for GpuState {
     }
 
     fn enable_profiling(&mut self) -> Result<()> {
+        if self.offload.is_some() {
+            return Err(Error::arg("profiling: per-stage GPU times are not kept while experts run on the host too"));
+        }
         if self.timestamps.is_none() {
             self.timestamps = Some(Timestamps::new(&self.gpu.ctx)?);
         }

@@ -25,7 +25,7 @@
 //! the bound.
 
 use super::arena::{ArenaLayer, ExpertArena};
-use super::buffer::{Buffer, Commands};
+use super::buffer::{Buffer, Commands, Stream};
 use super::device::{validation_errors, Context, DeviceChoice};
 use super::layout::PartLayout;
 use super::matrix::GpuMatrix;
@@ -144,7 +144,9 @@ impl Twin<'_> {
     fn run(&self, w: &Tensor, x: &[f32], runs: &[Run], max_bytes: usize) -> Vec<Vec<f32>> {
         let (ctx, pipes) = (self.ctx, self.pipes);
         let cmds = Commands::new(ctx).unwrap();
-        let m = GpuMatrix::upload_split(ctx, pipes, &cmds, &[w], max_bytes).unwrap();
+        let mut stream = Stream::new(ctx).unwrap();
+        let m = GpuMatrix::upload_split(ctx, pipes, &mut stream, &[w], max_bytes).unwrap();
+        stream.finish().unwrap();
         let (cols, rows) = (w.cols(), w.rows());
         // [pad | x | NaN pad | aux | per run: STREAMS * rows]
         let x_end = (X_OFF + cols).div_ceil(4) * 4 + 4;
@@ -328,10 +330,10 @@ fn arena_case(ctx: &Arc<Context>, pipes: &Pipelines, types: &[(GgmlType, GgmlTyp
     // Slabs of three slots: several slabs, a layer's experts in two.
     let slot = layers.iter().map(|a| a.gate.bytes + a.down.bytes).max().unwrap();
     let cmds = Commands::new(ctx).unwrap();
-    let (arena, table) = ExpertArena::upload(ctx, pipes, &cmds, layers.clone(), per_layer, false, 3 * slot, |l, x| {
-        (vec![experts[l][x].0.bytes()], experts[l][x].1.bytes())
-    })
-    .unwrap();
+    let arena = ExpertArena::alloc(ctx, pipes, layers.clone(), per_layer, false, 3 * slot).unwrap();
+    let mut stream = Stream::new(ctx).unwrap();
+    let table = arena.fill_all(&mut stream, |l, x| (vec![experts[l][x].0.bytes()], experts[l][x].1.bytes())).unwrap();
+    stream.finish().unwrap();
     assert!(arena.slots_per_slab == 3);
     let params = Buffer::new(ctx, "twin params", (table.len() * 4) as u64, MemoryLocation::GpuOnly).unwrap();
     cmds.upload(&params, 0, &table.iter().flat_map(|s| s.to_le_bytes()).collect::<Vec<u8>>()).unwrap();

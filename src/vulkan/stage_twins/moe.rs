@@ -5,7 +5,7 @@ use crate::cpu::hyper;
 use crate::cpu::moe;
 use crate::cpu::ops::sigmoid;
 use crate::model::weights::{ExpertGateUp, Moe};
-use crate::vulkan::pipelines::{MoeCombinePush, MoeRoutePush, MAX_TOP_K};
+use crate::vulkan::pipelines::{MoeCombinePush, MoeRoutePush, MAX_TOP_K, NO_PARTIAL};
 
 /// MoE weights with `router` and `shared_gate`; `moe::route` reads only the
 /// router, so the experts are 1x1 placeholders.
@@ -122,13 +122,22 @@ fn moe_route() {
 #[test]
 fn moe_combine() {
     let Some(g) = gpu() else { return };
-    // (hidden, experts combined, streams, shared expert separate): the real
-    // 10 experts over hidden 2560 with the shared expert run apart, the same
-    // with the shared expert as an 11th from the arena, the largest k, and a
-    // hidden off the 256-wide workgroup.
-    for (h, k, c, separate) in [(2560, 10, 4, true), (2560, 11, 4, false), (64, MAX_TOP_K, 4, true), (300, 9, 2, false)] {
+    // (hidden, experts combined, streams, shared expert separate, host sum):
+    // the real 10 experts over hidden 2560 with the shared expert run apart,
+    // the same with the shared expert as an 11th from the arena, the largest
+    // k, a hidden off the 256-wide workgroup; with the expert cache, 3 on the
+    // GPU and the host's weighted sum of the rest, and none on the GPU.
+    let cases = [
+        (2560, 10, 4, true, false),
+        (2560, 11, 4, false, false),
+        (64, MAX_TOP_K, 4, true, false),
+        (300, 9, 2, false, false),
+        (2560, 3, 4, true, true),
+        (300, 0, 2, true, true),
+    ];
+    for (h, k, c, separate, host) in cases {
         let mut r = Rng::new((h * k * c) as u64);
-        let y = r.unit(k * h);
+        let y = r.unit(k.max(1) * h);
         let (x, shared, shared_gate) = (r.unit(h), r.unit(h), r.vec(h, (3.0 / h as f32).sqrt()));
         let gate = moe::shared_gate(&weights(matrix(1, 1, &[0.0]), shared_gate.clone()), &x);
         let routed = if separate { k } else { k - 1 };
@@ -143,7 +152,12 @@ fn moe_combine() {
         // runs in the arena, is the last of them with its gate as weight),
         // then `hyper::post`.
         let routes: Vec<(usize, f32)> = w.iter().map(|&p| (0, p)).collect();
-        let moe_out = if separate { moe::combine(&routes, &y, &shared, gate) } else { moe::combine(&routes, &y, &vec![0.0; h], 0.0) };
+        let mut moe_out = if separate { moe::combine(&routes, &y, &shared, gate) } else { moe::combine(&routes, &y, &vec![0.0; h], 0.0) };
+        // The host's share, added as `moe_experts` sums it.
+        let partial = r.unit(h);
+        if host {
+            moe_out.iter_mut().zip(&partial).for_each(|(o, p)| *o += p);
+        }
         let mut want = residual.clone();
         hyper::post(&mut want, &moe_out, &inject);
 
@@ -154,6 +168,7 @@ fn moe_combine() {
         let x_off = b.s.put(&x);
         let res_off = b.s.put(&residual);
         let inject_off = b.s.put(&inject);
+        let partial_off = b.s.put(&partial);
         let push = MoeCombinePush {
             y_off,
             w_off,
@@ -166,8 +181,9 @@ fn moe_combine() {
             k: k as u32,
             streams: c as u32,
             shared_separate: separate as u32,
+            partial_off: if host { partial_off } else { NO_PARTIAL },
         };
         let out = g.run(Pipe::MoeCombine, &push, Groups::Threads(h), &b, &[(res_off, c * h)], &[]);
-        check(&format!("moe_combine H={h} k={k} C={c} shared_separate={separate}"), out.s(res_off, c * h), &want, 1e-5);
+        check(&format!("moe_combine H={h} k={k} C={c} shared_separate={separate} host sum {host}"), out.s(res_off, c * h), &want, 1e-5);
     }
 }
