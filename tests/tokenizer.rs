@@ -150,15 +150,16 @@ fn token_kinds_specials_and_pieces() {
     assert_eq!(t.n_vocab(), 151_936);
     assert_eq!(t.eos(), Some(151_643));
     assert_eq!(t.kind(151_643), Some(TokenKind::Control));
-    assert_eq!(t.kind(151_646), Some(TokenKind::Unused), "[PAD151646] filler");
+    assert_eq!(t.kind(151_646), Some(TokenKind::UserDefined), "[PAD151646], USER_DEFINED in this file");
     assert_eq!(t.kind(0), Some(TokenKind::Normal));
     assert_eq!(t.kind(151_936), None);
     assert_eq!(t.token_id("<|im_start|>"), Some(151_644));
     assert_eq!(t.token_id("Hello"), Some(9707));
-    assert_eq!(t.token_id("[PAD151646]"), None);
+    assert_eq!(t.token_id("[PAD151646]"), Some(151_646));
     assert_eq!(t.token_to_piece(151_645, true).unwrap(), b"<|im_end|>");
     assert_eq!(t.token_to_piece(151_645, false).unwrap(), b"");
-    assert_eq!(t.token_to_piece(151_646, true).unwrap(), b"");
+    assert_eq!(t.token_to_piece(151_646, true).unwrap(), b"[PAD151646]");
+    assert_eq!(t.token_to_piece(151_646, false).unwrap(), b"[PAD151646]");
     // "Ġ" is the byte-level stand-in for a space.
     let space = t.encode(" ", false, true).unwrap();
     assert_eq!(t.token_to_piece(space[0], false).unwrap(), b" ");
@@ -169,8 +170,9 @@ fn token_kinds_specials_and_pieces() {
     let bytes: Vec<u8> = ids.iter().flat_map(|&i| t.token_to_piece(i, false).unwrap().to_vec()).collect();
     assert_eq!(bytes, rare.as_bytes());
     assert!(std::str::from_utf8(t.token_to_piece(ids[0], false).unwrap()).is_err());
-    // The fillers are text, not tokens.
-    assert!(!t.encode("[PAD151646]", false, true).unwrap().contains(&151_646));
+    // USER_DEFINED fillers are tokens, whether or not special tokens are parsed.
+    assert_eq!(t.encode("[PAD151646]", false, true).unwrap(), [151_646]);
+    assert_eq!(t.encode("[PAD151646]", false, false).unwrap(), [151_646]);
 }
 
 #[test]
