@@ -46,22 +46,22 @@ fn main() {
     }
     let list: Vec<String> = stale.iter().map(|(m, why)| format!("  {}: {why}", m.name)).collect();
     if !force && shaders::glslc_version(&glslc).is_none() {
-        panic!(
+        fail(&format!(
             "the committed SPIR-V in shaders/spirv/ does not match the shader sources:\n{}\n\
              Compiling the shaders needs the GLSL compiler `{glslc}`, which cannot be run. \
              Install it (apt-get install glslc, or bash scripts/setup.sh) or point GLSLC at a glslc \
              binary, then run `bash scripts/build-shaders.sh` to refresh shaders/spirv/ (or undo the \
              shader edits).",
             list.join("\n")
-        );
+        ));
     }
     for (m, _) in &stale {
         let target = out.join(format!("{}.spv", m.name));
         if let Err(e) = shaders::compile(&glslc, &src, m, &target) {
-            panic!(
+            fail(&format!(
                 "{e}. The Vulkan shaders need the GLSL compiler: install the `glslc` package \
                  (apt-get install glslc, or run scripts/setup.sh), or point GLSLC at a glslc binary"
-            );
+            ));
         }
     }
     if !force {
@@ -74,4 +74,10 @@ fn main() {
             println!("cargo:warning={}", line.trim_start());
         }
     }
+}
+
+/// Stops the build with `message` (no panic, so no backtrace around it).
+fn fail(message: &str) -> ! {
+    eprintln!("error: {message}");
+    std::process::exit(1);
 }
