@@ -36,8 +36,9 @@ fn main() {
             continue;
         }
         match shaders::committed(&src, &spirv, manifest.as_ref(), &m) {
-            Ok(bytes) => std::fs::write(&target, bytes)
-                .unwrap_or_else(|e| panic!("cannot write {}: {e}", target.display())),
+            Ok(bytes) => {
+                std::fs::write(&target, bytes).unwrap_or_else(|e| panic!("cannot write {}: {e}", target.display()))
+            }
             Err(why) => stale.push((m, why)),
         }
     }

@@ -232,8 +232,7 @@ pub fn glslc_version(glslc: &str) -> Option<String> {
         return None;
     }
     let text = String::from_utf8_lossy(&out.stdout);
-    let lines: Vec<&str> =
-        text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with("Target:")).collect();
+    let lines: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with("Target:")).collect();
     Some(lines.join("; "))
 }
 

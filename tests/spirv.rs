@@ -38,9 +38,9 @@ fn committed_spirv_matches_the_sources() {
     assert_eq!(on_disk, names, "shaders/spirv/ holds other .spv files than the modules: {REFRESH}");
     let stale: Vec<String> = modules
         .iter()
-        .filter_map(|m| shaders::committed(&src, &src.join("spirv"), Some(&manifest), m).err().map(|e| {
-            format!("  {}: {e}", m.name)
-        }))
+        .filter_map(|m| {
+            shaders::committed(&src, &src.join("spirv"), Some(&manifest), m).err().map(|e| format!("  {}: {e}", m.name))
+        })
         .collect();
     assert!(stale.is_empty(), "the committed SPIR-V is stale:\n{}\n{REFRESH}", stale.join("\n"));
 }
@@ -72,8 +72,12 @@ fn committed_spirv_is_what_glslc_makes() {
         }
     }
     std::fs::remove_dir_all(&tmp).ok();
-    let sources_differ: Vec<&String> =
-        fresh.modules.iter().filter(|(k, v)| committed.modules.get(*k).map(|c| c.0) != Some(v.0)).map(|(k, _)| k).collect();
+    let sources_differ: Vec<&String> = fresh
+        .modules
+        .iter()
+        .filter(|(k, v)| committed.modules.get(*k).map(|c| c.0) != Some(v.0))
+        .map(|(k, _)| k)
+        .collect();
     assert!(sources_differ.is_empty(), "sources changed since the SPIR-V was made: {sources_differ:?}; {REFRESH}");
     if version == committed.glslc {
         assert!(differ.is_empty(), "glslc makes other SPIR-V than the committed for {differ:?}: {REFRESH}");

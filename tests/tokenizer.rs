@@ -222,7 +222,11 @@ fn user_defined_tokens_match_hugging_face() {
         for d in f[vocab]["single_decode"].as_array().unwrap() {
             let id = d["id"].as_u64().unwrap() as u32;
             assert_eq!(t.decode(&[id], false).unwrap(), d["decoded"].as_str().unwrap(), "{vocab}: token {id}");
-            assert_eq!(t.decode(&[id], true).unwrap(), d["decoded_skip_special"].as_str().unwrap(), "{vocab}: token {id}");
+            assert_eq!(
+                t.decode(&[id], true).unwrap(),
+                d["decoded_skip_special"].as_str().unwrap(),
+                "{vocab}: token {id}"
+            );
         }
     }
     // The edited vocabulary's kinds, and lookups by text.
