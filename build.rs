@@ -1,73 +1,84 @@
-//! Compiles the GLSL compute shaders in `shaders/` to SPIR-V with `glslc`
-//! (Debian/Ubuntu package `glslc`, also in the Vulkan SDK) and writes them to
-//! `OUT_DIR`, where `src/vulkan/pipelines.rs` embeds them. Each entry of
-//! `VARIANTS` is one SPIR-V module: a `.comp` source plus `#define`s; the
-//! matvec modules come from `WEIGHT_TYPES` (plain and expert-arena each).
+//! Puts the SPIR-V of every Vulkan shader module in `OUT_DIR`, where
+//! `src/vulkan/pipelines.rs` embeds it.
+//!
+//! The SPIR-V is committed (`shaders/spirv/`, written by
+//! `scripts/build-shaders.sh`; the modules and the manifest are in
+//! `build/shaders.rs`), so a build needs only cargo. A module whose sources
+//! changed since its SPIR-V was made is compiled here with `glslc` (Debian and
+//! Ubuntu package `glslc`, also in the Vulkan SDK; `GLSLC` names another
+//! binary) and a warning says to refresh the committed files; without `glslc`
+//! the build stops rather than embed SPIR-V that does not match the sources.
+//! `FNX_BUILD_SHADERS=1` compiles every module with `glslc` regardless.
+
+#[path = "build/shaders.rs"]
+#[allow(dead_code)] // regeneration is for scripts/build-shaders.sh
+mod shaders;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-/// (module name, source file, defines)
-const VARIANTS: &[(&str, &str, &[&str])] = &[
-    ("hc_norm", "hc_norm.comp", &[]),
-    ("hc_combine", "hc_combine.comp", &[]),
-    ("ple_mix", "ple_mix.comp", &[]),
-    ("gdn_conv", "gdn_conv.comp", &[]),
-    ("gdn_recurrent", "gdn_recurrent.comp", &[]),
-    ("attn_prep", "attn_prep.comp", &[]),
-    ("qsa_index", "qsa_index.comp", &[]),
-    ("qsa_score", "qsa_score.comp", &[]),
-    ("qsa_topk", "qsa_topk.comp", &[]),
-    ("attention", "attention.comp", &[]),
-    ("moe_route", "moe_route.comp", &[]),
-    ("moe_combine", "moe_combine.comp", &[]),
-];
-
-/// Weight types of the matvec modules: (module suffix, `WEIGHT_*` define).
-/// Each gives `matvec_<suffix>` and, with `ARENA`, `expert_<suffix>`.
-const WEIGHT_TYPES: &[(&str, &str)] = &[
-    ("f32", "WEIGHT_F32"),
-    ("f16", "WEIGHT_F16"),
-    ("bf16", "WEIGHT_BF16"),
-    ("q4_0", "WEIGHT_Q4_0"),
-    ("q4_1", "WEIGHT_Q4_1"),
-    ("q5_0", "WEIGHT_Q5_0"),
-    ("q5_1", "WEIGHT_Q5_1"),
-    ("q8_0", "WEIGHT_Q8_0"),
-    ("q2_k", "WEIGHT_Q2_K"),
-    ("q3_k", "WEIGHT_Q3_K"),
-    ("q4_k", "WEIGHT_Q4_K"),
-    ("q5_k", "WEIGHT_Q5_K"),
-    ("q6_k", "WEIGHT_Q6_K"),
-];
 
 fn main() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let src = root.join("shaders");
+    let spirv = src.join("spirv");
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     println!("cargo:rerun-if-changed=shaders");
     println!("cargo:rerun-if-env-changed=GLSLC");
+    println!("cargo:rerun-if-env-changed=FNX_BUILD_SHADERS");
     let glslc = std::env::var("GLSLC").unwrap_or_else(|_| "glslc".into());
-    let mut modules: Vec<(String, &str, Vec<&str>)> = Vec::new();
-    for (suffix, define) in WEIGHT_TYPES {
-        modules.push((format!("matvec_{suffix}"), "matvec.comp", vec![define]));
-        modules.push((format!("expert_{suffix}"), "matvec.comp", vec![define, "ARENA"]));
-    }
-    modules.extend(VARIANTS.iter().map(|(name, file, defines)| (name.to_string(), *file, defines.to_vec())));
-    for (name, file, defines) in &modules {
-        let mut cmd = Command::new(&glslc);
-        cmd.arg("-fshader-stage=compute").arg("--target-env=vulkan1.1").arg("-O").arg("-Werror");
-        cmd.arg("-I").arg(&src);
-        for d in defines {
-            cmd.arg(format!("-D{d}"));
+    let force = std::env::var("FNX_BUILD_SHADERS").is_ok_and(|v| !v.is_empty() && v != "0");
+    let manifest = shaders::Manifest::read(&spirv);
+
+    let mut stale = Vec::new();
+    for m in shaders::modules() {
+        let target = out.join(format!("{}.spv", m.name));
+        if force {
+            stale.push((m, "FNX_BUILD_SHADERS is set".to_string()));
+            continue;
         }
-        cmd.arg(src.join(file)).arg("-o").arg(out.join(format!("{name}.spv")));
-        let status = cmd.status().unwrap_or_else(|e| {
-            panic!(
-                "cannot run `{glslc}` ({e}): the Vulkan shaders need the GLSL compiler. \
-                 Install the `glslc` package (apt-get install glslc, or run scripts/setup.sh), \
-                 or point GLSLC at a glslc binary"
-            )
-        });
-        assert!(status.success(), "glslc failed on shaders/{file} ({name}); see the messages above");
+        match shaders::committed(&src, &spirv, manifest.as_ref(), &m) {
+            Ok(bytes) => {
+                std::fs::write(&target, bytes).unwrap_or_else(|e| panic!("cannot write {}: {e}", target.display()))
+            }
+            Err(why) => stale.push((m, why)),
+        }
     }
+    if stale.is_empty() {
+        return;
+    }
+    let list: Vec<String> = stale.iter().map(|(m, why)| format!("  {}: {why}", m.name)).collect();
+    if !force && shaders::glslc_version(&glslc).is_none() {
+        fail(&format!(
+            "the committed SPIR-V in shaders/spirv/ does not match the shader sources:\n{}\n\
+             Compiling the shaders needs the GLSL compiler `{glslc}`, which cannot be run. \
+             Install it (apt-get install glslc, or bash scripts/setup.sh) or point GLSLC at a glslc \
+             binary, then run `bash scripts/build-shaders.sh` to refresh shaders/spirv/ (or undo the \
+             shader edits).",
+            list.join("\n")
+        ));
+    }
+    for (m, _) in &stale {
+        let target = out.join(format!("{}.spv", m.name));
+        if let Err(e) = shaders::compile(&glslc, &src, m, &target) {
+            fail(&format!(
+                "{e}. The Vulkan shaders need the GLSL compiler: install the `glslc` package \
+                 (apt-get install glslc, or run scripts/setup.sh), or point GLSLC at a glslc binary"
+            ));
+        }
+    }
+    if !force {
+        println!(
+            "cargo:warning=compiled {} shader module(s) with {glslc}: the committed SPIR-V is stale; \
+             run `bash scripts/build-shaders.sh` and commit shaders/spirv/",
+            stale.len()
+        );
+        for line in &list {
+            println!("cargo:warning={}", line.trim_start());
+        }
+    }
+}
+
+/// Stops the build with `message` (no panic, so no backtrace around it).
+fn fail(message: &str) -> ! {
+    eprintln!("error: {message}");
+    std::process::exit(1);
 }

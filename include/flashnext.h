@@ -510,7 +510,8 @@ fnx_status fnx_state_load(struct fnx_state *state, const uint8_t *data, size_t s
 // Splits `text_len` bytes of UTF-8 `text` into tokens of `model`'s vocabulary.
 // `add_special` adds the BOS/EOS tokens the model asks for (Qwen: none);
 // `parse_special` turns special-token text such as `<|im_start|>` into those
-// tokens (otherwise it is tokenized as plain text). Writes the ids to
+// tokens (otherwise it is tokenized as plain text); added tokens that are not
+// special (USER_DEFINED, such as `<think>`) are always recognised. Writes the ids to
 // `out_tokens` (room for `capacity`; may be NULL when `capacity` is 0) and
 // their number to `*out_n_tokens`. Size query: if `capacity` is too small the
 // call fails with `FNX_ERR_BUFFER_TOO_SMALL`, writes no ids, and sets

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Installs the system packages the tests use, when missing: a C compiler
 # (the C example is built and run), and valgrind (it runs under it).
-# The Vulkan backend: glslc compiles its shaders at build time; the tests run
-# them on Mesa's lavapipe (a CPU Vulkan driver) under the Khronos validation layer.
+# The Vulkan backend: glslc recompiles its shaders for tests/spirv.rs, which
+# compares them with the committed SPIR-V (the build itself needs glslc only
+# after a shader edit); the tests run them on Mesa's lavapipe (a CPU Vulkan
+# driver) under the Khronos validation layer.
 set -euo pipefail
 need=()
 command -v cc >/dev/null 2>&1 || need+=(gcc libc6-dev)

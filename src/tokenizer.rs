@@ -21,10 +21,13 @@
 //! Hugging Face does. [`StreamDecoder`] does the same one token at a time and
 //! never emits part of a UTF-8 sequence.
 //!
-//! Vocabulary fillers (`token_type` 5 UNUSED, and the `[PAD<id>]` USER_DEFINED
-//! tokens older llama.cpp conversions wrote for ids the Hugging Face vocabulary
-//! does not have) are not tokens of the Hugging Face tokenizer: they are never
-//! produced by [`Tokenizer::encode`] and decode to nothing.
+//! USER_DEFINED tokens include the `[PAD<id>]` fillers older llama.cpp
+//! conversions wrote for ids the Hugging Face vocabulary does not have: like
+//! llama.cpp, flashnext matches them in text as any other added token (checked
+//! against Hugging Face `tokenizers` with the fillers as non-special added
+//! tokens). Vocabulary fillers of `token_type` 5 UNUSED (what llama.cpp and
+//! flashnext's converters write today) are not tokens: they are never produced
+//! by [`Tokenizer::encode`] and decode to nothing.
 
 use crate::error::{Error, Result};
 use crate::gguf::{Metadata, Value};
@@ -50,10 +53,10 @@ pub enum TokenKind {
     /// A special token (type 3 CONTROL, or 2 UNKNOWN), e.g. `<|im_end|>`: parsed
     /// from text only when asked, skipped by `decode(.., skip_special = true)`.
     Control,
-    /// An added token that is not special (type 4), e.g. `<think>`: always parsed.
+    /// An added token that is not special (type 4), e.g. `<think>` or an older
+    /// conversion's `[PAD<id>]` filler: always parsed, kept by `skip_special`.
     UserDefined,
-    /// A vocabulary filler (type 5, or a `[PAD<id>]` USER_DEFINED token): never
-    /// produced, decodes to nothing.
+    /// A vocabulary filler (type 5 UNUSED): never produced, decodes to nothing.
     Unused,
 }
 
@@ -210,7 +213,6 @@ impl Tokenizer {
             let kind = match ty {
                 0 | 1 | 6 => TokenKind::Normal,
                 2 | 3 => TokenKind::Control,
-                4 if text == format!("[PAD{i}]") => TokenKind::Unused,
                 4 => TokenKind::UserDefined,
                 5 => TokenKind::Unused,
                 other => return Err(Error::model(format!("tokenizer.ggml.token_type[{i}] is {other}, not 0..=6"))),

@@ -150,15 +150,16 @@ fn token_kinds_specials_and_pieces() {
     assert_eq!(t.n_vocab(), 151_936);
     assert_eq!(t.eos(), Some(151_643));
     assert_eq!(t.kind(151_643), Some(TokenKind::Control));
-    assert_eq!(t.kind(151_646), Some(TokenKind::Unused), "[PAD151646] filler");
+    assert_eq!(t.kind(151_646), Some(TokenKind::UserDefined), "[PAD151646], USER_DEFINED in this file");
     assert_eq!(t.kind(0), Some(TokenKind::Normal));
     assert_eq!(t.kind(151_936), None);
     assert_eq!(t.token_id("<|im_start|>"), Some(151_644));
     assert_eq!(t.token_id("Hello"), Some(9707));
-    assert_eq!(t.token_id("[PAD151646]"), None);
+    assert_eq!(t.token_id("[PAD151646]"), Some(151_646));
     assert_eq!(t.token_to_piece(151_645, true).unwrap(), b"<|im_end|>");
     assert_eq!(t.token_to_piece(151_645, false).unwrap(), b"");
-    assert_eq!(t.token_to_piece(151_646, true).unwrap(), b"");
+    assert_eq!(t.token_to_piece(151_646, true).unwrap(), b"[PAD151646]");
+    assert_eq!(t.token_to_piece(151_646, false).unwrap(), b"[PAD151646]");
     // "Ġ" is the byte-level stand-in for a space.
     let space = t.encode(" ", false, true).unwrap();
     assert_eq!(t.token_to_piece(space[0], false).unwrap(), b" ");
@@ -169,8 +170,80 @@ fn token_kinds_specials_and_pieces() {
     let bytes: Vec<u8> = ids.iter().flat_map(|&i| t.token_to_piece(i, false).unwrap().to_vec()).collect();
     assert_eq!(bytes, rare.as_bytes());
     assert!(std::str::from_utf8(t.token_to_piece(ids[0], false).unwrap()).is_err());
-    // The fillers are text, not tokens.
-    assert!(!t.encode("[PAD151646]", false, true).unwrap().contains(&151_646));
+    // USER_DEFINED fillers are tokens, whether or not special tokens are parsed.
+    assert_eq!(t.encode("[PAD151646]", false, true).unwrap(), [151_646]);
+    assert_eq!(t.encode("[PAD151646]", false, false).unwrap(), [151_646]);
+}
+
+/// The vocabulary with some ids rewritten as the fixture's `edits` say.
+fn edited_tokenizer(edits: &[Json]) -> Tokenizer {
+    let edit = |k: &str, v: &Value| -> Option<Value> {
+        let Value::Array(ty, items) = v else { return Some(v.clone()) };
+        let mut items = items.clone();
+        for e in edits {
+            let id = e["id"].as_u64().unwrap() as usize;
+            match k {
+                "tokenizer.ggml.tokens" => items[id] = Value::String(e["text"].as_str().unwrap().into()),
+                "tokenizer.ggml.token_type" => items[id] = Value::I32(e["type"].as_i64().unwrap() as i32),
+                _ => return Some(v.clone()),
+            }
+        }
+        Some(Value::Array(*ty, items))
+    };
+    Tokenizer::from_metadata(&metadata_with(edit, &[])).expect("edited tokenizer builds")
+}
+
+/// USER_DEFINED tokens (GGUF type 4: Hugging Face's non-special added tokens,
+/// and older conversions' `[PAD<id>]` fillers) are split out of the text
+/// whether or not special tokens are parsed; CONTROL tokens only when they are.
+/// Against Hugging Face `tokenizers` (`tools/reference/make_user_defined_fixtures.py`),
+/// on the vocabulary as it is and with Qwen3's added tokens (`<think>`,
+/// `<tool_call>`, ...) and corner cases written over some fillers.
+#[test]
+fn user_defined_tokens_match_hugging_face() {
+    let f = fixture("user_defined.json");
+    let edited = edited_tokenizer(f["qwen3_added"]["edits"].as_array().unwrap());
+    let mut n = 0;
+    for (vocab, t) in [("qwen35", tok()), ("qwen3_added", &edited)] {
+        for c in f[vocab]["texts"].as_array().unwrap() {
+            let text = c["text"].as_str().unwrap();
+            let on = t.encode(text, false, true).unwrap();
+            let off = t.encode(text, false, false).unwrap();
+            assert_eq!(on, ids(&c["ids"]), "{vocab}, special tokens parsed: {text:?}");
+            assert_eq!(off, ids(&c["ids_no_special"]), "{vocab}, special tokens not parsed: {text:?}");
+            assert_eq!(t.decode(&on, false).unwrap(), c["decoded"].as_str().unwrap(), "{vocab}: {text:?}");
+            assert_eq!(t.decode(&on, true).unwrap(), c["decoded_skip_special"].as_str().unwrap(), "{vocab}: {text:?}");
+            assert_eq!(t.decode(&off, false).unwrap(), c["decoded_no_special"].as_str().unwrap(), "{vocab}: {text:?}");
+            // Parsing special tokens or not changes only what CONTROL tokens do:
+            // without it no CONTROL id comes out, and USER_DEFINED ones still do.
+            assert!(off.iter().all(|&i| t.kind(i) != Some(TokenKind::Control)), "{vocab}: {text:?} gave {off:?}");
+            n += 1;
+        }
+        for d in f[vocab]["single_decode"].as_array().unwrap() {
+            let id = d["id"].as_u64().unwrap() as u32;
+            assert_eq!(t.decode(&[id], false).unwrap(), d["decoded"].as_str().unwrap(), "{vocab}: token {id}");
+            assert_eq!(
+                t.decode(&[id], true).unwrap(),
+                d["decoded_skip_special"].as_str().unwrap(),
+                "{vocab}: token {id}"
+            );
+        }
+    }
+    // The edited vocabulary's kinds, and lookups by text.
+    for e in f["qwen3_added"]["edits"].as_array().unwrap() {
+        let (id, text) = (e["id"].as_u64().unwrap() as u32, e["text"].as_str().unwrap());
+        let kind = match e["type"].as_i64().unwrap() {
+            3 => TokenKind::Control,
+            4 => TokenKind::UserDefined,
+            _ => TokenKind::Unused,
+        };
+        assert_eq!(edited.kind(id), Some(kind), "{text:?}");
+        assert_eq!(edited.token_id(text), (kind != TokenKind::Unused).then_some(id), "{text:?}");
+    }
+    assert_eq!(edited.token_id("<think>"), Some(151_667));
+    assert_eq!(edited.encode("<think>", false, false).unwrap(), [151_667]);
+    assert_eq!(edited.token_id("[PAD151646]"), None, "rewritten as <|object_ref_start|>");
+    eprintln!("{n} texts with USER_DEFINED tokens match Hugging Face");
 }
 
 #[test]

@@ -21,8 +21,10 @@ NFC normalizer, the Qwen3.5 split regex, ByteLevel pre-tokenizer and decoder) fr
 GGUF arrays: the vocab is every NORMAL (type 1) token, the merges are
 `tokenizer.ggml.merges` split at the space, and the added tokens are the CONTROL (type 3,
 special=True) and USER_DEFINED (type 4, special=False) tokens in id order, all with
-normalized=False (as in Qwen's tokenizer.json), except llama.cpp's `[PAD<id>]` vocab
-fillers, which are not tokens of the Hugging Face tokenizer. The script checks every id.
+normalized=False (as in Qwen's tokenizer.json). The USER_DEFINED tokens of this vocabulary
+are the `[PAD<id>]` fillers an older llama.cpp conversion wrote; llama.cpp matches them in
+text like any non-special added token, and so does this reference. UNUSED (type 5) fillers
+would not be tokens of it. The script checks every id.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def load_gguf(path: Path):
 
 
 def is_filler(i: int, tok: str, ty: int) -> bool:
-    return ty == 5 or (ty == 4 and tok == f"[PAD{i}]")
+    return ty == 5
 
 
 def build_tokenizer(tokens, types, merges, ids) -> Qwen3_5Tokenizer:
@@ -271,7 +273,7 @@ def corpus() -> list[str]:
         "<|im_end|><|im_end|>",
         "<|im_start|><|im_start|>x",
         " <|im_end|> ",
-        "[PAD151646] is not a token",
+        "[PAD151646] is a token (USER_DEFINED)",
         "<think>\nreasoning\n</think>\n\nanswer",
         "<tool_call>\n<function=f>\n</function>\n</tool_call>",
     ]
