@@ -1,5 +1,5 @@
-//! Every compute pipeline, from one table: its SPIR-V (compiled by
-//! `build.rs` from `shaders/`), its descriptor sets, its push-constant block
+//! Every compute pipeline, from one table: its SPIR-V (`shaders/spirv/`,
+//! compiled from `shaders/` and committed; `build.rs` embeds it), its descriptor sets, its push-constant block
 //! (mirrored here by a `#[repr(C)]` struct, whose fields a test holds
 //! against the shader's block by SPIR-V reflection: [`super::reflect`]) and
 //! its workgroup size.
@@ -450,7 +450,7 @@ impl Pipelines {
             Sets::StateArena => vec![self.state_layout, self.arena_layout],
         };
         let ranges = [vk::PushConstantRange::default().stage_flags(vk::ShaderStageFlags::COMPUTE).size(spec.push_size as u32)];
-        let words = ash::util::read_spv(&mut std::io::Cursor::new(spec.spirv)).expect("build.rs writes valid SPIR-V");
+        let words = ash::util::read_spv(&mut std::io::Cursor::new(spec.spirv)).expect("the embedded SPIR-V is well formed");
         // SAFETY: valid device, SPIR-V from glslc, create infos outlive the calls.
         unsafe {
             let layout = d
