@@ -155,32 +155,7 @@ enum Command {
         quiet: bool,
     },
     /// Measure decode and prompt speed of a model against its bandwidth bound.
-    Bench {
-        #[arg(long, short)]
-        model: PathBuf,
-        /// cpu, vulkan or auto.
-        #[arg(long, default_value = "auto")]
-        backend: String,
-        /// Prompt text (default: a fixed English paragraph).
-        #[arg(long)]
-        prompt: Option<String>,
-        /// Timed decode tokens.
-        #[arg(long, default_value_t = 32)]
-        gen: usize,
-        /// Untimed decode tokens before the timed ones.
-        #[arg(long, default_value_t = 2)]
-        warmup: usize,
-        /// Worker threads (0 = all cores).
-        #[arg(long, default_value_t = 0)]
-        threads: usize,
-        /// Also write the report as JSON to this file.
-        #[arg(long)]
-        json: Option<PathBuf>,
-        /// The GPU's streaming read bandwidth in GB/s, the bound on a GPU
-        /// backend (default: an H200's 4400, measured through Vulkan).
-        #[arg(long)]
-        device_gbs: Option<f64>,
-    },
+    Bench(bench_cmd::BenchArgs),
 }
 
 fn parse_out_type(s: &str) -> Result<OutType, String> {
@@ -206,9 +181,7 @@ fn main() -> ExitCode {
             let opts = flashnext::synth::SynthOptions { layers, out_type, tensor_types, ple_rows, seed, dims: Default::default() };
             synth_cmd::run(out, opts, &dims, quiet)
         }
-        Command::Bench { model, backend, prompt, gen, warmup, threads, json, device_gbs } => {
-            bench_cmd::run(model, &backend, prompt, gen, warmup, threads, json, device_gbs)
-        }
+        Command::Bench(args) => bench_cmd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -46,6 +46,27 @@ pub struct BenchOptions {
     /// The GPU's streaming read bandwidth in GB/s, the decode bound on a GPU
     /// backend (the backend does not measure it); `None` = [`H200_VULKAN_GBS`].
     pub device_bandwidth_gbs: Option<f64>,
+    /// `LoadOptions::vram_budget_mb`.
+    pub vram_budget_mb: u64,
+    /// `LoadOptions::expert_cache_slots`.
+    pub expert_cache_slots: Option<usize>,
+    /// `LoadOptions::routing_profile`.
+    pub routing_profile: Option<PathBuf>,
+    /// Where to save the session's routing profile, if anywhere.
+    pub save_profile: Option<PathBuf>,
+    /// Which tokens the decode feeds back.
+    pub tokens: GenTokens,
+}
+
+/// The tokens a benchmark decodes after the prompt.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GenTokens {
+    /// The model's greedy choice (a random-weight model soon repeats itself,
+    /// which flatters any expert cache).
+    #[default]
+    Greedy,
+    /// A fixed pseudo-random stream over the vocabulary.
+    Random,
 }
 
 /// Streaming read bandwidth of an H200 through Vulkan (uvec4 loads over a
@@ -66,17 +87,32 @@ impl BenchOptions {
             warmup: 2,
             threads: 0,
             device_bandwidth_gbs: None,
+            vram_budget_mb: 0,
+            expert_cache_slots: None,
+            routing_profile: None,
+            save_profile: None,
+            tokens: GenTokens::Greedy,
         }
     }
 }
 
-/// Hit/miss counts of a backend's expert cache over the timed tokens.
+/// A backend's expert cache over the timed tokens.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct ExpertCacheStats {
+    pub slots_per_layer: usize,
     pub hits: u64,
     pub misses: u64,
-    pub resident_experts: u64,
-    pub capacity_experts: u64,
+    /// Hits over routed expert uses.
+    pub hit_rate: f64,
+    /// Misses computed on the host, and uploaded, per token.
+    pub host_experts_per_token: f64,
+    pub uploads_per_token: f64,
+    /// Bytes uploaded into the cache per token.
+    pub upload_bytes_per_token: f64,
+    /// What the load measured: expert weights the host computes, and the
+    /// bus uploads, in GB/s (the split between them follows these).
+    pub host_gbs: f64,
+    pub upload_gbs: f64,
 }
 
 /// Figures only the backend can measure; each `None` where it has none (the
@@ -94,6 +130,9 @@ pub struct BackendStats {
     pub dispatches_per_token: Option<f64>,
     pub peak_vram_bytes: Option<u64>,
     pub expert_cache: Option<ExpertCacheStats>,
+    /// Bytes the load streamed to the device, and at what rate (GB/s).
+    pub load_upload_bytes: Option<u64>,
+    pub load_upload_gbs: Option<f64>,
 }
 
 /// Statistics of per-token rates.
@@ -172,10 +211,10 @@ const PROFILED_TOKENS: usize = 4;
 /// Device milliseconds per stage, averaged over [`PROFILED_TOKENS`] more
 /// tokens; `None` on the CPU.
 fn gpu_stage_times(state: &mut State) -> Result<Option<Vec<(String, f64)>>> {
-    if state.pass_stats().is_none() {
+    // None on the CPU, and where the backend cannot time its stages (the expert cache).
+    if state.pass_stats().is_none() || state.enable_profiling().is_err() {
         return Ok(None);
     }
-    state.enable_profiling()?;
     let mut sum: Vec<(String, f64)> = Vec::new();
     for _ in 0..PROFILED_TOKENS {
         let next = crate::sampling::argmax(state.logits().expect("the prompt was decoded")).unwrap_or(0);
@@ -197,7 +236,27 @@ fn backend_stats(model: &Model, state: &State, opts: &BenchOptions) -> BackendSt
     let Some(token) = state.pass_stats() else {
         return BackendStats::default();
     };
+    let gb = |b: f64| b / 1e9;
+    let expert_cache = model.expert_cache().map(|c| {
+        let uses = (c.hits + c.misses).max(1) as f64;
+        let tokens = c.tokens.max(1) as f64;
+        ExpertCacheStats {
+            slots_per_layer: c.slots_per_layer,
+            hits: c.hits,
+            misses: c.misses,
+            hit_rate: c.hits as f64 / uses,
+            host_experts_per_token: c.host_experts as f64 / tokens,
+            uploads_per_token: c.uploads as f64 / tokens,
+            upload_bytes_per_token: c.upload_bytes as f64 / tokens,
+            host_gbs: gb(c.host_bytes_per_s),
+            upload_gbs: gb(c.upload_bytes_per_s),
+        }
+    });
+    let load = model.load_transfer();
     BackendStats {
+        expert_cache,
+        load_upload_bytes: load.map(|l| l.0),
+        load_upload_gbs: load.map(|(b, s)| gb(b as f64 / s.max(1e-9))),
         device: Some(model.device_name()),
         bandwidth_gbs: Some(opts.device_bandwidth_gbs.unwrap_or(H200_VULKAN_GBS)),
         submits_per_token: Some(token.submits as f64),
@@ -217,6 +276,9 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
         backend: opts.backend,
         n_threads: opts.threads,
         n_ctx: BENCH_CTX,
+        vram_budget_mb: opts.vram_budget_mb,
+        expert_cache_slots: opts.expert_cache_slots,
+        routing_profile: opts.routing_profile.clone(),
         ..Default::default()
     };
     let t0 = Instant::now();
@@ -231,20 +293,36 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
     let prompt_seconds = t1.elapsed().as_secs_f64();
 
     let mut per_token = Vec::with_capacity(opts.gen);
+    let mut stream = 0x9e37_79b9_7f4a_7c15u64;
     for i in 0..opts.warmup + opts.gen {
-        let next =
-            crate::sampling::argmax(state.logits().expect("the prompt was decoded")).unwrap_or(0);
+        if i == opts.warmup {
+            model.reset_expert_cache_counts();
+        }
+        let next = match opts.tokens {
+            GenTokens::Greedy => crate::sampling::argmax(state.logits().expect("the prompt was decoded")).unwrap_or(0),
+            GenTokens::Random => {
+                // xorshift64*: a stream with no repetition structure.
+                stream ^= stream >> 12;
+                stream ^= stream << 25;
+                stream ^= stream >> 27;
+                (stream.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as u32 % model.vocab_size() as u32
+            }
+        };
         let t = Instant::now();
         state.decode(next)?;
         if i >= opts.warmup {
             per_token.push(t.elapsed().as_secs_f64());
         }
     }
+    let cache_stats = backend_stats(&model, &state, opts).expert_cache;
+    if let (Some(path), Some(profile)) = (&opts.save_profile, model.routing_profile()) {
+        profile.save(path)?;
+    }
     let decode = Rates::from_seconds(&per_token);
     let stage_ms = gpu_stage_times(&mut state)?;
     // Before the bandwidth measurement, whose buffer would dominate it.
     let peak_rss = peak_rss_bytes();
-    let stats = BackendStats { stage_ms, ..backend_stats(&model, &state, opts) };
+    let stats = BackendStats { stage_ms, expert_cache: cache_stats, ..backend_stats(&model, &state, opts) };
     let threads = if opts.threads == 0 {
         rayon::current_num_threads()
     } else {
@@ -331,10 +409,18 @@ impl BenchReport {
                 .collect::<Vec<_>>()
                 .join(", ")
         });
-        let cache = s
-            .expert_cache
-            .as_ref()
-            .map(|c| format!("{} hits, {} misses", c.hits, c.misses));
+        let cache = s.expert_cache.as_ref().map(|c| {
+            format!(
+                "{} slots/layer, hit rate {:.1}%, {:.1} experts/token on the host, {:.1} uploads/token ({:.1} MB); load measured host {:.1} GB/s, upload {:.1} GB/s",
+                c.slots_per_layer,
+                100.0 * c.hit_rate,
+                c.host_experts_per_token,
+                c.uploads_per_token,
+                c.upload_bytes_per_token / 1e6,
+                c.host_gbs,
+                c.upload_gbs
+            )
+        });
         let lines = [
             format!("machine: {} ({} threads), {:.0} GiB RAM", self.machine.cpu, self.machine.logical_cpus, self.machine.mem_total_bytes as f64 / (1u64 << 30) as f64),
             format!("model: {} ({:.2} GB, {} layers), backend {} ({} CPU kernels), {} threads, loaded in {:.2} s", self.model, gb(self.file_bytes), self.layers, self.backend, self.cpu_kernels, self.threads, self.load_seconds),
@@ -351,7 +437,13 @@ impl BenchReport {
                 "effective bandwidth {:.2} GB/s = {:.1}% of {} {:.2} GB/s (bound {:.2} tok/s)",
                 self.effective_bandwidth_gbs, 100.0 * self.fraction_of_bound, self.bound.what, self.bound.bandwidth_gbs, self.bound.decode_tok_s
             ),
-            format!("peak RSS {}, peak VRAM {}", opt(&self.peak_rss_bytes.map(|b| format!("{:.2} GB", gb(b)))), opt(&s.peak_vram_bytes.map(|b| format!("{:.2} GB", gb(b))))),
+            format!(
+                "peak RSS {}, peak VRAM {}; load streamed {} at {}",
+                opt(&self.peak_rss_bytes.map(|b| format!("{:.2} GB", gb(b)))),
+                opt(&s.peak_vram_bytes.map(|b| format!("{:.2} GB", gb(b)))),
+                opt(&s.load_upload_bytes.map(|b| format!("{:.2} GB", gb(b)))),
+                opt(&s.load_upload_gbs.map(|r| format!("{r:.2} GB/s")))
+            ),
             format!(
                 "per token: submits {}, dispatches {}; stages: {}; expert cache: {}",
                 opt(&s.submits_per_token),

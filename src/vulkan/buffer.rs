@@ -187,7 +187,9 @@ struct Stage {
 /// Host bytes into device buffers through a ring of host-visible staging
 /// buffers: while the GPU copies out of one, the host fills the next (the
 /// filling itself spread over the rayon pool by the callers that repack).
-/// [`Stream::finish`] submits what is left and waits for every copy.
+/// [`Stream::finish`] submits what is left and waits for every copy; a
+/// destination must outlive its copies, so on failure [`Stream::abort`]
+/// comes first.
 pub(crate) struct Stream {
     stages: Vec<Stage>,
     current: usize,
@@ -213,6 +215,7 @@ impl Stream {
     /// Writes `len` bytes at `offset` of `dst`, produced by `fill` into a
     /// staging slice of exactly `len` bytes. Larger than a staging buffer:
     /// `fill` runs on a temporary and the bytes are streamed in pieces.
+    /// On failure the stream is aborted ([`Stream::abort`]).
     pub fn write_with(&mut self, dst: &Buffer, offset: u64, len: usize, fill: impl FnOnce(&mut [u8])) -> Result<()> {
         if len > STAGE_BYTES {
             let mut tmp = vec![0u8; len];
@@ -220,7 +223,10 @@ impl Stream {
             return self.write(dst, offset, &tmp);
         }
         if self.stages[self.current].used + len > STAGE_BYTES {
-            self.flush()?;
+            if let Err(e) = self.flush() {
+                self.abort();
+                return Err(e);
+            }
         }
         let st = &mut self.stages[self.current];
         let at = st.used;
@@ -233,6 +239,14 @@ impl Stream {
 
     /// Writes `bytes` at `offset` of `dst`.
     pub fn write(&mut self, dst: &Buffer, offset: u64, bytes: &[u8]) -> Result<()> {
+        let written = self.write_parts(dst, offset, bytes);
+        if written.is_err() {
+            self.abort();
+        }
+        written
+    }
+
+    fn write_parts(&mut self, dst: &Buffer, offset: u64, bytes: &[u8]) -> Result<()> {
         for (i, part) in bytes.chunks(STAGE_BYTES).enumerate() {
             self.write_with(dst, offset + (i * STAGE_BYTES) as u64, part.len(), |out| out.copy_from_slice(part))?;
         }
@@ -266,6 +280,21 @@ impl Stream {
         Ok(())
     }
 
+    /// After a failure: waits for the copies already submitted and forgets
+    /// the ones not yet submitted, so that their destinations may be freed.
+    /// Whoever fails while a stream holds copies calls this before anything
+    /// it wrote into can be dropped.
+    pub fn abort(&mut self) {
+        for st in &mut self.stages {
+            if st.in_flight {
+                let _ = st.cmds.wait();
+                st.in_flight = false;
+            }
+            st.copies.clear();
+            st.used = 0;
+        }
+    }
+
     /// Submits everything written and waits for all of it.
     pub fn finish(&mut self) -> Result<()> {
         self.flush()?;
@@ -276,5 +305,11 @@ impl Stream {
             }
         }
         Ok(())
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        self.abort();
     }
 }

@@ -20,7 +20,7 @@ pub(crate) struct Chunk {
     pub rows: usize,
     pub layout: PartLayout,
     pub set: ash::vk::DescriptorSet,
-    _buffer: Buffer,
+    buffer: Buffer,
 }
 
 pub(crate) struct GpuMatrix {
@@ -83,24 +83,27 @@ impl GpuMatrix {
         }
         let n_chunks = rows.div_ceil(per_chunk).max(1);
         let pool = DescriptorPool::new(ctx, n_chunks as u32, n_chunks as u32)?;
+        // Every buffer first: a failure then leaves nothing written.
         let mut chunks = Vec::with_capacity(n_chunks);
         for c in 0..n_chunks {
             let (first_row, n) = (c * per_chunk, per_chunk.min(rows - c * per_chunk));
             let layout = part_layout(&name, ty, n, cols)?;
-            // The part rows that fall in [first_row, first_row + n).
+            let buffer = Buffer::new(ctx, &name, layout.bytes as u64, MemoryLocation::GpuOnly)?;
+            let set = pool.set(pipes.weight_layout, &[&[buffer.info()]])?;
+            chunks.push(Chunk { first_row, rows: n, layout, set, buffer });
+        }
+        for c in &chunks {
+            // The part rows that fall in [first_row, first_row + rows).
             let mut srcs = Vec::new();
             let mut part_start = 0;
             for t in parts {
-                let (lo, hi) = (first_row.max(part_start), (first_row + n).min(part_start + t.rows()));
+                let (lo, hi) = (c.first_row.max(part_start), (c.first_row + c.rows).min(part_start + t.rows()));
                 if lo < hi {
                     srcs.push(&t.bytes()[(lo - part_start) * file_row..(hi - part_start) * file_row]);
                 }
                 part_start += t.rows();
             }
-            let buffer = Buffer::new(ctx, &name, layout.bytes as u64, MemoryLocation::GpuOnly)?;
-            stream.write_with(&buffer, 0, layout.bytes, |out| layout.repack_into(&srcs, out))?;
-            let set = pool.set(pipes.weight_layout, &[&[buffer.info()]])?;
-            chunks.push(Chunk { first_row, rows: n, layout, set, _buffer: buffer });
+            stream.write_with(&c.buffer, 0, c.layout.bytes, |out| c.layout.repack_into(&srcs, out))?;
         }
         Ok(GpuMatrix { name, ty, rows, chunks, _pool: pool })
     }

@@ -197,8 +197,14 @@ struct Loader<'a> {
 }
 
 impl Loader<'_> {
+    /// A matrix uploaded; on failure the stream is aborted first, so the
+    /// matrices already written may be dropped as the error unwinds.
     fn matrix(&mut self, parts: &[&Tensor]) -> Result<GpuMatrix> {
-        GpuMatrix::upload(self.ctx, self.pipes, self.stream, parts)
+        let m = GpuMatrix::upload(self.ctx, self.pipes, self.stream, parts);
+        if m.is_err() {
+            self.stream.abort();
+        }
+        m
     }
 
     /// Matrices with the same input, fused into one per run of equal type.
@@ -363,8 +369,18 @@ impl GpuModel {
         let output_hc = up.hyper(&w.output_hc)?;
         let output = up.matrix(&[&w.output])?;
         let bytes: Vec<u8> = up.params.0.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let params = Buffer::new(ctx, "model parameters", bytes.len() as u64, MemoryLocation::GpuOnly)?;
+        // Failures from here on abort the stream before anything written is dropped.
+        let params = Buffer::new(ctx, "model parameters", bytes.len() as u64, MemoryLocation::GpuOnly).inspect_err(|_| up.stream.abort())?;
         up.stream.write(&params, 0, &bytes)?;
+        if ctx.used() + reserve > room {
+            up.stream.abort();
+            return Err(Error::OutOfMemory(format!(
+                "the model's dense weights ({} MiB) and one state ({} MiB) do not fit the VRAM budget of {} MiB",
+                ctx.used() >> 20,
+                reserve >> 20,
+                room >> 20
+            )));
+        }
         let per_layer = if resident {
             per_layer_resident
         } else {
@@ -372,7 +388,8 @@ impl GpuModel {
             let fits = (left / (n_layers * slot)) as usize;
             placement.forced_slots.unwrap_or(fits).min(cfg.n_experts)
         };
-        let arena = ExpertArena::alloc(ctx, pipes, arena_layers, per_layer, shared_in_arena, super::matrix::max_binding_bytes(ctx))?;
+        let arena = ExpertArena::alloc(ctx, pipes, arena_layers, per_layer, shared_in_arena, super::matrix::max_binding_bytes(ctx))
+            .inspect_err(|_| up.stream.abort())?;
         if resident {
             arena.fill_all(up.stream, |l, x| expert_bytes(moes[l], cfg, x))?;
         }
@@ -416,14 +433,19 @@ fn dense_bytes(w: &Weights, shared_in_arena: bool) -> u64 {
 }
 
 /// Device bytes of one state at `placement.state_positions` positions
-/// (scratch, caches, rings), with a margin for the readback, upload and
-/// growth buffers.
+/// (scratch, caches, rings) and of one checkpoint of it (a recurrent plane
+/// and the rings per Gated DeltaNet layer, the PLE ring), plus a sixteenth
+/// and 1 MiB for the allocator's rounding.
 fn state_bytes(cfg: &Config, placement: &ExpertPlacement) -> u64 {
     let positions = placement.state_positions.max(1);
     let scratch = super::scratch::ScratchLayout::new(cfg, positions).map_or(0, |l| l.total as u64 * 4);
     let layers: u64 = cfg.layers.iter().map(|k| 4 * super::caches::layer_len(cfg, k, placement.window, positions) as u64).sum();
     let ple = cfg.ple.as_ref().map_or(0, |p| 4 * (crate::cpu::ple::conv_rows(p, placement.window) * cfg.hc * cfg.hidden) as u64);
-    scratch + layers + ple + (64 << 20)
+    let g = super::caches::GdnLayout::new(cfg, placement.window);
+    let n_gdn = cfg.layers.iter().filter(|k| **k == LayerKind::Linear).count() as u64;
+    let checkpoint = n_gdn * 4 * (g.conv_rows * cfg.ssm_conv_dim() + g.plane) as u64 + ple;
+    let n = scratch + layers + ple + checkpoint;
+    n + n / 16 + (1 << 20)
 }
 
 /// The speeds the expert cache splits misses by: the host computing ten
