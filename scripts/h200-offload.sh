@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Experts beyond VRAM on the GPU machine: the 48-layer `synth --type q2_k`
+# model (51.9 GB), decoded all resident and under VRAM budgets of 4, 11, 19
+# and 27 GB (what llama.cpp's `--n-cpu-moe 48/40/32/24` used on the same
+# file), next to a baseline binary of an earlier commit on the same file.
+#
+# Usage (repository root; binaries carried, see the device notes):
+#   OUT=/dir scripts/h200-offload.sh synth|resident|budgets|all
+# Environment: NEW (the binary under test, default target/carry/flashnext),
+# OLD (a baseline binary; skipped when absent), WORK (where the model is
+# written; default target/bench-models, kept between calls on a warm
+# machine), GEN, WARMUP, BUDGETS (MiB list), TOKENS (random|greedy for the
+# budget runs), STEP_TIMEOUT.
+set -u -o pipefail
+
+which=${1:-all}
+new=${NEW:-target/carry/flashnext}
+old=${OLD:-target/carry/flashnext-baseline}
+out=${OUT:?set OUT to the directory for reports}
+work=${WORK:-target/bench-models}
+gen=${GEN:-16}
+warmup=${WARMUP:-3}
+budgets=${BUDGETS:-"4096 11264 19456 27648"}
+tokens=${TOKENS:-random}
+step_timeout=${STEP_TIMEOUT:-300}
+model=$work/q2_k-48L.gguf
+prompt="The quick brown fox"
+
+mkdir -p "$out" "$work"
+log=$out/h200-offload.log
+say() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$log"; }
+
+# The Vulkan loader, when the caller carried it and the NVIDIA driver is there.
+nvidia_icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+if [ -f "$nvidia_icd" ] && ls .gl/*.deb >/dev/null 2>&1; then
+    for f in .gl/*.deb; do dpkg -x "$f" /; done
+    ldconfig
+    export VK_DRIVER_FILES=${VK_DRIVER_FILES:-$nvidia_icd}
+fi
+for b in "$new" "$old"; do
+    [ -f "$b.gz" ] && [ ! -f "$b" ] && gunzip -k "$b.gz"
+    [ -f "$b" ] && chmod +x "$b"
+done
+
+# bench NAME BINARY GEN WARMUP ARGS...: one benchmark, its JSON and summary in $OUT.
+bench() {
+    local name=$1 bin=$2 n=$3 w=$4
+    shift 4
+    say "bench $name: --gen $n --warmup $w $*"
+    timeout "$step_timeout" "$bin" bench --model "$model" --prompt "$prompt" --gen "$n" --warmup "$w" \
+        --json "$out/$name.json" "$@" 2>&1 | tee -a "$log" || say "bench $name failed"
+}
+
+synth() {
+    if [ -f "$model" ]; then
+        say "model present: $(stat -L -c %s "$model") bytes"
+        return
+    fi
+    {
+        echo "host: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB RAM"
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
+    } | tee -a "$log"
+    local t0=$SECONDS
+    timeout 600 "$new" synth -o "$model" --type q2_k -q 2>&1 | tail -n 3 | tee -a "$log"
+    say "synth: $(stat -c %s "$model" 2>/dev/null) bytes in $((SECONDS - t0)) s"
+}
+
+resident() {
+    bench new-vulkan-resident "$new" "$gen" "$warmup" --backend vulkan
+    [ -f "$old" ] && bench old-vulkan-resident "$old" "$gen" "$warmup" --backend vulkan
+    bench new-cpu "$new" 8 1 --backend cpu
+    [ -f "$old" ] && bench old-cpu "$old" 8 1 --backend cpu
+}
+
+budgets() {
+    for b in $budgets; do
+        bench "new-vulkan-budget-$b-$tokens" "$new" "$gen" "$warmup" --backend vulkan --vram-budget-mb "$b" --tokens "$tokens"
+    done
+}
+
+case $which in
+    synth) synth ;;
+    resident) synth; resident ;;
+    budgets) synth; budgets ;;
+    all) synth; budgets; resident ;;
+    *) echo "usage: $0 synth|resident|budgets|all" >&2; exit 2 ;;
+esac
+say "done"
