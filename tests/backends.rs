@@ -126,10 +126,16 @@ every_backend! {
         }
         assert_eq!(got, want);
         assert_eq!(logits(&b), logits(&a));
-        // The last position only, by default.
+        // The last position only: nothing returned, the last token's logits kept.
         let mut c = State::new(model.clone()).unwrap();
-        let last = c.decode_batch(&toks, LogitsFor::Last).unwrap();
-        assert_eq!(last.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want[toks.len() - 1]);
+        assert!(c.decode_batch(&toks, LogitsFor::Last).unwrap().is_empty());
+        assert_eq!(logits(&c), want[toks.len() - 1]);
+        // Every position of the last batch stays readable (a rewind may return to them).
+        let mut d = State::new(model.clone()).unwrap();
+        d.decode_batch(&toks, LogitsFor::All).unwrap();
+        for (p, w) in want.iter().enumerate() {
+            assert_eq!(d.logits_at(p + 1).map(|l| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>()).as_ref(), Some(w));
+        }
     }
 
     fn rewinds_return_exactly(on) {

@@ -113,6 +113,11 @@ pub struct ExpertCacheStats {
     /// bus uploads, in GB/s (the split between them follows these).
     pub host_gbs: f64,
     pub upload_gbs: f64,
+    /// Milliseconds per token the host spent computing experts, repacking
+    /// uploads, and waiting for the GPU at the routers.
+    pub host_ms_per_token: f64,
+    pub upload_ms_per_token: f64,
+    pub wait_ms_per_token: f64,
 }
 
 /// Figures only the backend can measure; each `None` where it has none (the
@@ -250,6 +255,9 @@ fn backend_stats(model: &Model, state: &State, opts: &BenchOptions) -> BackendSt
             upload_bytes_per_token: c.upload_bytes as f64 / tokens,
             host_gbs: gb(c.host_bytes_per_s),
             upload_gbs: gb(c.upload_bytes_per_s),
+            host_ms_per_token: 1e3 * c.host_seconds / tokens,
+            upload_ms_per_token: 1e3 * c.upload_seconds / tokens,
+            wait_ms_per_token: 1e3 * c.wait_seconds / tokens,
         }
     });
     let load = model.load_transfer();
@@ -411,12 +419,15 @@ impl BenchReport {
         });
         let cache = s.expert_cache.as_ref().map(|c| {
             format!(
-                "{} slots/layer, hit rate {:.1}%, {:.1} experts/token on the host, {:.1} uploads/token ({:.1} MB); load measured host {:.1} GB/s, upload {:.1} GB/s",
+                "{} slots/layer, hit rate {:.1}%, {:.1} experts/token on the host ({:.2} ms), {:.1} uploads/token ({:.1} MB, {:.2} ms), GPU waits {:.2} ms/token; load measured host {:.1} GB/s, upload {:.1} GB/s",
                 c.slots_per_layer,
                 100.0 * c.hit_rate,
                 c.host_experts_per_token,
+                c.host_ms_per_token,
                 c.uploads_per_token,
                 c.upload_bytes_per_token / 1e6,
+                c.upload_ms_per_token,
+                c.wait_ms_per_token,
                 c.host_gbs,
                 c.upload_gbs
             )

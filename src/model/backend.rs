@@ -180,6 +180,11 @@ pub struct ExpertCacheReport {
     pub host_experts: u64,
     pub uploads: u64,
     pub upload_bytes: u64,
+    /// Host seconds computing experts, repacking uploads, and waiting for
+    /// the device at the routers.
+    pub host_seconds: f64,
+    pub upload_seconds: f64,
+    pub wait_seconds: f64,
 }
 
 /// Counts of the last forward pass's device work (zero on the CPU).

@@ -31,10 +31,13 @@ pub struct State {
     /// Tokens of positions `pos - history.len() .. pos`, oldest first; EOS
     /// stands in for positions before the start (the PLE n-gram context).
     history: Vec<u32>,
-    /// Logits of recent positions: (tokens decoded, logits [V]), oldest first;
-    /// the last is the current position's when it was computed.
-    logits: Vec<(usize, Vec<f32>)>,
+    /// Logits of recent positions, by pass, oldest first (the backend's
+    /// buffers, kept without copying).
+    logits: Vec<Rows>,
     pub(crate) backend: Box<dyn BackendState>,
+    /// The position the latest [`State::decode_batch`] started at (its
+    /// logits are all kept, whatever the rewind window).
+    batch_start: usize,
     /// Why the state is unusable, after a device failed part way.
     lost: Option<String>,
 }
@@ -44,7 +47,7 @@ impl State {
     pub fn new(model: Arc<Model>) -> Result<Self> {
         let backend = model.backend.new_state(&model)?;
         let history = model.start_history();
-        Ok(State { model, pos: 0, floor: 0, history, logits: Vec::new(), backend, lost: None })
+        Ok(State { model, pos: 0, floor: 0, history, logits: Vec::new(), backend, batch_start: 0, lost: None })
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -59,7 +62,17 @@ impl State {
     /// Logits of the last decoded token, or `None` before the first (or
     /// after rewinding to a position whose logits were not computed).
     pub fn logits(&self) -> Option<&[f32]> {
-        self.logits.last().filter(|(p, _)| *p == self.pos).map(|(_, l)| &l[..])
+        self.logits_at(self.pos)
+    }
+
+    /// The logits after `pos` tokens, when they were computed and are still
+    /// kept (the last [`Model::rewind_window`] positions and the last batch).
+    pub fn logits_at(&self, pos: usize) -> Option<&[f32]> {
+        let v = self.model.config.vocab;
+        self.logits.iter().rev().find(|r| r.after <= pos && pos < r.after + r.data.len() / v).map(|r| {
+            let i = pos - r.after;
+            &r.data[i * v..(i + 1) * v]
+        })
     }
 
     /// The earliest position [`State::rewind`] can return to.
@@ -112,6 +125,7 @@ impl State {
                 self.lost = None;
                 self.pos = 0;
                 self.floor = 0;
+                self.batch_start = 0;
                 self.history = self.model.start_history();
                 self.logits.clear();
                 Ok(())
@@ -156,11 +170,12 @@ impl State {
         Ok(())
     }
 
-    /// Decodes `tokens` in order, in batches the backend takes at once;
-    /// returns the logits `which` asks for ([n][V]; the last token's are
-    /// also [`State::logits`]). Every token and the context room are checked
-    /// before anything is decoded; a failure part way rolls back, so on error
-    /// nothing has changed (or the state is lost).
+    /// Decodes `tokens` in order, in batches the backend takes at once. With
+    /// [`LogitsFor::All`] returns every token's logits ([T][V]); with `Last`
+    /// nothing (the last token's are [`State::logits`] either way). Every
+    /// token and the context room are checked before anything is decoded; a
+    /// failure part way rolls back, so on error nothing has changed (or the
+    /// state is lost).
     pub fn decode_batch(&mut self, tokens: &[u32], which: LogitsFor) -> Result<Vec<f32>> {
         self.check_usable()?;
         self.check_tokens(tokens)?;
@@ -170,16 +185,23 @@ impl State {
         let max = self.backend.max_batch().max(1);
         // More than one pass: a failure after the first is undone.
         let undo = if tokens.len() > max { Some(self.undo_point(Some(tokens.len()))?) } else { None };
-        let mut out = Vec::new();
+        let start = self.pos;
+        self.batch_start = start;
         let last = tokens.len().div_ceil(max) - 1;
         for (i, chunk) in tokens.chunks(max).enumerate() {
             // With `Last`, only the final chunk's logits are the caller's.
             let keep = which == LogitsFor::All || i == last;
-            if let Err(e) = self.forward(chunk, which, keep).map(|l| if keep { out.extend(l) }) {
+            if let Err(e) = self.forward(chunk, which, keep) {
                 if let (Some(u), false) = (&undo, matches!(e, Error::StateLost(_))) {
                     self.undo(u)?;
                 }
                 return Err(e);
+            }
+        }
+        let mut out = Vec::new();
+        if which == LogitsFor::All {
+            for p in start + 1..=self.pos {
+                out.extend_from_slice(self.logits_at(p).expect("every position's logits were kept"));
             }
         }
         Ok(out)
@@ -187,7 +209,7 @@ impl State {
 
     /// One backend pass over `tokens` (at most `max_batch`); its logits are
     /// kept as the positions' when `keep`.
-    fn forward(&mut self, tokens: &[u32], which: LogitsFor, keep: bool) -> Result<Vec<f32>> {
+    fn forward(&mut self, tokens: &[u32], which: LogitsFor, keep: bool) -> Result<()> {
         let vocab = self.model.config.vocab;
         let batch = Batch { tokens, pos: self.pos, history: &self.history, logits: which };
         let model = self.model.clone();
@@ -200,27 +222,14 @@ impl State {
             return Err(self.note(Error::StateLost(format!("the backend returned {} logits, expected {}", logits.len(), n * vocab))));
         }
         let end = self.pos + tokens.len();
-        let first = end + 1 - n;
         if keep {
-            for (i, row) in logits.chunks_exact(vocab).enumerate() {
-                self.keep_logits(first + i, row);
-            }
+            self.logits.push(Rows { after: end + 1 - n, data: logits });
         }
         self.history.extend_from_slice(tokens);
         self.pos = end;
         self.floor = self.floor.max(end.saturating_sub(self.model.rewind_window));
         self.trim();
-        Ok(logits)
-    }
-
-    /// Stores the logits after `pos` tokens, reusing the oldest buffer.
-    fn keep_logits(&mut self, pos: usize, row: &[f32]) {
-        let reuse = if self.logits.len() > self.model.rewind_window { Some(self.logits.remove(0).1) } else { None };
-        let mut v = reuse.unwrap_or_default();
-        v.clear();
-        v.extend_from_slice(row);
-        self.logits.retain(|(p, _)| *p < pos);
-        self.logits.push((pos, v));
+        Ok(())
     }
 
     /// Drops history and logits older than the rewind floor needs.
@@ -229,8 +238,9 @@ impl State {
         if self.history.len() > keep {
             self.history.drain(..self.history.len() - keep);
         }
-        let floor = self.floor;
-        self.logits.retain(|(p, _)| *p >= floor);
+        // Passes all of whose positions are below the floor and before the latest batch.
+        let (keep_from, v) = (self.floor.min(self.batch_start + 1), self.model.config.vocab);
+        self.logits.retain(|r| r.after + r.data.len() / v > keep_from);
     }
 
     /// Returns to position `to` (from [`State::rewind_floor`] to
@@ -249,7 +259,11 @@ impl State {
             return Err(self.note(e));
         }
         self.history.truncate(self.history.len() - (self.pos - to));
-        self.logits.retain(|(p, _)| *p <= to);
+        let v = self.model.config.vocab;
+        self.logits.retain(|r| r.after <= to);
+        for r in &mut self.logits {
+            r.data.truncate((to + 1 - r.after).min(r.data.len() / v) * v);
+        }
         self.pos = to;
         Ok(())
     }
@@ -298,10 +312,11 @@ impl State {
         self.pos = c.pos;
         // Positions before the checkpoint may have been overwritten since.
         self.floor = c.pos.max(c.floor);
+        self.batch_start = c.pos;
         self.history = c.history.clone();
         self.logits.clear();
         if let Some(l) = &c.logits {
-            self.logits.push((c.pos, l.clone()));
+            self.logits.push(Rows { after: c.pos, data: l.clone() });
         }
         Ok(())
     }
@@ -312,7 +327,7 @@ impl State {
         let logits = self
             .logits
             .iter()
-            .map(|(p, l)| Ok((*p, copy_of(l, "logits")?)))
+            .map(|r| Ok(Rows { after: r.after, data: copy_of(&r.data, "logits")? }))
             .collect::<Result<_>>()?;
         Ok(State {
             model: self.model.clone(),
@@ -321,6 +336,7 @@ impl State {
             history: self.history.clone(),
             logits,
             backend: self.backend.try_clone(&self.model)?,
+            batch_start: self.batch_start,
             lost: None,
         })
     }
@@ -342,13 +358,14 @@ impl State {
         self.lost = None;
         self.pos = pos;
         self.floor = pos;
+        self.batch_start = pos;
         let mut history = model.start_history();
         history.truncate(history.len() - ple_tokens.len());
         history.extend(ple_tokens);
         self.history = history;
         self.logits.clear();
         if !logits.is_empty() {
-            self.logits.push((pos, logits));
+            self.logits.push(Rows { after: pos, data: logits });
         }
         Ok(())
     }
@@ -357,6 +374,12 @@ impl State {
     pub(crate) fn current_logits(&self) -> &[f32] {
         self.logits().unwrap_or(&[])
     }
+}
+
+/// One pass's logits: the rows after `after`, `after + 1`, ... tokens: [n][V].
+struct Rows {
+    after: usize,
+    data: Vec<f32>,
 }
 
 /// Saved by [`State::undo_point`].

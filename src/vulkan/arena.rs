@@ -186,15 +186,20 @@ impl ExpertArena {
     /// Streams every layer's experts `0..per_layer` into their slots
     /// (`expert(l, x)` gives an expert's file bytes) and returns the identity
     /// slot table (layer-major, `per_layer` entries per layer).
-    pub fn fill_all<'a>(&self, stream: &mut Stream, expert: impl Fn(usize, usize) -> ExpertBytes<'a>) -> Result<Vec<u32>> {
-        let mut table = Vec::with_capacity(self.layers.len() * self.per_layer);
-        for l in 0..self.layers.len() {
-            for x in 0..self.per_layer {
-                self.write(stream, l, x, &expert(l, x))?;
-                table.push((l * self.per_layer + x) as u32);
-            }
-        }
-        Ok(table)
+    pub fn fill_all<'a>(&self, stream: &mut Stream, expert: impl Fn(usize, usize) -> ExpertBytes<'a> + Sync) -> Result<Vec<u32>> {
+        let slots: Vec<(usize, usize, usize)> = (0..self.layers.len()).flat_map(|l| (0..self.per_layer).map(move |x| (l, x, x))).collect();
+        self.fill(stream, &slots, expert)?;
+        Ok((0..slots.len() as u32).collect())
+    }
+
+    /// Streams expert `e` of layer `l` into its local slot `s` for every
+    /// `(l, s, e)` of `slots` (repacked in parallel into the staging memory).
+    pub fn fill<'a>(&self, stream: &mut Stream, slots: &[(usize, usize, usize)], expert: impl Fn(usize, usize) -> ExpertBytes<'a> + Sync) -> Result<()> {
+        let places: Vec<(&Buffer, u64)> = slots.iter().map(|&(l, s, _)| self.place(l, s)).collect();
+        stream.write_parallel(self.slot_bytes, &places, |i, out| {
+            let (l, _, e) = slots[i];
+            self.repack_into(l, &expert(l, e), out);
+        })
     }
 
     /// Streams `bytes` into layer `layer`'s local slot `slot`.

@@ -467,7 +467,12 @@ impl Blocks for VkPass<'_> {
         self.copy(cmd, scratch, l.ids, &o.down, 0, k);
         self.copy(cmd, scratch, l.weights, &o.down, k as u32, k);
         self.copy(cmd, scratch, l.input, &o.down, 2 * k as u32, h);
+        let waited = std::time::Instant::now();
         self.sync()?;
+        let wait_ns = waited.elapsed().as_nanos() as u64;
+        if let Some(t) = self.cache.as_mut() {
+            t.timed(0, wait_ns);
+        }
         let o = self.state.offload.as_mut().expect("checked above");
         let v: Vec<f32> = o.down.mapped()[..(2 * k + h) * 4].chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
         let host = HostRoutes { ids: v[..k].iter().map(|f| f.to_bits()).collect(), weights: v[k..2 * k].to_vec(), x: v[2 * k..].to_vec() };
@@ -512,12 +517,13 @@ impl Blocks for VkPass<'_> {
             up[at * 4..at * 4 + 4].copy_from_slice(&v.to_le_bytes());
         }
         // Experts admitted now: repacked into staging, copied into their slots.
+        let repacked = std::time::Instant::now();
         let staging = o.staging.mapped();
         for (j, &(_, e)) in uploads.iter().enumerate() {
             gpu.arena.repack_into(layer, &expert_bytes(moe, cfg, e), &mut staging[j * slot_bytes..(j + 1) * slot_bytes]);
         }
         if let Some(t) = self.cache.as_mut() {
-            t.uploaded((uploads.len() * slot_bytes) as u64);
+            t.uploaded((uploads.len() * slot_bytes) as u64, repacked.elapsed().as_nanos() as u64);
         }
         // The GPU's share, submitted now.
         let o = self.state.offload.as_ref().expect("checked above");
@@ -556,7 +562,11 @@ impl Blocks for VkPass<'_> {
         let host_sum = !on_host.is_empty();
         if host_sum {
             let experts: Vec<Expert> = on_host.iter().map(|e| e.0).collect();
+            let computed = std::time::Instant::now();
             let ys = self.model.install(|| expert_outputs(moe, cfg, &host.x, &experts));
+            if let Some(t) = self.cache.as_mut() {
+                t.timed(computed.elapsed().as_nanos() as u64, 0);
+            }
             let mut sum = vec![0f32; h];
             for ((_, w), y) in on_host.iter().zip(ys.chunks_exact(h)) {
                 for (s, v) in sum.iter_mut().zip(y) {

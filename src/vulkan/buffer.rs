@@ -237,6 +237,43 @@ impl Stream {
         Ok(())
     }
 
+    /// Writes `items.len()` pieces of `len` bytes (piece `i` at `items[i].1`
+    /// of `items[i].0`), as many at a time as fit a staging buffer, each
+    /// filled by `fill(i, bytes)` in parallel on the rayon pool. On failure
+    /// the stream is aborted.
+    pub fn write_parallel(&mut self, len: usize, items: &[(&Buffer, u64)], fill: impl Fn(usize, &mut [u8]) + Sync) -> Result<()> {
+        use rayon::prelude::*;
+        let step = len.div_ceil(16) * 16;
+        if step > STAGE_BYTES {
+            for (i, &(dst, at)) in items.iter().enumerate() {
+                self.write_with(dst, at, len, |out| fill(i, out))?;
+            }
+            return Ok(());
+        }
+        let mut done = 0;
+        while done < items.len() {
+            let room = (STAGE_BYTES - self.stages[self.current].used) / step;
+            if room == 0 {
+                if let Err(e) = self.flush() {
+                    self.abort();
+                    return Err(e);
+                }
+                continue;
+            }
+            let n = room.min(items.len() - done);
+            let st = &mut self.stages[self.current];
+            let at = st.used;
+            st.buffer.mapped()[at..at + n * step].par_chunks_mut(step).enumerate().for_each(|(j, out)| fill(done + j, &mut out[..len]));
+            for (j, &(dst, offset)) in items[done..done + n].iter().enumerate() {
+                st.copies.push((dst.raw, offset, (at + j * step) as u64, len as u64));
+            }
+            st.used += n * step;
+            self.bytes += (n * len) as u64;
+            done += n;
+        }
+        Ok(())
+    }
+
     /// Writes `bytes` at `offset` of `dst`.
     pub fn write(&mut self, dst: &Buffer, offset: u64, bytes: &[u8]) -> Result<()> {
         let written = self.write_parts(dst, offset, bytes);

@@ -10,12 +10,16 @@
 //! * **Misses** run on the host's cores from the mapped file (the CPU
 //!   backend's expert function, concurrently with the GPU's hits) and are
 //!   added in the combine, or are uploaded into a slot and run on the GPU.
-//!   Only a miss seen before within [`ADMIT_WINDOW`] tokens is admitted into
-//!   the cache (a first sighting would only churn it: routing is flat), and
-//!   of those at most as many as keep the upload no slower than the host's
-//!   share (the split follows the bandwidths measured at load: see
-//!   [`Split`]). An admitted expert evicts the least recently used slot that
-//!   this token does not use.
+//! * **Admission.** An upload sits on the token's critical path (the host
+//!   repacks the expert before the GPU can run it), so it pays only when the
+//!   expert comes back often: each expert's misses are counted with a decay
+//!   (half-life [`HALF_LIFE`] tokens), and a miss is admitted when that count,
+//!   rounded, reaches the host-to-upload speed ratio measured at load ([`Split`]; at
+//!   least 2: a first sighting never churns the cache: routing is flat), at
+//!   most [`MAX_UPLOADS`] per layer and token. An admitted expert evicts the
+//!   least recently used slot that this token does not use.
+//! * Every slot is filled at load (a routing profile's most used experts,
+//!   else the first ones).
 //! * The shared experts, which every token uses, stay resident outside the
 //!   arena (pinned).
 //!
@@ -25,8 +29,11 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-/// Tokens within which a second sighting of a missed expert admits it.
-pub const ADMIT_WINDOW: u64 = 256;
+/// Tokens after which an expert's miss count has halved.
+pub const HALF_LIFE: f32 = 64.0;
+
+/// Most experts one layer uploads in one token.
+pub const MAX_UPLOADS: usize = 2;
 
 /// Where one chosen expert (index `i` of the token's top-k) runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,14 +56,14 @@ pub struct Split {
 }
 
 impl Split {
-    /// Of `misses` misses, how many to upload so that the upload and the
-    /// host's share take about as long: `u = m * up / (host + up)`, rounded.
-    pub fn uploads(&self, misses: usize) -> usize {
-        let (h, u) = (self.host_bytes_per_s.max(0.0), self.upload_bytes_per_s.max(0.0));
-        if h + u <= 0.0 {
-            return 0;
+    /// The decayed miss count at which an expert is worth uploading: the
+    /// host's speed over the upload's (an upload costs that many host
+    /// computations of it), at least 2; never without upload bandwidth.
+    pub fn admit_at(&self) -> f32 {
+        if self.upload_bytes_per_s <= 0.0 {
+            return f32::INFINITY;
         }
-        ((misses as f64 * u / (h + u)).round() as usize).min(misses)
+        ((self.host_bytes_per_s / self.upload_bytes_per_s) as f32).max(2.0)
     }
 }
 
@@ -74,6 +81,11 @@ pub struct CacheStats {
     pub upload_bytes: u64,
     /// Decode steps (tokens) that went through the cache.
     pub tokens: u64,
+    /// Host time computing experts, repacking uploads, and waiting for the
+    /// GPU at the routers (nanoseconds).
+    pub host_ns: u64,
+    pub upload_ns: u64,
+    pub wait_ns: u64,
 }
 
 /// One layer's slots.
@@ -84,7 +96,8 @@ struct LayerSlots {
     used: Vec<u64>,
     /// Local slot of each expert, when resident.
     slot_of: Vec<Option<u32>>,
-    /// Token each expert was last missed at (0 = never).
+    /// Each expert's decayed miss count, and the token it was last updated at.
+    score: Vec<f32>,
     seen: Vec<u64>,
     /// Times each expert was chosen (the routing profile).
     chosen: Vec<u32>,
@@ -96,6 +109,7 @@ impl LayerSlots {
             expert: vec![None; slots],
             used: vec![0; slots],
             slot_of: vec![None; experts],
+            score: vec![0.0; experts],
             seen: vec![0; experts],
             chosen: vec![0; experts],
         }
@@ -121,12 +135,13 @@ impl LayerSlots {
         let misses: Vec<usize> = (0..ids.len()).filter(|&i| places[i] == Place::Host).collect();
         stats.hits += (ids.len() - misses.len()) as u64;
         stats.misses += misses.len() as u64;
-        let mut budget = split.uploads(misses.len());
+        let (threshold, mut budget) = (split.admit_at(), MAX_UPLOADS);
         for &i in &misses {
             let e = ids[i] as usize;
-            let admit = self.seen[e] > 0 && tick - self.seen[e] <= ADMIT_WINDOW;
+            let age = tick.saturating_sub(self.seen[e]) as f32;
+            self.score[e] = self.score[e] * (-age / HALF_LIFE).exp2() + 1.0;
             self.seen[e] = tick;
-            if !admit || budget == 0 {
+            if self.score[e].round() < threshold || budget == 0 || self.expert.is_empty() {
                 continue;
             }
             // The emptiest, then least recently used slot this token does not use.
@@ -138,6 +153,7 @@ impl LayerSlots {
             self.expert[s] = Some(e as u32);
             self.slot_of[e] = Some(s as u32);
             self.used[s] = tick;
+            self.score[e] = 0.0;
             places[i] = Place::Upload(s);
             budget -= 1;
         }
@@ -223,9 +239,16 @@ impl Token<'_> {
         places
     }
 
-    /// Counts `bytes` uploaded.
-    pub fn uploaded(&mut self, bytes: u64) {
+    /// Counts `bytes` uploaded, repacked in `ns`.
+    pub fn uploaded(&mut self, bytes: u64, ns: u64) {
         self.inner.stats.upload_bytes += bytes;
+        self.inner.stats.upload_ns += ns;
+    }
+
+    /// Counts host time computing experts, and waiting for the GPU.
+    pub fn timed(&mut self, host_ns: u64, wait_ns: u64) {
+        self.inner.stats.host_ns += host_ns;
+        self.inner.stats.wait_ns += wait_ns;
     }
 }
 
@@ -234,47 +257,56 @@ mod tests {
     use super::*;
 
     const NO_UPLOADS: Split = Split { host_bytes_per_s: 1.0, upload_bytes_per_s: 0.0 };
-    const ALL_UPLOADS: Split = Split { host_bytes_per_s: 0.0, upload_bytes_per_s: 1e12 };
+    /// Uploads as fast as the host: a second sighting admits.
+    const FAST_UPLOADS: Split = Split { host_bytes_per_s: 1e9, upload_bytes_per_s: 1e9 };
 
     #[test]
     fn second_sightings_are_admitted_and_lru_evicts() {
         let mut l = LayerSlots::new(2, 8);
         let mut st = CacheStats::default();
         // First sightings run on the host.
-        assert_eq!(l.place(1, &[3, 4], &ALL_UPLOADS, &mut st), [Place::Host, Place::Host]);
+        assert_eq!(l.place(1, &[3, 4], &FAST_UPLOADS, &mut st), [Place::Host, Place::Host]);
         // Seen again: uploaded into the two empty slots.
-        assert_eq!(l.place(2, &[3, 4], &ALL_UPLOADS, &mut st), [Place::Upload(0), Place::Upload(1)]);
-        assert_eq!(l.place(3, &[4, 3], &ALL_UPLOADS, &mut st), [Place::Hit(1), Place::Hit(0)]);
+        assert_eq!(l.place(2, &[3, 4], &FAST_UPLOADS, &mut st), [Place::Upload(0), Place::Upload(1)]);
+        assert_eq!(l.place(3, &[4, 3], &FAST_UPLOADS, &mut st), [Place::Hit(1), Place::Hit(0)]);
         // 5 seen twice while 3 is in use: evicts 4 (not used this token), not 3.
-        l.place(4, &[3, 5], &ALL_UPLOADS, &mut st);
-        assert_eq!(l.place(5, &[3, 5], &ALL_UPLOADS, &mut st), [Place::Hit(0), Place::Upload(1)]);
+        l.place(4, &[3, 5], &FAST_UPLOADS, &mut st);
+        assert_eq!(l.place(5, &[3, 5], &FAST_UPLOADS, &mut st), [Place::Hit(0), Place::Upload(1)]);
         assert_eq!(l.slot_of[4], None);
         assert_eq!(st, CacheStats { hits: 4, misses: 6, ..Default::default() });
         // Without upload bandwidth nothing is admitted.
         let mut l = LayerSlots::new(2, 8);
         l.place(1, &[3], &NO_UPLOADS, &mut st);
         assert_eq!(l.place(2, &[3], &NO_UPLOADS, &mut st), [Place::Host]);
-        // A sighting older than the window does not count.
+        // Sightings decay: one long ago counts for little.
         let mut l = LayerSlots::new(2, 8);
-        l.place(1, &[3], &ALL_UPLOADS, &mut st);
-        assert_eq!(l.place(2 + ADMIT_WINDOW, &[3], &ALL_UPLOADS, &mut st), [Place::Host]);
-        assert_eq!(l.place(3 + ADMIT_WINDOW, &[3], &ALL_UPLOADS, &mut st), [Place::Upload(0)]);
+        l.place(1, &[3], &FAST_UPLOADS, &mut st);
+        assert_eq!(l.place(2 + 4 * HALF_LIFE as u64, &[3], &FAST_UPLOADS, &mut st), [Place::Host]);
+        assert_eq!(l.place(3 + 4 * HALF_LIFE as u64, &[3], &FAST_UPLOADS, &mut st), [Place::Upload(0)]);
+    }
+
+    #[test]
+    fn slow_uploads_need_hot_experts() {
+        // Uploads ten times slower than the host: ten recent misses admit.
+        let slow = Split { host_bytes_per_s: 10e9, upload_bytes_per_s: 1e9 };
+        assert_eq!(slow.admit_at(), 10.0);
+        let mut l = LayerSlots::new(1, 8);
+        let mut st = CacheStats::default();
+        let places: Vec<Place> = (1..=10).map(|t| l.place(t, &[6], &slow, &mut st)[0]).collect();
+        assert!(places[..9].iter().all(|p| *p == Place::Host), "{places:?}");
+        assert_eq!(places[9], Place::Upload(0));
+        // An expert seen once every few hundred tokens never is.
+        let mut l = LayerSlots::new(1, 8);
+        assert!((1..=20).all(|i| l.place(i * 300, &[2], &slow, &mut st)[0] == Place::Host));
     }
 
     #[test]
     fn a_full_token_never_evicts_its_own_experts() {
         let mut l = LayerSlots::new(1, 8);
         let mut st = CacheStats::default();
-        l.place(1, &[1, 2], &ALL_UPLOADS, &mut st);
-        assert_eq!(l.place(2, &[1, 2], &ALL_UPLOADS, &mut st), [Place::Upload(0), Place::Host]);
-        assert_eq!(l.place(3, &[2, 1], &ALL_UPLOADS, &mut st), [Place::Host, Place::Hit(0)]);
-    }
-
-    #[test]
-    fn uploads_split_by_bandwidth() {
-        let s = Split { host_bytes_per_s: 30e9, upload_bytes_per_s: 10e9 };
-        assert_eq!([0, 1, 3, 4, 10].map(|m| s.uploads(m)), [0, 0, 1, 1, 3]);
-        assert_eq!(NO_UPLOADS.uploads(10), 0);
-        assert_eq!(ALL_UPLOADS.uploads(10), 10);
+        l.place(1, &[1, 2], &FAST_UPLOADS, &mut st);
+        assert_eq!(l.place(2, &[1, 2], &FAST_UPLOADS, &mut st), [Place::Upload(0), Place::Host]);
+        assert_eq!(l.place(3, &[2, 1], &FAST_UPLOADS, &mut st), [Place::Host, Place::Hit(0)]);
+        assert_eq!(MAX_UPLOADS, 2);
     }
 }

@@ -276,7 +276,6 @@ impl GpuModel {
         let (layers, output_hc, output, arena, params, mut report) = loaded?;
         finished?;
         report.uploaded_bytes = stream.bytes;
-        report.upload_seconds = started.elapsed().as_secs_f64();
         drop(stream);
         let cache = if report.resident {
             None
@@ -284,20 +283,25 @@ impl GpuModel {
             let split = measure_split(cfg, w, &ctx, &arena, host)?;
             report.split = Some(split);
             let cache = ExpertCache::new(cfg.n_layers, arena.per_layer, cfg.n_experts, split);
-            if let Some(profile) = &placement.warm {
-                // Each layer's most used experts, in its first slots.
-                let top: Vec<Vec<u32>> = (0..cfg.n_layers).map(|l| profile.top(l, arena.per_layer)).collect();
-                let mut stream = Stream::new(&ctx)?;
-                for (l, experts) in top.iter().enumerate() {
-                    for (s, &e) in experts.iter().enumerate() {
-                        arena.write(&mut stream, l, s, &expert_bytes(&w.layers[l].moe, cfg, e as usize))?;
-                    }
-                }
-                stream.finish()?;
-                cache.fill(&top);
-            }
+            // Every slot filled at load: each layer's most used experts by
+            // the routing profile when there is one, else the first ones
+            // (with no profile any choice hits as often as another).
+            let top: Vec<Vec<u32>> = (0..cfg.n_layers)
+                .map(|l| match &placement.warm {
+                    Some(profile) => profile.top(l, arena.per_layer),
+                    None => (0..arena.per_layer as u32).collect(),
+                })
+                .collect();
+            let slots: Vec<(usize, usize, usize)> =
+                top.iter().enumerate().flat_map(|(l, ex)| ex.iter().enumerate().map(move |(s, &e)| (l, s, e as usize))).collect();
+            let mut stream = Stream::new(&ctx)?;
+            arena.fill(&mut stream, &slots, |l, e| expert_bytes(&w.layers[l].moe, cfg, e))?;
+            stream.finish()?;
+            report.uploaded_bytes += stream.bytes;
+            cache.fill(&top);
             Some(cache)
         };
+        report.upload_seconds = started.elapsed().as_secs_f64();
         Ok(GpuModel { layers, output_hc, output, arena, cache, params, pipes, ctx, report })
     }
 
@@ -477,6 +481,7 @@ fn measure_split(
         let mut stream = Stream::new(ctx)?;
         for _ in 0..2 {
             let t = std::time::Instant::now();
+            // One at a time, as a decode step uploads them.
             for x in 0..n {
                 arena.write(&mut stream, 0, x % arena.per_layer, &expert_bytes(moe, cfg, x))?;
             }
@@ -538,6 +543,9 @@ impl BackendModel for VulkanBackend {
             host_experts: s.host_experts,
             uploads: s.uploads,
             upload_bytes: s.upload_bytes,
+            host_seconds: s.host_ns as f64 * 1e-9,
+            upload_seconds: s.upload_ns as f64 * 1e-9,
+            wait_seconds: s.wait_ns as f64 * 1e-9,
         })
     }
 
