@@ -345,6 +345,7 @@ impl Model {
             fingerprint,
             file_size,
             tensor_types: census,
+            routing_observer: Default::default(),
         }))
     }
 }

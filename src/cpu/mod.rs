@@ -347,7 +347,12 @@ impl Blocks for CpuPass<'_> {
 
     fn moe_route(&mut self, layer: usize, branch: &Vec<HcPre>) -> Result<Vec<Routing>> {
         let w = &self.model.weights.layers[layer].moe;
-        Ok(branch.iter().map(|b| Routing { routes: moe::route(w, &self.model.config, &b.input), gate: moe::shared_gate(w, &b.input) }).collect())
+        let routes: Vec<Routing> =
+            branch.iter().map(|b| Routing { routes: moe::route(w, &self.model.config, &b.input), gate: moe::shared_gate(w, &b.input) }).collect();
+        for r in &routes {
+            self.model.report_routing(layer, &r.routes.iter().map(|&(e, _)| e as u32).collect::<Vec<_>>());
+        }
+        Ok(routes)
     }
 
     fn moe_experts(&mut self, layer: usize, branch: &Vec<HcPre>, routes: &Vec<Routing>) -> Result<Vec<Vec<f32>>> {

@@ -52,7 +52,12 @@ pub struct Model {
     pub(crate) backend: Box<dyn BackendModel>,
     /// Where the model computes and why (see [`Model::backend_note`]).
     pub(crate) backend_note: String,
+    /// Called with every routing decision the host sees (see [`Model::observe_routing`]).
+    pub(crate) routing_observer: std::sync::RwLock<Option<RoutingObserver>>,
 }
+
+/// Receives `(layer, chosen expert ids in rank order)` for each token.
+pub type RoutingObserver = std::sync::Arc<dyn Fn(usize, &[u32]) + Send + Sync>;
 
 impl Model {
     pub fn vocab_size(&self) -> usize {
@@ -130,6 +135,22 @@ impl Model {
     /// The token history of an empty sequence: EOS for every context slot.
     pub(crate) fn start_history(&self) -> Vec<u32> {
         vec![self.config.ple.as_ref().map_or(0, |p| p.eos); self.history_context()]
+    }
+
+    /// Sets (or with `None` removes) a function called with every routing
+    /// decision the host sees: on the CPU every layer of every token; on
+    /// Vulkan with an expert cache likewise (the router's choice is read
+    /// back); with every expert resident the choice never leaves the GPU and
+    /// nothing is reported. For routing traces (benchmarks, cache studies).
+    pub fn observe_routing(&self, observer: Option<RoutingObserver>) {
+        *self.routing_observer.write().unwrap_or_else(|e| e.into_inner()) = observer;
+    }
+
+    /// Reports a routing decision to the observer, if one is set.
+    pub(crate) fn report_routing(&self, layer: usize, ids: &[u32]) {
+        if let Some(f) = &*self.routing_observer.read().unwrap_or_else(|e| e.into_inner()) {
+            f(layer, ids);
+        }
     }
 
     /// Runs `f` on this model's host threads (its pool, or rayon's global

@@ -486,6 +486,7 @@ impl Blocks for VkPass<'_> {
             self.record_experts(layer, set, experts);
             return Ok(Experts { on_gpu: experts, host_sum: false });
         };
+        self.model.report_routing(layer, &host.ids);
         // Where each chosen expert runs.
         let places = self.cache.as_mut().expect("routes come back only with a cache").place(layer, &host.ids);
         let moe = &self.model.weights.layers[layer].moe;
