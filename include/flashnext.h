@@ -67,8 +67,10 @@ typedef struct fnx_generate_params {
   uint32_t struct_size;
   // Most tokens to generate; 0 = no limit (until a stop condition or a full context).
   uint32_t max_tokens;
-  // Chooses each token; NULL = greedy. `fnx_generate` accepts every
-  // generated token into it (not the prompt) and does not reset it.
+  // Chooses each token; NULL = greedy (the rule of a temperature-0
+  // sampler: NaN or +INFINITY logits are refused with
+  // `FNX_ERR_INVALID_ARGUMENT`). `fnx_generate` accepts every generated
+  // token into it (not the prompt) and does not reset it.
   struct fnx_sampler *sampler;
   // Token ids that stop generation (after being generated): `n_stop_tokens` of them.
   const int32_t *stop_tokens;
@@ -212,7 +214,9 @@ typedef struct fnx_chat_message {
 // Memory could not be obtained.
 #define FNX_ERR_OUT_OF_MEMORY 12
 
-// A bug inside flashnext (a caught panic). The state involved is unusable until reset.
+// A bug inside flashnext (a caught panic). The state involved is unusable
+// until reset, except after `fnx_generate` and a multi-token
+// `fnx_decode_tokens`, which roll it back to where it was before the call.
 #define FNX_ERR_INTERNAL 13
 
 // The state was left unusable by an earlier internal error; reset or free it.
@@ -254,7 +258,8 @@ struct fnx_generate_params fnx_generate_params_default(void);
 // Decodes `n` tokens in order; the logits are then the last token's. Every
 // token and the context room are checked before anything is decoded, and
 // any failure (including `FNX_ERR_ABORTED` from the abort callback, polled
-// before each token) leaves the state as it was. `n` = 0 does nothing.
+// before each token, and `FNX_ERR_INTERNAL` when `n` > 1) leaves the state
+// as it was. `n` = 0 does nothing.
 //
 // # Safety
 // `state` must be NULL or a live handle, not used by another thread
@@ -272,8 +277,9 @@ fnx_status fnx_decode_tokens(struct fnx_state *state, const int32_t *tokens, siz
 //
 // Arguments are checked before anything is decoded. On any failure,
 // including `FNX_ERR_ABORTED` (the abort callback is polled before every
-// token), the state and the sampler are as they were before the call;
-// tokens already passed to `on_token` are then not part of the state.
+// token) and `FNX_ERR_INTERNAL` (a bug, caught part way), the state and the
+// sampler are as they were before the call; tokens already passed to
+// `on_token` are then not part of the state.
 //
 // # Safety
 // `state` must be NULL or a live handle, not used by another thread

@@ -3,7 +3,10 @@
 //!
 //! Failure semantics: [`decode_tokens`] and [`generate`] either succeed or
 //! leave the state (and the sampler) exactly as they were, whether the cause
-//! is a bad argument, an abort request or running out of memory part way.
+//! is a bad argument, an abort request, running out of memory part way, or a
+//! panic part way (a bug: reported as [`GenerateError::Internal`] after the
+//! rollback; a one-token [`decode_tokens`] has no checkpoint and lets the
+//! panic through).
 //! Tokens already streamed to `on_token` before an abort are not taken back
 //! from the caller, but they are gone from the state.
 //!
@@ -12,7 +15,8 @@
 
 use crate::error::{Error, Result};
 use crate::model::{Model, State};
-use crate::sampling::{argmax, Sampler};
+use crate::sampling::{greedy, Sampler};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
 /// Turns generated tokens into text, one token at a time. A streaming
@@ -83,6 +87,20 @@ pub enum GenerateError {
     Aborted,
     #[error(transparent)]
     Failed(#[from] Error),
+    /// A panic (a bug in flashnext) interrupted the call; everything was rolled back.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl GenerateError {
+    fn internal(payload: &(dyn std::any::Any + Send)) -> Self {
+        let msg = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        GenerateError::Internal(msg)
+    }
 }
 
 /// What [`generate`] does besides sampling.
@@ -192,18 +210,20 @@ pub fn decode_tokens(
         return Ok(state.decode(tokens[0])?);
     }
     let checkpoint = state.checkpoint()?;
-    for (i, &t) in tokens.iter().enumerate() {
-        let step = if i > 0 && abort() {
-            Err(GenerateError::Aborted)
-        } else {
-            state.decode(t).map_err(Into::into)
-        };
-        if let Err(e) = step {
-            state.rollback(checkpoint);
-            return Err(e);
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        for (i, &t) in tokens.iter().enumerate() {
+            if i > 0 && abort() {
+                return Err(GenerateError::Aborted);
+            }
+            state.decode(t)?;
         }
+        Ok(())
+    }))
+    .unwrap_or_else(|p| Err(GenerateError::internal(&*p)));
+    if result.is_err() {
+        state.rollback(checkpoint);
     }
-    Ok(())
+    result
 }
 
 /// Decodes `prompt` (may be empty when the state already has logits), then
@@ -238,7 +258,7 @@ pub fn generate(
     let checkpoint = state.checkpoint()?;
     let sampler_before = sampler.as_deref().cloned();
 
-    let mut run = || -> std::result::Result<Generation, GenerateError> {
+    let run = || -> std::result::Result<Generation, GenerateError> {
         for (i, &t) in prompt.iter().enumerate() {
             if i > 0 && abort() {
                 return Err(GenerateError::Aborted);
@@ -269,7 +289,7 @@ pub fn generate(
                     s.accept(t);
                     t
                 }
-                None => argmax(logits).expect("logits are not empty"),
+                None => greedy(logits)?,
             };
             let piece = detok.push(token);
             let go_on = on_token(token, &piece);
@@ -295,7 +315,8 @@ pub fn generate(
             }
         }
     };
-    let result = run();
+    // A panic (a bug) part way is undone like an error.
+    let result = catch_unwind(AssertUnwindSafe(run)).unwrap_or_else(|p| Err(GenerateError::internal(&*p)));
     if result.is_err() {
         state.rollback(checkpoint);
         if let (Some(s), Some(before)) = (sampler, sampler_before) {

@@ -3,7 +3,7 @@
 use super::state::{aborted, check};
 use super::{
     fail, fnx_sampler, fnx_state, fnx_status, guard, log, non_null, Failure,
-    FNX_ERR_INVALID_ARGUMENT, FNX_ERR_NO_LOGITS, FNX_ERR_NULL_ARGUMENT, FNX_ERR_TOKEN_OUT_OF_RANGE,
+    FNX_ERR_INTERNAL, FNX_ERR_INVALID_ARGUMENT, FNX_ERR_NO_LOGITS, FNX_ERR_NULL_ARGUMENT, FNX_ERR_TOKEN_OUT_OF_RANGE,
     FNX_LOG_DEBUG,
 };
 use crate::generate::{self, GenerateError, GenerateOptions, StopReason};
@@ -32,8 +32,10 @@ pub struct fnx_generate_params {
     pub struct_size: u32,
     /// Most tokens to generate; 0 = no limit (until a stop condition or a full context).
     pub max_tokens: u32,
-    /// Chooses each token; NULL = greedy. `fnx_generate` accepts every
-    /// generated token into it (not the prompt) and does not reset it.
+    /// Chooses each token; NULL = greedy (the rule of a temperature-0
+    /// sampler: NaN or +INFINITY logits are refused with
+    /// `FNX_ERR_INVALID_ARGUMENT`). `fnx_generate` accepts every generated
+    /// token into it (not the prompt) and does not reset it.
     pub sampler: *mut fnx_sampler,
     /// Token ids that stop generation (after being generated): `n_stop_tokens` of them.
     pub stop_tokens: *const i32,
@@ -105,13 +107,18 @@ fn generate_failure(e: GenerateError, func: &str) -> Failure {
             let Failure(status, msg) = Failure::from(e);
             Failure(status, format!("{func}: {msg}"))
         }
+        GenerateError::Internal(msg) => fail(
+            FNX_ERR_INTERNAL,
+            format!("{func}: internal error (please report): {msg}; the state is as it was before the call"),
+        ),
     }
 }
 
 /// Decodes `n` tokens in order; the logits are then the last token's. Every
 /// token and the context room are checked before anything is decoded, and
 /// any failure (including `FNX_ERR_ABORTED` from the abort callback, polled
-/// before each token) leaves the state as it was. `n` = 0 does nothing.
+/// before each token, and `FNX_ERR_INTERNAL` when `n` > 1) leaves the state
+/// as it was. `n` = 0 does nothing.
 ///
 /// # Safety
 /// `state` must be NULL or a live handle, not used by another thread
@@ -150,8 +157,9 @@ pub unsafe extern "C" fn fnx_decode_tokens(
 ///
 /// Arguments are checked before anything is decoded. On any failure,
 /// including `FNX_ERR_ABORTED` (the abort callback is polled before every
-/// token), the state and the sampler are as they were before the call;
-/// tokens already passed to `on_token` are then not part of the state.
+/// token) and `FNX_ERR_INTERNAL` (a bug, caught part way), the state and the
+/// sampler are as they were before the call; tokens already passed to
+/// `on_token` are then not part of the state.
 ///
 /// # Safety
 /// `state` must be NULL or a live handle, not used by another thread

@@ -57,7 +57,9 @@ pub const FNX_ERR_MODEL_FREED: fnx_status = 10;
 pub const FNX_ERR_BACKEND_UNAVAILABLE: fnx_status = 11;
 /// Memory could not be obtained.
 pub const FNX_ERR_OUT_OF_MEMORY: fnx_status = 12;
-/// A bug inside flashnext (a caught panic). The state involved is unusable until reset.
+/// A bug inside flashnext (a caught panic). The state involved is unusable
+/// until reset, except after `fnx_generate` and a multi-token
+/// `fnx_decode_tokens`, which roll it back to where it was before the call.
 pub const FNX_ERR_INTERNAL: fnx_status = 13;
 /// The state was left unusable by an earlier internal error; reset or free it.
 pub const FNX_ERR_STATE_INVALID: fnx_status = 14;

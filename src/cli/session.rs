@@ -235,6 +235,7 @@ fn unwrap_failure(e: GenerateError) -> Error {
     match e {
         GenerateError::Failed(e) => e,
         GenerateError::Aborted => Error::arg("generation aborted"),
+        GenerateError::Internal(m) => Error::arg(format!("internal error (please report): {m}")),
     }
 }
 

@@ -1,0 +1,238 @@
+//! What an outside probe of the C API broke, each case through the C ABI on
+//! real GGUF files: extreme sampler settings, non-finite logits, absurd
+//! counts, freed and busy handles, panics and their output, chat templates
+//! that try to exhaust memory.
+//!
+//! Tests that change process-wide settings (the panic hook, an address-space
+//! limit) run in a child process: this test binary started again with
+//! `FNX_HARDENING_CHILD` naming the child's job.
+
+mod common;
+mod util;
+
+use flashnext::capi::*;
+use std::path::PathBuf;
+use std::ptr::{null, null_mut};
+use std::sync::OnceLock;
+use util::*;
+
+const PROMPT: [i32; 6] = [3, 14, 15, 92, 65, 35];
+
+fn sampler(p: &fnx_sampler_params) -> *mut fnx_sampler {
+    let mut s = null_mut();
+    // SAFETY: valid params and out pointer.
+    assert_eq!(unsafe { fnx_sampler_new(p, &mut s) }, FNX_OK, "{}", last_error());
+    s
+}
+
+fn sample(s: *mut fnx_sampler, logits: &[f32]) -> (fnx_status, i32) {
+    let mut t = -7;
+    // SAFETY: live sampler, valid buffer and out pointer.
+    let st = unsafe { fnx_sampler_sample(s, logits.as_ptr(), logits.len(), &mut t) };
+    (st, t)
+}
+
+fn decode(s: *mut fnx_state, tokens: &[i32]) {
+    // SAFETY: live state, valid buffer.
+    assert_eq!(unsafe { fnx_decode_tokens(s, tokens.as_ptr(), tokens.len()) }, FNX_OK, "{}", last_error());
+}
+
+/// Position and snapshot bytes: what a failed call must leave alone.
+fn observe(s: *const fnx_state) -> (usize, Vec<u8>) {
+    // SAFETY: live state; the buffer holds the size asked for.
+    unsafe {
+        let mut size = 0;
+        assert_eq!(fnx_state_save_size(s, &mut size), FNX_OK, "{}", last_error());
+        let mut buf = vec![0u8; size];
+        assert_eq!(fnx_state_save(s, buf.as_mut_ptr(), size, null_mut()), FNX_OK, "{}", last_error());
+        (fnx_state_position(s), buf)
+    }
+}
+
+/// Runs fnx_generate without a token callback; returns the status and `*out_n_generated`.
+fn generate(s: *mut fnx_state, prompt: &[i32], p: &fnx_generate_params) -> (fnx_status, usize) {
+    let mut n = 7777;
+    let ptr = if prompt.is_empty() { null() } else { prompt.as_ptr() };
+    // SAFETY: live state, valid buffers.
+    let st = unsafe { fnx_generate(s, ptr, prompt.len(), p, None, null_mut(), &mut n) };
+    (st, n)
+}
+
+fn scratch_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("flashnext-hardening-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The generated tiny model with a NaN in the output row of token 0: the
+/// logit of token 0 is NaN, the others are finite.
+fn nan_logit_gguf() -> &'static std::path::Path {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let mut m = common::TinyModel::new();
+        m.set_value("output.weight", 0, f32::NAN);
+        let path = scratch_dir().join("nan-logit.gguf");
+        m.write(&path);
+        path
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Extreme sampler settings and non-finite logits
+
+#[test]
+fn extreme_penalties_keep_every_logit_finite() {
+    // frequency_penalty -3e38 after three accepted tokens lifts the token
+    // past f32::MAX; min_p then used to see NaN weights and drop everything.
+    let mut p = fnx_sampler_params_default();
+    p.seed = 1;
+    p.frequency_penalty = -3e38;
+    p.min_p = 0.1;
+    let s = sampler(&p);
+    for _ in 0..3 {
+        assert_eq!(unsafe { fnx_sampler_accept(s, 2) }, FNX_OK);
+    }
+    let logits = [0.5f32, 1.0, -2.0, 0.25];
+    for _ in 0..5 {
+        assert_eq!(sample(s, &logits), (FNX_OK, 2), "{}", last_error());
+    }
+
+    // repetition_penalty 1e-6 divides a logit of 3e38 past f32::MAX.
+    let mut p = fnx_sampler_params_default();
+    p.seed = 1;
+    p.repetition_penalty = 1e-6;
+    p.min_p = 0.5;
+    let r = sampler(&p);
+    assert_eq!(unsafe { fnx_sampler_accept(r, 0) }, FNX_OK);
+    assert_eq!(sample(r, &[3e38, 1.0, 2.0]), (FNX_OK, 0), "{}", last_error());
+
+    // The other way: multiplying -3e38 by 1e6 must not ban the token (-inf);
+    // it stays the one candidate left.
+    let mut p = fnx_sampler_params_default();
+    p.repetition_penalty = 1e6;
+    let q = sampler(&p);
+    assert_eq!(unsafe { fnx_sampler_accept(q, 1) }, FNX_OK);
+    assert_eq!(sample(q, &[f32::NEG_INFINITY, -3e38, f32::NEG_INFINITY]), (FNX_OK, 1), "{}", last_error());
+
+    // The Rust chain: every penalised logit finite, the distribution a real one.
+    use flashnext::sampling::{Sampler, SamplerParams};
+    let mut rs = Sampler::new(SamplerParams {
+        seed: 3,
+        frequency_penalty: -3e38,
+        presence_penalty: 3e38,
+        min_p: 0.1,
+        ..Default::default()
+    })
+    .unwrap();
+    for t in [0, 0, 0, 1, 1, 3] {
+        rs.accept(t);
+    }
+    let pen = rs.penalized(&logits);
+    assert!(pen.iter().all(|l| l.is_finite()), "{pen:?}");
+    let dist = rs.distribution(&logits).unwrap();
+    assert!(!dist.is_empty());
+    let total: f64 = dist.iter().map(|(_, p)| p).sum();
+    assert!((total - 1.0).abs() < 1e-9 && dist.iter().all(|(_, p)| p.is_finite()), "{dist:?}");
+    assert!(rs.sample(&logits).is_ok());
+    unsafe {
+        fnx_sampler_free(s);
+        fnx_sampler_free(r);
+        fnx_sampler_free(q);
+    }
+}
+
+#[test]
+fn generate_with_extreme_penalties_succeeds_and_keeps_the_state_sound() {
+    let m = load(fixture_gguf(), None).unwrap();
+    let vocab = unsafe { fnx_model_vocab_size(m) };
+    let mut sp = fnx_sampler_params_default();
+    sp.seed = 9;
+    sp.frequency_penalty = -3e38;
+    sp.min_p = 0.1;
+    let smp = sampler(&sp);
+    for t in [5, 5, 5] {
+        assert_eq!(unsafe { fnx_sampler_accept(smp, t) }, FNX_OK);
+    }
+    let s = new_state(m);
+    let mut p = fnx_generate_params_default();
+    p.ignore_eos = true;
+    p.sampler = smp;
+    p.max_tokens = 4;
+    assert_eq!(generate(s, &PROMPT, &p), (FNX_OK, 4), "{}", last_error());
+    assert_eq!(unsafe { fnx_state_position(s) }, PROMPT.len() + 4);
+    // The state is usable, not poisoned: it keeps decoding.
+    decode(s, &[1]);
+    assert_eq!(logits(s, vocab).len(), vocab);
+    unsafe {
+        fnx_sampler_free(smp);
+        fnx_free_state(s);
+        fnx_free_model(m);
+    }
+}
+
+#[test]
+fn greedy_generation_refuses_nan_logits_like_a_temperature_zero_sampler() {
+    let m = load(nan_logit_gguf(), None).unwrap();
+    let vocab = unsafe { fnx_model_vocab_size(m) };
+    let s = new_state(m);
+    let prompt = [3, 14, 15, 9, 26, 5]; // the generated model has 64 tokens
+    decode(s, &prompt[..3]);
+    let l = logits(s, vocab);
+    assert!(l[0].is_nan() && l[1..].iter().all(|x| x.is_finite()), "the model gives one NaN logit");
+    let before = observe(s);
+
+    let mut greedy = fnx_sampler_params_default();
+    greedy.temperature = 0.0;
+    let g = sampler(&greedy);
+    let (st_sampler, _) = sample(g, &l);
+    assert_eq!(st_sampler, FNX_ERR_INVALID_ARGUMENT);
+
+    // fnx_generate without a sampler (greedy), with and without a prompt,
+    // and with the temperature-0 sampler: one rule, the same refusal.
+    let mut p = fnx_generate_params_default();
+    p.ignore_eos = true;
+    p.max_tokens = 3;
+    for (prompt, smp) in [(&[][..], null_mut()), (&prompt[3..], null_mut()), (&[][..], g)] {
+        p.sampler = smp;
+        let (st, n) = generate(s, prompt, &p);
+        assert_eq!((st, n), (st_sampler, 7777), "sampler {smp:?}, prompt {prompt:?}");
+        assert!(last_error().contains("NaN"), "{}", last_error());
+        assert!(observe(s) == before, "a refused generation changed the state");
+    }
+    unsafe {
+        fnx_sampler_free(g);
+        fnx_free_state(s);
+        fnx_free_model(m);
+    }
+}
+
+#[test]
+fn a_panic_inside_generation_rolls_everything_back() {
+    use flashnext::generate::{self as gen, GenerateError, GenerateOptions};
+    use flashnext::model::{LoadOptions, Model, State};
+    use flashnext::sampling::{Sampler, SamplerParams};
+    let model = Model::load(fixture_gguf(), &LoadOptions::default()).unwrap();
+    let mut state = State::new(model).unwrap();
+    state.decode_tokens(&[3, 14, 15]).unwrap();
+    let before = (state.position(), state.logits().unwrap().to_vec());
+    let mut smp = Sampler::new(SamplerParams { seed: 4, ..Default::default() }).unwrap();
+    smp.accept(7);
+    let smp_before = format!("{smp:?}");
+    // The detokenizer panics on the third generated token, after two were decoded.
+    let mut calls = 0;
+    let mut detok = |_t: u32| -> Vec<u8> {
+        calls += 1;
+        assert!(calls < 3, "a bug in a detokenizer");
+        Vec::new()
+    };
+    let opts = GenerateOptions { max_tokens: 8, ..Default::default() };
+    let r = gen::generate(&mut state, &[92, 65], Some(&mut smp), &opts, &mut detok, &mut || false, &mut |_, _| true);
+    match r {
+        Err(GenerateError::Internal(msg)) => assert!(msg.contains("a bug in a detokenizer"), "{msg}"),
+        other => panic!("expected an internal error, got {other:?}"),
+    }
+    assert_eq!((state.position(), state.logits().unwrap().to_vec()), before, "the state was not rolled back");
+    assert_eq!(format!("{smp:?}"), smp_before, "the sampler was not rolled back");
+    // And it goes on as if nothing happened.
+    state.decode(1).unwrap();
+}
