@@ -10,6 +10,10 @@
  * - Handles are opaque. The caller owns what fnx_load / fnx_new_state give
  *   and frees it with fnx_free_model / fnx_free_state.
  * - A model may be used by many threads at once; a state by one at a time.
+ * - A count of items (n, n_prompt, n_messages, a length, ...) larger than
+ *   any array can hold (SIZE_MAX / 2 bytes) is FNX_ERR_INVALID_ARGUMENT,
+ *   and tokens to decode are checked against the context room before they
+ *   are read.
  */
 
 #ifndef FLASHNEXT_H
@@ -106,7 +110,9 @@ typedef bool (*fnx_progress_callback)(float progress, void *user_data);
 typedef struct fnx_load_params {
   // `sizeof(fnx_load_params)` as the caller compiled it (set by `fnx_load_params_default`).
   uint32_t struct_size;
-  // Worker threads for matrix products; 0 = all cores.
+  // Worker threads for matrix products; 0 = all cores. At most four per
+  // logical CPU (and at least 256 are always allowed); more is
+  // `FNX_ERR_INVALID_ARGUMENT`.
   uint32_t n_threads;
   // Largest number of positions per state; 0 = the model's context length.
   uint32_t n_ctx;

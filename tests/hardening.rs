@@ -236,3 +236,101 @@ fn a_panic_inside_generation_rolls_everything_back() {
     // And it goes on as if nothing happened.
     state.decode(1).unwrap();
 }
+
+// ---------------------------------------------------------------------------
+// Counts that cannot be real
+
+/// An address nothing is mapped at: reading through it crashes the test, so
+/// a call that must refuse a count before reading proves it did.
+fn unreadable<T>() -> *const T {
+    std::ptr::dangling::<T>()
+}
+
+#[test]
+fn thread_counts_beyond_four_per_cpu_are_refused_before_any_start() {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let max = (4 * cpus).max(256);
+    for n in [max as u32 + 1, 100_000, u32::MAX] {
+        let mut p = fnx_load_params_default();
+        p.n_threads = n;
+        let (st, msg) = load(fixture_gguf(), Some(&p)).unwrap_err();
+        assert_eq!(st, FNX_ERR_INVALID_ARGUMENT, "{n}: {msg}");
+        assert!(msg.contains("n_threads") && msg.contains(&max.to_string()), "{msg}");
+    }
+    let mut p = fnx_load_params_default();
+    p.n_threads = 3;
+    let m = load(fixture_gguf(), Some(&p)).unwrap();
+    unsafe { fnx_free_model(m) };
+}
+
+#[test]
+fn token_counts_are_checked_before_the_tokens_are_read() {
+    let mut lp = fnx_load_params_default();
+    lp.n_ctx = 16;
+    let m = load(fixture_gguf(), Some(&lp)).unwrap();
+    let s = new_state(m);
+    decode(s, &PROMPT[..2]);
+    let before = observe(s);
+    let huge = 1usize << 62;
+    unsafe {
+        // More ids than any array can hold: refused, nothing decoded.
+        let buf = [1i32; 4];
+        assert_eq!(fnx_decode_tokens(s, buf.as_ptr(), huge), FNX_ERR_INVALID_ARGUMENT);
+        assert!(last_error().contains("more than any array"), "{}", last_error());
+        assert_eq!(fnx_decode_tokens(s, buf.as_ptr(), usize::MAX), FNX_ERR_INVALID_ARGUMENT);
+        // Real-looking counts beyond the context room are refused before reading.
+        assert_eq!(fnx_decode_tokens(s, unreadable(), 15), FNX_ERR_CONTEXT_FULL);
+        assert!(last_error().contains("15 tokens do not fit"), "{}", last_error());
+        let p = fnx_generate_params_default();
+        for n in [huge, 15] {
+            let mut out = 7777;
+            let st = fnx_generate(s, unreadable(), n, &p, None, null_mut(), &mut out);
+            assert_eq!((st, out), (if n == huge { FNX_ERR_INVALID_ARGUMENT } else { FNX_ERR_CONTEXT_FULL }, 7777));
+        }
+        // Arrays in the generation params.
+        let mut p = fnx_generate_params_default();
+        p.stop_tokens = unreadable();
+        p.n_stop_tokens = huge;
+        assert_eq!(generate(s, &[1], &p).0, FNX_ERR_INVALID_ARGUMENT);
+        assert!(last_error().contains("stop_tokens"), "{}", last_error());
+        let mut p = fnx_generate_params_default();
+        p.stop_strings = unreadable();
+        p.n_stop_strings = huge;
+        assert_eq!(generate(s, &[1], &p).0, FNX_ERR_INVALID_ARGUMENT);
+        assert!(last_error().contains("stop_strings"), "{}", last_error());
+        assert!(observe(s) == before, "a refused call changed the state");
+
+        // Snapshot bytes.
+        assert_eq!(fnx_state_load(s, unreadable(), usize::MAX), FNX_ERR_INVALID_ARGUMENT);
+        assert!(observe(s) == before);
+        fnx_free_state(s);
+    }
+
+    // Text calls: token ids, text bytes and chat messages.
+    let mut out = [0 as std::ffi::c_char; 16];
+    let mut len = 4242usize;
+    unsafe {
+        let st = fnx_detokenize(m, unreadable(), huge, false, out.as_mut_ptr(), out.len(), &mut len);
+        assert_eq!((st, len), (FNX_ERR_INVALID_ARGUMENT, 4242), "{}", last_error());
+        let mut ids = [0i32; 4];
+        let st = fnx_tokenize(m, unreadable(), usize::MAX, false, false, ids.as_mut_ptr(), 4, &mut len);
+        assert_eq!((st, len), (FNX_ERR_INVALID_ARGUMENT, 4242), "{}", last_error());
+        for n in [huge, usize::MAX / 2] {
+            let st = fnx_apply_chat_template(
+                m,
+                null(),
+                unreadable(),
+                n,
+                null(),
+                true,
+                true,
+                out.as_mut_ptr(),
+                out.len(),
+                &mut len,
+            );
+            assert_eq!((st, len), (FNX_ERR_INVALID_ARGUMENT, 4242), "{n}: {}", last_error());
+            assert!(last_error().contains("n_messages"), "{}", last_error());
+        }
+        fnx_free_model(m);
+    }
+}

@@ -2,7 +2,8 @@
 
 use super::state::{aborted, check};
 use super::{
-    fail, fnx_sampler, fnx_state, fnx_status, guard, log, non_null, Failure,
+    check_count, fail, fnx_sampler, fnx_state, fnx_status, guard, log, non_null, slice_arg, Failure,
+    FNX_ERR_CONTEXT_FULL,
     FNX_ERR_INTERNAL, FNX_ERR_INVALID_ARGUMENT, FNX_ERR_NO_LOGITS, FNX_ERR_NULL_ARGUMENT, FNX_ERR_TOKEN_OUT_OF_RANGE,
     FNX_LOG_DEBUG,
 };
@@ -76,17 +77,8 @@ unsafe fn token_ids(
     func: &str,
     what: &str,
 ) -> Result<Vec<u32>, Failure> {
-    if n == 0 {
-        return Ok(Vec::new());
-    }
-    if tokens.is_null() {
-        return Err(fail(
-            FNX_ERR_NULL_ARGUMENT,
-            format!("{func}: {what} is NULL but its count is {n}"),
-        ));
-    }
     // SAFETY: `n` readable ids per the contract.
-    let raw = unsafe { std::slice::from_raw_parts(tokens, n) };
+    let raw = unsafe { slice_arg(tokens, n, func, what) }?;
     raw.iter()
         .enumerate()
         .map(|(i, &t)| {
@@ -98,6 +90,27 @@ unsafe fn token_ids(
             })
         })
         .collect()
+}
+
+/// Refuses `n` tokens that are not a real array or do not fit in the
+/// state's context, before any of them is read.
+fn check_room(s: &fnx_state, tokens: *const i32, n: usize, func: &str, what: &str) -> Result<(), Failure> {
+    if n == 0 {
+        return Ok(());
+    }
+    if tokens.is_null() {
+        return Err(fail(FNX_ERR_NULL_ARGUMENT, format!("{func}: {what} is NULL but its count is {n}")));
+    }
+    check_count::<i32>(n, func, what)?;
+    let (pos, n_ctx) = (s.state.position(), s.state.model().n_ctx);
+    let room = n_ctx.saturating_sub(pos);
+    if n > room {
+        return Err(fail(
+            FNX_ERR_CONTEXT_FULL,
+            format!("{func}: {n} tokens do not fit: {pos} positions decoded, context limit {n_ctx} ({room} left)"),
+        ));
+    }
+    Ok(())
 }
 
 fn generate_failure(e: GenerateError, func: &str) -> Failure {
@@ -132,7 +145,7 @@ pub unsafe extern "C" fn fnx_decode_tokens(
     guard(
         || {
             non_null!(state, "fnx_decode_tokens", "state");
-            check(state, "fnx_decode_tokens")?;
+            check_room(check(state, "fnx_decode_tokens")?, tokens, n, "fnx_decode_tokens", "tokens")?;
             // SAFETY: per the contract.
             let ids = unsafe { token_ids(tokens, n, "fnx_decode_tokens", "tokens") }?;
             // SAFETY: checked above; the caller guarantees exclusive use.
@@ -180,7 +193,7 @@ pub unsafe extern "C" fn fnx_generate(
         || {
             const F: &str = "fnx_generate";
             non_null!(state, "fnx_generate", "state");
-            check(state, F)?;
+            check_room(check(state, F)?, prompt, n_prompt, F, "prompt")?;
             // SAFETY: per the contract.
             let prompt = unsafe { token_ids(prompt, n_prompt, F, "prompt") }?;
             let p = if params.is_null() {
@@ -202,11 +215,10 @@ pub unsafe extern "C" fn fnx_generate(
             // SAFETY: per the contract.
             let mut stop_tokens =
                 unsafe { token_ids(p.stop_tokens, p.n_stop_tokens, F, "params.stop_tokens") }?;
-            let mut stop_strings = Vec::with_capacity(p.n_stop_strings);
-            if p.n_stop_strings > 0 {
-                non_null!(p.stop_strings, "fnx_generate", "params.stop_strings");
+            let mut stop_strings = Vec::new();
+            {
                 // SAFETY: `n_stop_strings` readable pointers per the contract.
-                let ptrs = unsafe { std::slice::from_raw_parts(p.stop_strings, p.n_stop_strings) };
+                let ptrs = unsafe { slice_arg(p.stop_strings, p.n_stop_strings, F, "params.stop_strings") }?;
                 for (i, &sp) in ptrs.iter().enumerate() {
                     if sp.is_null() {
                         return Err(fail(

@@ -9,6 +9,8 @@
 //!   owns it and frees it with the matching `fnx_free_*`.
 //! - A model may be used from many threads at once; a state by one thread at a time.
 //! - Panics never cross the boundary: they become `FNX_ERR_INTERNAL`.
+//! - Counts larger than any array can hold are `FNX_ERR_INVALID_ARGUMENT`,
+//!   checked before anything is read (`check_count`, `slice_arg`).
 #![allow(non_camel_case_types)]
 
 mod generate;
@@ -142,6 +144,59 @@ macro_rules! non_null {
     };
 }
 pub(crate) use non_null;
+
+/// Checks that `n` items of `T` could be a real array (`n * size_of::<T>()`
+/// at most `isize::MAX` bytes): larger counts are
+/// `FNX_ERR_INVALID_ARGUMENT`, before anything is read.
+pub(crate) fn check_count<T>(n: usize, func: &str, what: &str) -> Result<(), Failure> {
+    let max = isize::MAX as usize / std::mem::size_of::<T>().max(1);
+    if n > max {
+        return Err(fail(
+            FNX_ERR_INVALID_ARGUMENT,
+            format!("{func}: {what} is {n}, more than any array can hold ({max} at most)"),
+        ));
+    }
+    Ok(())
+}
+
+/// The `n` items at `p` (NULL is accepted when `n` is 0), after the NULL and
+/// count checks.
+///
+/// # Safety
+/// When `n` > 0, `p` must be NULL or point to `n` readable items that stay
+/// unchanged for `'a`.
+pub(crate) unsafe fn slice_arg<'a, T>(p: *const T, n: usize, func: &str, what: &str) -> Result<&'a [T], Failure> {
+    if n == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return Err(fail(FNX_ERR_NULL_ARGUMENT, format!("{func}: {what} is NULL but its count is {n}")));
+    }
+    check_count::<T>(n, func, what)?;
+    // SAFETY: non-NULL, a real count, and `n` readable items per the contract.
+    Ok(unsafe { std::slice::from_raw_parts(p, n) })
+}
+
+/// The most worker threads `fnx_load` accepts: four per logical CPU, and
+/// never fewer than 256. More threads than cores only slow the matrix
+/// products down; a count beyond this is a mistake, and honouring it would
+/// start that many threads.
+pub(crate) fn max_threads() -> usize {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    cpus.saturating_mul(4).max(256)
+}
+
+/// Refuses a thread count beyond [`max_threads`].
+pub(crate) fn check_threads(n: u32, func: &str) -> Result<(), Failure> {
+    let max = max_threads();
+    if n as usize > max {
+        return Err(fail(
+            FNX_ERR_INVALID_ARGUMENT,
+            format!("{func}: n_threads {n} is more than {max} (four per logical CPU, at least 256)"),
+        ));
+    }
+    Ok(())
+}
 
 /// The message of the last failed call on this thread, or "" if none. The
 /// pointer stays valid until the next failing call on the same thread.

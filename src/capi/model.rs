@@ -30,7 +30,9 @@ pub type fnx_progress_callback = Option<unsafe extern "C" fn(progress: f32, user
 pub struct fnx_load_params {
     /// `sizeof(fnx_load_params)` as the caller compiled it (set by `fnx_load_params_default`).
     pub struct_size: u32,
-    /// Worker threads for matrix products; 0 = all cores.
+    /// Worker threads for matrix products; 0 = all cores. At most four per
+    /// logical CPU (and at least 256 are always allowed); more is
+    /// `FNX_ERR_INVALID_ARGUMENT`.
     pub n_threads: u32,
     /// Largest number of positions per state; 0 = the model's context length.
     pub n_ctx: u32,
@@ -189,6 +191,7 @@ pub unsafe extern "C" fn fnx_load(
             // SAFETY: non-NULL, and the caller promises a valid struct.
             let p = if params.is_null() { fnx_load_params_default() } else { unsafe { read_params(params) }? };
             let backend = backend_choice(&p)?;
+            super::check_threads(p.n_threads, "fnx_load")?;
             let device_index = usize::try_from(p.device_index)
                 .map_err(|_| fail(FNX_ERR_INVALID_ARGUMENT, format!("fnx_load: device_index {} is negative", p.device_index)))?;
             // SAFETY: non-NULL and NUL-terminated per the contract.

@@ -365,7 +365,7 @@ pub unsafe extern "C" fn fnx_state_load(state: *mut fnx_state, data: *const u8, 
             check_live(state, "fnx_state_load")?;
             // SAFETY: checked above; the caller guarantees exclusive use and `size` readable bytes.
             let s = unsafe { &mut *state };
-            let bytes = unsafe { std::slice::from_raw_parts(data, size) };
+            let bytes = unsafe { super::slice_arg(data, size, "fnx_state_load", "size") }?;
             s.state.restore(bytes).map_err(|e| {
                 let status = match &e {
                     SnapshotError::OutOfMemory(_) => FNX_ERR_OUT_OF_MEMORY,

@@ -17,7 +17,7 @@
 //!   file without a (supported) tokenizer or chat template is `FNX_ERR_INVALID_MODEL`.
 
 use super::{
-    fail, fnx_model, fnx_status, guard, non_null, Failure, FNX_ERR_BUFFER_TOO_SMALL, FNX_ERR_INVALID_ARGUMENT,
+    check_count, fail, fnx_model, slice_arg, fnx_status, guard, non_null, Failure, FNX_ERR_BUFFER_TOO_SMALL, FNX_ERR_INVALID_ARGUMENT,
     FNX_ERR_INVALID_HANDLE, FNX_ERR_MODEL_FREED, FNX_ERR_NULL_ARGUMENT, FNX_ERR_TOKEN_OUT_OF_RANGE,
 };
 use crate::chat::{ChatMessage, ChatOptions, ChatTemplate};
@@ -44,7 +44,7 @@ fn bytes_arg<'a>(p: *const c_char, len: usize, func: &str, name: &str) -> Result
         return Err(fail(FNX_ERR_NULL_ARGUMENT, format!("{func}: {name} is NULL but its length is {len}")));
     }
     // SAFETY: the caller promises `len` readable bytes at `p`.
-    Ok(unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) })
+    unsafe { slice_arg(p.cast::<u8>(), len, func, &format!("the length of {name}")) }
 }
 
 fn utf8<'a>(b: &'a [u8], func: &str, name: &str) -> Result<&'a str, Failure> {
@@ -243,9 +243,10 @@ pub unsafe extern "C" fn fnx_detokenize(
             if tokens.is_null() && n > 0 {
                 return Err(fail(FNX_ERR_NULL_ARGUMENT, format!("{F}: tokens is NULL but n is {n}")));
             }
+            check_count::<i32>(n, F, "n")?;
             let tok = tokenizer_of(model, F)?;
             // SAFETY: non-NULL with `n` readable ids per the contract (or n == 0).
-            let raw = if n == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(tokens, n) } };
+            let raw = unsafe { slice_arg(tokens, n, F, "tokens") }?;
             let ids = raw.iter().map(|&t| token_arg(tok, t, F)).collect::<Result<Vec<u32>, _>>()?;
             let text = tok.decode(&ids, remove_special)?;
             deliver(text.as_bytes(), out.cast::<u8>(), capacity, out_len, F)
@@ -460,11 +461,11 @@ pub unsafe extern "C" fn fnx_apply_chat_template(
                     format!("{F}: messages is NULL but n_messages is {n_messages}"),
                 ));
             }
+            check_count::<fnx_chat_message>(n_messages, F, "n_messages")?;
             let m = fnx_model::from_ptr(model, F)?;
             // SAFETY: non-NULL with `n_messages` readable structs per the contract (or none).
-            let raw =
-                if n_messages == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(messages, n_messages) } };
-            let mut list = Vec::with_capacity(raw.len());
+            let raw = unsafe { slice_arg(messages, n_messages, F, "messages") }?;
+            let mut list = Vec::new();
             for (i, msg) in raw.iter().enumerate() {
                 let field = |p: *const c_char, name: &str| cstr_arg(p, F, &format!("messages[{i}].{name}"));
                 let role = field(msg.role, "role")?
