@@ -8,7 +8,13 @@
  * - Out-parameters are written only on success; a failed call leaves every
  *   state unchanged.
  * - Handles are opaque. The caller owns what fnx_load / fnx_new_state give
- *   and frees it with fnx_free_model / fnx_free_state.
+ *   and frees it with fnx_free_model / fnx_free_state. A handle is a number
+ *   never given out twice, not an address: a freed handle, or one of another
+ *   kind, is refused (FNX_ERR_INVALID_HANDLE), even after a new object took
+ *   the freed one's memory.
+ * - A state, sampler or detokenizer is held by a call for its duration:
+ *   using it meanwhile (from a callback of that call, or another thread) is
+ *   refused with FNX_ERR_BUSY and does nothing.
  * - A model may be used by many threads at once; a state by one at a time.
  * - A count of items (n, n_prompt, n_messages, a length, ...) larger than
  *   any array can hold (SIZE_MAX / 2 bytes) is FNX_ERR_INVALID_ARGUMENT,
@@ -79,7 +85,8 @@ typedef struct fnx_generate_params {
   // Token ids that stop generation (after being generated): `n_stop_tokens` of them.
   const int32_t *stop_tokens;
   size_t n_stop_tokens;
-  // NUL-terminated strings that stop generation once the generated text
+  // NUL-terminated UTF-8 strings (others are `FNX_ERR_INVALID_ARGUMENT`)
+  // that stop generation once the generated text
   // contains one (checked after each token, across token boundaries; the
   // token completing it is still passed to the callback): `n_stop_strings` of them.
   const char *const *stop_strings;
@@ -93,8 +100,9 @@ typedef struct fnx_generate_params {
 // (UTF-8 from the model's tokenizer, never a partial character: bytes of an
 // incomplete one come with a later token; empty for special tokens such as
 // `<|im_end|>` and when the file has no tokenizer; followed by a NUL; valid
-// during the call only). Return false to stop after this token. It must not
-// use the state or the sampler that is generating.
+// during the call only). Return false to stop after this token. Calls it
+// makes on the state or the sampler that is generating are refused with
+// `FNX_ERR_BUSY` (and do nothing); other states and samplers may be used.
 typedef bool (*fnx_token_callback)(int32_t token,
                                    const char *piece,
                                    size_t piece_len,
@@ -228,7 +236,9 @@ typedef struct fnx_chat_message {
 // The state was left unusable by an earlier internal error; reset or free it.
 #define FNX_ERR_STATE_INVALID 14
 
-// A handle of the wrong kind, or one already freed (detected by its tag).
+// A handle of the wrong kind, or one already freed. Handles are numbers
+// that are never given out twice (not addresses), so a freed handle is
+// detected even after a new object took its memory.
 #define FNX_ERR_INVALID_HANDLE 15
 
 // The load progress callback returned false; nothing was loaded.
@@ -242,6 +252,11 @@ typedef struct fnx_chat_message {
 
 // The bytes are not a complete, undamaged state snapshot.
 #define FNX_ERR_SNAPSHOT_CORRUPT 19
+
+// The state, sampler or detokenizer is in use by a call in progress: a
+// callback of that call (e.g. `fnx_generate`'s token callback, an abort
+// callback) or another thread used it. Nothing was done.
+#define FNX_ERR_BUSY 20
 
 #ifdef __cplusplus
 extern "C" {
@@ -431,7 +446,8 @@ void fnx_sampler_free(struct fnx_sampler *sampler);
 // `model` must be NULL or a live handle; `out_state` NULL or writable.
 fnx_status fnx_new_state(struct fnx_model *model, struct fnx_state **out_state);
 
-// Frees a state (NULL is ignored).
+// Frees a state (NULL is ignored). A freed handle, a handle of another kind
+// and a state in use by a call in progress are left alone.
 //
 // # Safety
 // `state` must be NULL or a handle from `fnx_new_state` not yet freed.
@@ -468,8 +484,8 @@ size_t fnx_state_position(const struct fnx_state *state);
 // `fnx_decode_tokens`, `fnx_generate`) poll before every token; NULL removes
 // it. When it returns true the call stops and returns `FNX_ERR_ABORTED`,
 // leaving the state as it was before the call. It runs on the decoding
-// thread and must not use this state. Copies made with `fnx_state_copy` do
-// not inherit it.
+// thread; calls it makes on this state are refused with `FNX_ERR_BUSY`.
+// Copies made with `fnx_state_copy` do not inherit it.
 //
 // # Safety
 // `state` must be NULL or a live handle, not used by another thread

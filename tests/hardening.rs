@@ -11,6 +11,7 @@ mod common;
 mod util;
 
 use flashnext::capi::*;
+use std::ffi::{c_char, c_void, CString};
 use std::path::PathBuf;
 use std::ptr::{null, null_mut};
 use std::sync::OnceLock;
@@ -331,6 +332,204 @@ fn token_counts_are_checked_before_the_tokens_are_read() {
             assert_eq!((st, len), (FNX_ERR_INVALID_ARGUMENT, 4242), "{n}: {}", last_error());
             assert!(last_error().contains("n_messages"), "{}", last_error());
         }
+        fnx_free_model(m);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Freed handles
+
+#[test]
+fn a_freed_handle_is_refused_even_when_a_new_object_takes_its_memory() {
+    let m = load(fixture_gguf(), None).unwrap();
+    unsafe {
+        for _ in 0..8 {
+            let a = new_state(m);
+            fnx_free_state(a);
+            // The allocator hands a's memory to the next state of the same size.
+            let b = new_state(m);
+            decode(b, &[3]);
+            assert_eq!(fnx_decode_token(a, 1), FNX_ERR_INVALID_HANDLE);
+            assert!(last_error().contains("not a live fnx_state handle"), "{}", last_error());
+            assert_eq!(fnx_state_reset(a), FNX_ERR_INVALID_HANDLE);
+            assert_eq!(fnx_state_position(a), 0);
+            fnx_free_state(a); // refused: b is not freed through a
+            assert_eq!(fnx_state_position(b), 1, "a call on the freed handle reached the new state");
+            decode(b, &[14]);
+            assert_eq!(fnx_state_position(b), 2);
+            fnx_free_state(b);
+        }
+
+        // The same for the other kinds of handle.
+        let mut smp = null_mut();
+        assert_eq!(fnx_sampler_new(null(), &mut smp), FNX_OK);
+        fnx_sampler_free(smp);
+        let mut fresh = null_mut();
+        assert_eq!(fnx_sampler_new(null(), &mut fresh), FNX_OK);
+        assert_eq!(fnx_sampler_accept(smp, 1), FNX_ERR_INVALID_HANDLE);
+        let (st, _) = sample(smp, &[0.0, 1.0]);
+        assert_eq!(st, FNX_ERR_INVALID_HANDLE);
+        fnx_sampler_free(smp);
+        assert_eq!(sample(fresh, &[f32::NEG_INFINITY, 1.0]), (FNX_OK, 1));
+        fnx_sampler_free(fresh);
+
+        let mut d = null_mut();
+        assert_eq!(fnx_detokenizer_new(m, &mut d), FNX_OK);
+        fnx_detokenizer_free(d);
+        let mut len = 0;
+        let mut out = [0 as std::ffi::c_char; 8];
+        assert_eq!(fnx_detokenizer_push(d, 1, out.as_mut_ptr(), 8, &mut len), FNX_ERR_INVALID_HANDLE);
+        fnx_detokenizer_free(d);
+
+        let vocab = fnx_model_vocab_size(m);
+        fnx_free_model(m);
+        let m2 = load(fixture_gguf(), None).unwrap();
+        assert_eq!(fnx_model_vocab_size(m), 0, "a freed model handle answered");
+        assert_eq!(fnx_model_vocab_size(m2), vocab);
+        let mut s = null_mut();
+        assert_eq!(fnx_new_state(m, &mut s), FNX_ERR_INVALID_HANDLE);
+        assert!(last_error().contains("fnx_model"), "{}", last_error());
+        fnx_free_model(m); // refused: m2 stays loaded
+        let s2 = new_state(m2);
+        decode(s2, &[3]);
+        fnx_free_state(s2);
+        fnx_free_model(m2);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Re-entrancy and busy handles
+
+/// What the token callback tries on the state and sampler that are generating.
+struct Nested {
+    state: *mut fnx_state,
+    sampler: *mut fnx_sampler,
+    tokens: Vec<i32>,
+    statuses: Vec<(&'static str, fnx_status)>,
+}
+
+unsafe extern "C" fn meddle(token: i32, _piece: *const c_char, _len: usize, user_data: *mut c_void) -> bool {
+    // SAFETY: the test passes a live Nested.
+    let n = unsafe { &mut *(user_data as *mut Nested) };
+    n.tokens.push(token);
+    // SAFETY: the handles are live; the calls must refuse to touch them.
+    unsafe {
+        let mut out = null_mut();
+        let mut size = 0;
+        n.statuses.push(("decode_token", fnx_decode_token(n.state, 1)));
+        n.statuses.push(("decode_tokens", fnx_decode_tokens(n.state, [1, 2].as_ptr(), 2)));
+        n.statuses.push(("reset", fnx_state_reset(n.state)));
+        n.statuses.push(("copy", fnx_state_copy(n.state, &mut out)));
+        n.statuses.push(("save_size", fnx_state_save_size(n.state, &mut size)));
+        let mut g = 0;
+        n.statuses.push(("generate", fnx_generate(n.state, null(), 0, null(), None, null_mut(), &mut g)));
+        n.statuses.push(("sampler_accept", fnx_sampler_accept(n.sampler, 1)));
+        n.statuses.push(("sampler_reset", fnx_sampler_reset(n.sampler)));
+        fnx_free_state(n.state);
+        fnx_sampler_free(n.sampler);
+    }
+    true
+}
+
+unsafe extern "C" fn abort_meddling(user_data: *mut c_void) -> bool {
+    // SAFETY: the test passes a live Nested.
+    let n = unsafe { &mut *(user_data as *mut Nested) };
+    // SAFETY: the state is live and must refuse.
+    unsafe {
+        n.statuses.push(("decode_token in abort", fnx_decode_token(n.state, 1)));
+        n.statuses.push(("reset in abort", fnx_state_reset(n.state)));
+    }
+    false
+}
+
+#[test]
+fn callbacks_cannot_use_the_state_or_sampler_that_is_generating() {
+    let m = load(fixture_gguf(), None).unwrap();
+    let vocab = unsafe { fnx_model_vocab_size(m) };
+    let mut sp = fnx_sampler_params_default();
+    sp.seed = 11;
+    let run = |on_token: fnx_token_callback| {
+        let s = new_state(m);
+        let smp = sampler(&sp);
+        let mut nested = Nested { state: s, sampler: smp, tokens: Vec::new(), statuses: Vec::new() };
+        let mut p = fnx_generate_params_default();
+        p.ignore_eos = true;
+        p.max_tokens = 5;
+        p.sampler = smp;
+        let mut n = 0;
+        // SAFETY: live handles, valid buffers; `nested` outlives the call.
+        let st = unsafe {
+            fnx_generate(s, PROMPT.as_ptr(), PROMPT.len(), &p, on_token, (&mut nested as *mut Nested).cast(), &mut n)
+        };
+        assert_eq!((st, n), (FNX_OK, 5), "{}", last_error());
+        (s, smp, nested)
+    };
+    let (clean_s, clean_smp, clean) = run(Some(record_only));
+    let (s, smp, nested) = run(Some(meddle));
+    assert_eq!(nested.tokens, clean.tokens, "nested calls changed the generated sequence");
+    assert_eq!(nested.statuses.len(), 5 * 8);
+    for (what, st) in &nested.statuses {
+        assert_eq!(*st, FNX_ERR_BUSY, "{what} inside the token callback");
+    }
+    unsafe {
+        assert_eq!(fnx_state_position(s), PROMPT.len() + 5);
+        assert_eq!(logits(s, vocab), logits(clean_s, vocab), "the state's sequence was corrupted");
+        // Neither was freed from inside the callback; both go on.
+        assert_eq!(fnx_sampler_accept(smp, 1), FNX_OK);
+        decode(s, &[1]);
+        let name = std::ffi::CStr::from_ptr(fnx_status_name(FNX_ERR_BUSY));
+        assert_eq!(name.to_str().unwrap(), "FNX_ERR_BUSY");
+        for h in [s, clean_s] {
+            fnx_free_state(h);
+        }
+        fnx_sampler_free(smp);
+        fnx_sampler_free(clean_smp);
+    }
+
+    // An abort callback that uses its own state during a decode.
+    let s = new_state(m);
+    let mut nested = Nested { state: s, sampler: null_mut(), tokens: Vec::new(), statuses: Vec::new() };
+    unsafe {
+        let ud = (&mut nested as *mut Nested).cast();
+        assert_eq!(fnx_state_set_abort_callback(s, Some(abort_meddling), ud), FNX_OK);
+        decode(s, &PROMPT[..3]);
+        assert_eq!(fnx_decode_token(s, 3), FNX_OK);
+        assert_eq!(fnx_state_position(s), 4);
+        assert!(nested.statuses.len() >= 4);
+        for (what, st) in &nested.statuses {
+            assert_eq!(*st, FNX_ERR_BUSY, "{what}");
+        }
+        fnx_free_state(s);
+        fnx_free_model(m);
+    }
+}
+
+unsafe extern "C" fn record_only(token: i32, _piece: *const c_char, _len: usize, user_data: *mut c_void) -> bool {
+    // SAFETY: the test passes a live Nested.
+    unsafe { &mut *(user_data as *mut Nested) }.tokens.push(token);
+    true
+}
+
+#[test]
+fn stop_strings_that_are_not_utf8_are_refused() {
+    let m = load(fixture_gguf(), None).unwrap();
+    let s = new_state(m);
+    decode(s, &PROMPT[..2]);
+    let before = observe(s);
+    let bad = CString::new(vec![b'a', 0xff, b'b']).unwrap();
+    let good = CString::new("x").unwrap();
+    let strs = [good.as_ptr(), bad.as_ptr()];
+    let mut p = fnx_generate_params_default();
+    p.stop_strings = strs.as_ptr();
+    p.n_stop_strings = 2;
+    p.max_tokens = 2;
+    assert_eq!(generate(s, &[1], &p), (FNX_ERR_INVALID_ARGUMENT, 7777));
+    assert!(last_error().contains("stop_strings[1] is not valid UTF-8"), "{}", last_error());
+    assert!(observe(s) == before);
+    p.n_stop_strings = 1;
+    assert_eq!(generate(s, &[1], &p).0, FNX_OK, "{}", last_error());
+    unsafe {
+        fnx_free_state(s);
         fnx_free_model(m);
     }
 }

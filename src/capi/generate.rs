@@ -1,6 +1,6 @@
 //! Decoding several tokens at once and the generation loop (`fnx_generate`).
 
-use super::state::{aborted, check};
+use super::state::{aborted, check, poison};
 use super::{
     check_count, fail, fnx_sampler, fnx_state, fnx_status, guard, log, non_null, slice_arg, Failure,
     FNX_ERR_CONTEXT_FULL,
@@ -14,8 +14,9 @@ use std::ffi::{c_char, c_void, CStr};
 /// (UTF-8 from the model's tokenizer, never a partial character: bytes of an
 /// incomplete one come with a later token; empty for special tokens such as
 /// `<|im_end|>` and when the file has no tokenizer; followed by a NUL; valid
-/// during the call only). Return false to stop after this token. It must not
-/// use the state or the sampler that is generating.
+/// during the call only). Return false to stop after this token. Calls it
+/// makes on the state or the sampler that is generating are refused with
+/// `FNX_ERR_BUSY` (and do nothing); other states and samplers may be used.
 pub type fnx_token_callback = Option<
     unsafe extern "C" fn(
         token: i32,
@@ -41,7 +42,8 @@ pub struct fnx_generate_params {
     /// Token ids that stop generation (after being generated): `n_stop_tokens` of them.
     pub stop_tokens: *const i32,
     pub n_stop_tokens: usize,
-    /// NUL-terminated strings that stop generation once the generated text
+    /// NUL-terminated UTF-8 strings (others are `FNX_ERR_INVALID_ARGUMENT`)
+    /// that stop generation once the generated text
     /// contains one (checked after each token, across token boundaries; the
     /// token completing it is still passed to the callback): `n_stop_strings` of them.
     pub stop_strings: *const *const c_char,
@@ -145,17 +147,16 @@ pub unsafe extern "C" fn fnx_decode_tokens(
     guard(
         || {
             non_null!(state, "fnx_decode_tokens", "state");
-            check_room(check(state, "fnx_decode_tokens")?, tokens, n, "fnx_decode_tokens", "tokens")?;
+            let mut s = check(state, "fnx_decode_tokens")?;
+            check_room(&s, tokens, n, "fnx_decode_tokens", "tokens")?;
             // SAFETY: per the contract.
             let ids = unsafe { token_ids(tokens, n, "fnx_decode_tokens", "tokens") }?;
-            // SAFETY: checked above; the caller guarantees exclusive use.
-            let s = unsafe { &mut *state };
             let mut abort = s.abort_fn();
             generate::decode_tokens(&mut s.state, &ids, &mut abort)
                 .map_err(|e| generate_failure(e, "fnx_decode_tokens"))
         },
-        // SAFETY: as above; only reached after a panic inside decode.
-        || unsafe { (*state).poisoned = true },
+        // Only reached after a panic that was not rolled back.
+        || poison(state),
     )
 }
 
@@ -193,7 +194,8 @@ pub unsafe extern "C" fn fnx_generate(
         || {
             const F: &str = "fnx_generate";
             non_null!(state, "fnx_generate", "state");
-            check_room(check(state, F)?, prompt, n_prompt, F, "prompt")?;
+            let mut s = check(state, F)?;
+            check_room(&s, prompt, n_prompt, F, "prompt")?;
             // SAFETY: per the contract.
             let prompt = unsafe { token_ids(prompt, n_prompt, F, "prompt") }?;
             let p = if params.is_null() {
@@ -234,17 +236,23 @@ pub unsafe extern "C" fn fnx_generate(
                             format!("{F}: params.stop_strings[{i}] is empty"),
                         ));
                     }
+                    if let Err(e) = std::str::from_utf8(bytes) {
+                        return Err(fail(
+                            FNX_ERR_INVALID_ARGUMENT,
+                            format!(
+                                "{F}: params.stop_strings[{i}] is not valid UTF-8 (bad byte at offset {})",
+                                e.valid_up_to()
+                            ),
+                        ));
+                    }
                     stop_strings.push(bytes.to_vec());
                 }
             }
-            let sampler = if p.sampler.is_null() {
-                None
-            } else {
-                // SAFETY: non-NULL; the caller passes a live sampler used by this thread only.
-                Some(&mut unsafe { fnx_sampler::from_ptr(p.sampler, F) }?.sampler)
-            };
-            // SAFETY: checked above; the caller guarantees exclusive use.
-            let s = unsafe { &mut *state };
+            // Held (busy) until the call returns, like the state.
+            let mut sampler_lease =
+                if p.sampler.is_null() { None } else { Some(fnx_sampler::from_ptr(p.sampler, F)?) };
+            let sampler = sampler_lease.as_mut().map(|l| &mut l.sampler);
+            let s = &mut *s;
             if prompt.is_empty() && s.state.logits().is_none() {
                 return Err(fail(
                     FNX_ERR_NO_LOGITS,
@@ -282,7 +290,7 @@ pub unsafe extern "C" fn fnx_generate(
             let out = generate::generate(
                 &mut s.state,
                 &prompt,
-                sampler.map(|b| &mut **b),
+                sampler,
                 &opts,
                 &mut *detok,
                 &mut abort,
@@ -312,11 +320,7 @@ pub unsafe extern "C" fn fnx_generate(
             }
             Ok(())
         },
-        // SAFETY: only reached after a panic; the state pointer was checked non-NULL first.
-        || unsafe {
-            if !state.is_null() {
-                (*state).poisoned = true
-            }
-        },
+        // Only reached after a panic that was not rolled back.
+        || poison(state),
     )
 }

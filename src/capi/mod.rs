@@ -6,7 +6,9 @@
 //!   On failure `fnx_last_error()` gives a message for the calling thread.
 //! - Out-parameters are written only on success.
 //! - Handles are opaque; whoever receives one from `fnx_load`/`fnx_new_state`
-//!   owns it and frees it with the matching `fnx_free_*`.
+//!   owns it and frees it with the matching `fnx_free_*`. They are numbers
+//!   from a registry (`handle`), never addresses: freed handles, handles of
+//!   another kind and handles in use by a call in progress are refused.
 //! - A model may be used from many threads at once; a state by one thread at a time.
 //! - Panics never cross the boundary: they become `FNX_ERR_INTERNAL`.
 //! - Counts larger than any array can hold are `FNX_ERR_INVALID_ARGUMENT`,
@@ -14,6 +16,7 @@
 #![allow(non_camel_case_types)]
 
 mod generate;
+mod handle;
 mod model;
 mod sampler;
 mod state;
@@ -65,7 +68,9 @@ pub const FNX_ERR_OUT_OF_MEMORY: fnx_status = 12;
 pub const FNX_ERR_INTERNAL: fnx_status = 13;
 /// The state was left unusable by an earlier internal error; reset or free it.
 pub const FNX_ERR_STATE_INVALID: fnx_status = 14;
-/// A handle of the wrong kind, or one already freed (detected by its tag).
+/// A handle of the wrong kind, or one already freed. Handles are numbers
+/// that are never given out twice (not addresses), so a freed handle is
+/// detected even after a new object took its memory.
 pub const FNX_ERR_INVALID_HANDLE: fnx_status = 15;
 /// The load progress callback returned false; nothing was loaded.
 pub const FNX_ERR_CANCELLED: fnx_status = 16;
@@ -75,6 +80,10 @@ pub const FNX_ERR_ABORTED: fnx_status = 17;
 pub const FNX_ERR_SNAPSHOT_MISMATCH: fnx_status = 18;
 /// The bytes are not a complete, undamaged state snapshot.
 pub const FNX_ERR_SNAPSHOT_CORRUPT: fnx_status = 19;
+/// The state, sampler or detokenizer is in use by a call in progress: a
+/// callback of that call (e.g. `fnx_generate`'s token callback, an abort
+/// callback) or another thread used it. Nothing was done.
+pub const FNX_ERR_BUSY: fnx_status = 20;
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
@@ -235,6 +244,7 @@ pub extern "C" fn fnx_status_name(status: fnx_status) -> *const c_char {
         FNX_ERR_ABORTED => "FNX_ERR_ABORTED\0",
         FNX_ERR_SNAPSHOT_MISMATCH => "FNX_ERR_SNAPSHOT_MISMATCH\0",
         FNX_ERR_SNAPSHOT_CORRUPT => "FNX_ERR_SNAPSHOT_CORRUPT\0",
+        FNX_ERR_BUSY => "FNX_ERR_BUSY\0",
         _ => "FNX_UNKNOWN_STATUS\0",
     };
     s.as_ptr().cast()

@@ -1,9 +1,6 @@
 //! `fnx_model`: loading a GGUF file and the facts a caller needs about it.
 
-use super::{
-    fail, guard, non_null, fnx_status, Failure, FNX_ERR_CANCELLED, FNX_ERR_INVALID_ARGUMENT,
-    FNX_ERR_INVALID_HANDLE,
-};
+use super::{fail, guard, non_null, fnx_status, Failure, FNX_ERR_CANCELLED, FNX_ERR_INVALID_ARGUMENT};
 use crate::model::{Backend, LayerKind, LoadOptions, Model};
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::Path;
@@ -54,24 +51,15 @@ const LOAD_PARAMS_V1_SIZE: usize = std::mem::offset_of!(fnx_load_params, progres
 
 /// A loaded model (opaque). Share it between threads freely.
 pub struct fnx_model {
-    tag: u64,
     pub(crate) model: Arc<Model>,
     /// Cleared by `fnx_free_model`; states check it before every call.
     pub(crate) alive: Arc<AtomicBool>,
 }
 
-const MODEL_TAG: u64 = 0x666e_785f_6d6f_646c; // "fnx_modl"
-
 impl fnx_model {
-    /// Borrows a model handle, checking its tag.
+    /// Borrows a model handle (refused unless it is a live model handle).
     pub(crate) fn from_ptr<'a>(p: *const fnx_model, func: &str) -> Result<&'a fnx_model, Failure> {
-        // SAFETY: the caller passed a pointer obtained from `fnx_load` (checked non-NULL
-        // by the caller of this function); the tag catches handles of the wrong kind.
-        let m = unsafe { &*p };
-        if m.tag != MODEL_TAG {
-            return Err(fail(FNX_ERR_INVALID_HANDLE, format!("{func}: not a live fnx_model handle")));
-        }
-        Ok(m)
+        super::handle::get(p, func)
     }
 }
 
@@ -241,9 +229,9 @@ pub unsafe extern "C" fn fnx_load(
                 });
             }
             log(super::FNX_LOG_INFO, || describe(path, &model, start.elapsed()));
-            let handle = Box::new(fnx_model { tag: MODEL_TAG, model, alive: Arc::new(AtomicBool::new(true)) });
+            let handle = Box::new(fnx_model { model, alive: Arc::new(AtomicBool::new(true)) });
             // SAFETY: checked non-NULL above; written only on success.
-            unsafe { *out_model = Box::into_raw(handle) };
+            unsafe { *out_model = super::handle::insert(handle) };
             Ok(())
         },
         || {},
@@ -284,12 +272,9 @@ pub unsafe extern "C" fn fnx_free_model(model: *mut fnx_model) {
     }
     let _ = guard(
         || {
-            let m = fnx_model::from_ptr(model, "fnx_free_model")?;
+            let m = super::handle::remove(model, "fnx_free_model")?;
             m.alive.store(false, Ordering::Release);
-            // SAFETY: the pointer came from Box::into_raw in fnx_load and is freed once.
-            let mut b = unsafe { Box::from_raw(model) };
-            b.tag = 0;
-            drop(b);
+            drop(m);
             Ok(())
         },
         || {},

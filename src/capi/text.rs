@@ -18,8 +18,9 @@
 
 use super::{
     check_count, fail, fnx_model, slice_arg, fnx_status, guard, non_null, Failure, FNX_ERR_BUFFER_TOO_SMALL, FNX_ERR_INVALID_ARGUMENT,
-    FNX_ERR_INVALID_HANDLE, FNX_ERR_MODEL_FREED, FNX_ERR_NULL_ARGUMENT, FNX_ERR_TOKEN_OUT_OF_RANGE,
+    FNX_ERR_MODEL_FREED, FNX_ERR_NULL_ARGUMENT, FNX_ERR_TOKEN_OUT_OF_RANGE,
 };
+use super::handle::{lease, Lease};
 use crate::chat::{ChatMessage, ChatOptions, ChatTemplate};
 use crate::model::Model;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
@@ -258,22 +259,13 @@ pub unsafe extern "C" fn fnx_detokenize(
 /// Turns generated tokens into text one at a time (opaque). Use from one
 /// thread at a time; free with `fnx_detokenizer_free`.
 pub struct fnx_detokenizer {
-    tag: u64,
     model: Arc<Model>,
     model_alive: Arc<AtomicBool>,
     decoder: StreamDecoder,
 }
 
-const DETOK_TAG: u64 = 0x666e_785f_6474_6b6e; // "fnx_dtkn"
-
-fn detok_arg<'a>(p: *mut fnx_detokenizer, func: &str) -> Result<&'a mut fnx_detokenizer, Failure> {
-    // SAFETY: non-NULL (checked by the caller) handle from fnx_detokenizer_new; the tag
-    // catches handles of the wrong kind.
-    let d = unsafe { &mut *p };
-    if d.tag != DETOK_TAG {
-        return Err(fail(FNX_ERR_INVALID_HANDLE, format!("{func}: not a live fnx_detokenizer handle")));
-    }
-    Ok(d)
+fn detok_arg(p: *mut fnx_detokenizer, func: &str) -> Result<Lease<fnx_detokenizer>, Failure> {
+    lease(p, func)
 }
 
 /// Creates a streaming detokenizer for `model`'s tokens; `*out` receives a
@@ -292,13 +284,12 @@ pub unsafe extern "C" fn fnx_detokenizer_new(model: *const fnx_model, out: *mut 
             tokenizer_of(model, F)?;
             let m = fnx_model::from_ptr(model, F)?;
             let d = Box::new(fnx_detokenizer {
-                tag: DETOK_TAG,
                 model: m.model.clone(),
                 model_alive: m.alive.clone(),
                 decoder: StreamDecoder::new(false),
             });
             // SAFETY: checked non-NULL; written only on success.
-            unsafe { *out = Box::into_raw(d) };
+            unsafe { *out = super::handle::insert(d) };
             Ok(())
         },
         || {},
@@ -329,7 +320,7 @@ pub unsafe extern "C" fn fnx_detokenizer_push(
             non_null!(detok, "fnx_detokenizer_push", "detok");
             non_null!(out_len, "fnx_detokenizer_push", "out_len");
             check_out(out, capacity, F, "out")?;
-            let d = detok_arg(detok, F)?;
+            let mut d = detok_arg(detok, F)?;
             if !d.model_alive.load(Ordering::Acquire) {
                 return Err(fail(FNX_ERR_MODEL_FREED, format!("{F}: the detokenizer's model has been freed")));
             }
@@ -366,7 +357,7 @@ pub unsafe extern "C" fn fnx_detokenizer_flush(
             non_null!(detok, "fnx_detokenizer_flush", "detok");
             non_null!(out_len, "fnx_detokenizer_flush", "out_len");
             check_out(out, capacity, F, "out")?;
-            let d = detok_arg(detok, F)?;
+            let mut d = detok_arg(detok, F)?;
             let mut next = d.decoder.clone();
             let text = next.flush();
             deliver(text.as_bytes(), out.cast::<u8>(), capacity, out_len, F)?;
@@ -388,11 +379,7 @@ pub unsafe extern "C" fn fnx_detokenizer_free(detok: *mut fnx_detokenizer) {
     }
     let _ = guard(
         || {
-            detok_arg(detok, "fnx_detokenizer_free")?;
-            // SAFETY: the pointer came from Box::into_raw in fnx_detokenizer_new and is freed once.
-            let mut b = unsafe { Box::from_raw(detok) };
-            b.tag = 0;
-            drop(b);
+            drop(super::handle::remove(detok, "fnx_detokenizer_free")?);
             Ok(())
         },
         || {},

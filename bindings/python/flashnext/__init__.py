@@ -96,6 +96,7 @@ ERR_CANCELLED = 16
 ERR_ABORTED = 17
 ERR_SNAPSHOT_MISMATCH = 18
 ERR_SNAPSHOT_CORRUPT = 19
+ERR_BUSY = 20
 
 # --------------------------------------------------------------------------
 # Finding the library
