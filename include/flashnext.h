@@ -16,6 +16,8 @@
  *   using it meanwhile (from a callback of that call, or another thread) is
  *   refused with FNX_ERR_BUSY and does nothing.
  * - A model may be used by many threads at once; a state by one at a time.
+ * - A bug inside flashnext (a caught panic) returns FNX_ERR_INTERNAL; its
+ *   message goes to fnx_last_error() and the log callback, never to stderr.
  * - A count of items (n, n_prompt, n_messages, a length, ...) larger than
  *   any array can hold (SIZE_MAX / 2 bytes) is FNX_ERR_INVALID_ARGUMENT,
  *   and tokens to decode are checked against the context room before they
@@ -320,7 +322,8 @@ struct fnx_load_params fnx_load_params_default(void);
 
 // Sets the process-wide log callback (NULL = silent, the default). It may be
 // called from any thread that uses flashnext, so it must be thread-safe; it
-// must not call `fnx_set_log_callback` itself.
+// must not call `fnx_set_log_callback` itself. Internal errors (caught
+// panics) are logged here at `FNX_LOG_ERROR`, never printed.
 //
 // # Safety
 // `callback` must be NULL or a function that stays callable, with

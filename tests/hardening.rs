@@ -59,6 +59,31 @@ fn generate(s: *mut fnx_state, prompt: &[i32], p: &fnx_generate_params) -> (fnx_
     (st, n)
 }
 
+/// Runs this test binary again as a child doing `job` (see `child`);
+/// returns its exit status, standard output and standard error.
+fn run_child(job: &str) -> (std::process::ExitStatus, String, String) {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child", "--nocapture", "--test-threads=1"])
+        .env("FNX_HARDENING_CHILD", job)
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status, text(&out.stdout), text(&out.stderr))
+}
+
+/// The child's side of `run_child`: nothing unless `FNX_HARDENING_CHILD` is set.
+#[test]
+fn child() {
+    match std::env::var("FNX_HARDENING_CHILD").as_deref() {
+        Err(_) => {}
+        Ok("panic-default-hook") => panics_in_a_process_with_the_default_hook(),
+        Ok("panic-host-hook") => panics_in_a_process_with_its_own_hook(),
+        Ok("panic-in-callback") => a_callback_of_the_host_panics(),
+        Ok(other) => panic!("unknown child job {other}"),
+    }
+}
+
 fn scratch_dir() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("flashnext-hardening-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -532,4 +557,102 @@ fn stop_strings_that_are_not_utf8_are_refused() {
         fnx_free_state(s);
         fnx_free_model(m);
     }
+}
+
+// ---------------------------------------------------------------------------
+// Panics: the message goes to the log callback and fnx_last_error, not to stderr
+
+static LOGGED: std::sync::Mutex<Vec<(i32, String)>> = std::sync::Mutex::new(Vec::new());
+
+unsafe extern "C" fn keep_log(level: i32, message: *const c_char, _user_data: *mut c_void) {
+    // SAFETY: the library passes a NUL-terminated line.
+    let text = unsafe { std::ffi::CStr::from_ptr(message) }.to_string_lossy().into_owned();
+    LOGGED.lock().unwrap().push((level, text));
+}
+
+fn panics_in_a_process_with_the_default_hook() {
+    // No log callback: a caught panic says nothing on stderr.
+    assert_eq!(panic_behind_boundary("probe-1 (silent)"), FNX_ERR_INTERNAL);
+    println!("LAST1 {}", last_error());
+    // With a log callback, the message and its place go there.
+    unsafe { fnx_set_log_callback(Some(keep_log), null_mut()) };
+    assert_eq!(panic_behind_boundary("probe-2 (logged)"), FNX_ERR_INTERNAL);
+    println!("LAST2 {}", last_error());
+    for (level, text) in LOGGED.lock().unwrap().iter() {
+        println!("LOG {level} {text}");
+    }
+    unsafe { fnx_set_log_callback(None, null_mut()) };
+    // A panic outside any fnx_ call still reaches the default hook.
+    let _ = std::panic::catch_unwind(|| panic!("host-panic-outside"));
+    println!("DONE");
+}
+
+fn panics_in_a_process_with_its_own_hook() {
+    host_hook();
+    assert_eq!(panic_behind_boundary("probe-3 (inside)"), FNX_ERR_INTERNAL);
+    let _ = std::panic::catch_unwind(|| panic!("host-4 (outside)"));
+    let _ = std::thread::spawn(|| panic!("host-5 (another thread)")).join();
+    assert_eq!(panic_behind_boundary("probe-6 (inside again)"), FNX_ERR_INTERNAL);
+    println!("DONE");
+}
+
+fn host_hook() {
+    std::panic::set_hook(Box::new(|info| {
+        let p = info.payload();
+        let msg = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
+        eprintln!("HOST HOOK: {}", msg.unwrap_or_default());
+    }));
+}
+
+unsafe extern "C" fn panicking_abort_callback(_user_data: *mut c_void) -> bool {
+    panic!("host-7 (in the host's abort callback)")
+}
+
+fn a_callback_of_the_host_panics() {
+    host_hook();
+    let m = load(fixture_gguf(), None).unwrap();
+    let s = new_state(m);
+    unsafe {
+        assert_eq!(fnx_state_set_abort_callback(s, Some(panicking_abort_callback), null_mut()), FNX_OK);
+        // The panic cannot unwind out of an extern "C" function: the process
+        // aborts, but the host's hook has seen the host's panic first.
+        fnx_decode_token(s, 1);
+    }
+    println!("NOT REACHED");
+}
+
+#[test]
+fn caught_panics_go_to_the_log_callback_not_to_stderr() {
+    let (status, out, err) = run_child("panic-default-hook");
+    assert!(status.success() && out.contains("DONE"), "{status}\n{out}\n{err}");
+    assert!(!err.contains("probe-"), "a caught panic reached stderr:\n{err}");
+    assert!(!err.contains("stack backtrace"), "{err}");
+    // (libtest prints "test child ... " before the child's first line)
+    let line = |tag: &str| out.lines().find_map(|l| l.find(tag).map(|i| l[i..].to_string())).unwrap_or_default();
+    let last1 = line("LAST1 ");
+    assert!(
+        last1.contains("internal error (please report): probe-1 (silent) at src/capi/mod.rs:"),
+        "the message and its place are in fnx_last_error: {last1}"
+    );
+    assert!(line("LAST2 ").contains("probe-2 (logged)"), "{out}");
+    let logged: Vec<&str> = out.lines().filter(|l| l.starts_with("LOG ")).collect();
+    assert_eq!(logged.len(), 1, "{out}");
+    assert!(logged[0].starts_with(&format!("LOG {FNX_LOG_ERROR} internal error (please report) at src/capi/mod.rs:")), "{out}");
+    assert!(logged[0].ends_with("probe-2 (logged)"), "{out}");
+    // The default hook still reports the host's own panic.
+    assert!(err.contains("host-panic-outside"), "the host's panic went missing:\n{err}");
+}
+
+#[test]
+fn a_hosts_own_panic_hook_keeps_working() {
+    let (status, out, err) = run_child("panic-host-hook");
+    assert!(status.success() && out.contains("DONE"), "{status}\n{out}\n{err}");
+    assert!(err.contains("HOST HOOK: host-4 (outside)"), "{err}");
+    assert!(err.contains("HOST HOOK: host-5 (another thread)"), "{err}");
+    assert!(!err.contains("probe-"), "the library's panics reached the host's hook:\n{err}");
+
+    // A host callback runs outside the boundary: its panic is the host's.
+    let (status, out, err) = run_child("panic-in-callback");
+    assert!(!status.success() && !out.contains("NOT REACHED"), "{status}\n{out}\n{err}");
+    assert!(err.contains("HOST HOOK: host-7 (in the host's abort callback)"), "{err}");
 }

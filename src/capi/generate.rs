@@ -124,7 +124,10 @@ fn generate_failure(e: GenerateError, func: &str) -> Failure {
         }
         GenerateError::Internal(msg) => fail(
             FNX_ERR_INTERNAL,
-            format!("{func}: internal error (please report): {msg}; the state is as it was before the call"),
+            format!(
+                "{func}: internal error (please report): {msg}{}; the state is as it was before the call",
+                super::panic_location()
+            ),
         ),
     }
 }
@@ -277,14 +280,7 @@ pub unsafe extern "C" fn fnx_generate(
                 piece_buf.extend_from_slice(piece);
                 piece_buf.push(0);
                 // SAFETY: the caller's callback; the buffer outlives the call and is NUL-terminated.
-                unsafe {
-                    cb(
-                        token as i32,
-                        piece_buf.as_ptr().cast(),
-                        piece.len(),
-                        user_data,
-                    )
-                }
+                super::outside(|| unsafe { cb(token as i32, piece_buf.as_ptr().cast(), piece.len(), user_data) })
             };
             let start = std::time::Instant::now();
             let out = generate::generate(

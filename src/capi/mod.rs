@@ -10,7 +10,8 @@
 //!   from a registry (`handle`), never addresses: freed handles, handles of
 //!   another kind and handles in use by a call in progress are refused.
 //! - A model may be used from many threads at once; a state by one thread at a time.
-//! - Panics never cross the boundary: they become `FNX_ERR_INTERNAL`.
+//! - Panics never cross the boundary: they become `FNX_ERR_INTERNAL`, with
+//!   the message in `fnx_last_error` and the log, never on stderr (`panics`).
 //! - Counts larger than any array can hold are `FNX_ERR_INVALID_ARGUMENT`,
 //!   checked before anything is read (`check_count`, `slice_arg`).
 #![allow(non_camel_case_types)]
@@ -18,6 +19,7 @@
 mod generate;
 mod handle;
 mod model;
+mod panics;
 mod sampler;
 mod state;
 mod text;
@@ -125,9 +127,10 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Runs `f` behind the panic boundary and turns its outcome into a status.
-/// `on_panic` runs after a caught panic (to mark a state unusable).
+/// `on_panic` runs after a caught panic (to mark a state unusable). A panic
+/// inside goes to the log callback, not to standard error (see `panics`).
 pub(crate) fn guard(f: impl FnOnce() -> Result<(), Failure>, on_panic: impl FnOnce()) -> fnx_status {
-    match catch_unwind(AssertUnwindSafe(f)) {
+    match panics::inside(|| catch_unwind(AssertUnwindSafe(f))) {
         Ok(Ok(())) => FNX_OK,
         Ok(Err(Failure(status, msg))) => {
             set_last_error(&msg);
@@ -135,11 +138,25 @@ pub(crate) fn guard(f: impl FnOnce() -> Result<(), Failure>, on_panic: impl FnOn
         }
         Err(p) => {
             on_panic();
-            set_last_error(&format!("internal error (please report): {}", panic_message(&*p)));
+            set_last_error(&format!("internal error (please report): {}{}", panic_message(&*p), panic_location()));
             FNX_ERR_INTERNAL
         }
     }
 }
+
+/// " at FILE:LINE:COLUMN" of the last panic caught on this thread, or "".
+pub(crate) fn panic_location() -> String {
+    panics::take_location().map(|l| format!(" at {l}")).unwrap_or_default()
+}
+
+/// Panics behind the boundary exactly as a bug inside an `fnx_` call would,
+/// for tests of where its message goes. Returns `FNX_ERR_INTERNAL`.
+#[doc(hidden)]
+pub fn panic_behind_boundary(message: &str) -> fnx_status {
+    guard(|| panic!("{message}"), || {})
+}
+
+pub(crate) use panics::outside;
 
 /// Returns `Err` with `FNX_ERR_NULL_ARGUMENT` naming `$name` when `$ptr` is NULL.
 macro_rules! non_null {

@@ -102,13 +102,14 @@ pub(crate) fn log(level: i32, message: impl FnOnce() -> String) {
         let c = CString::new(message().replace('\0', " ")).unwrap_or_default();
         // SAFETY: the callback and its user data were registered by the caller
         // through fnx_set_log_callback; the string lives across the call.
-        unsafe { f(level, c.as_ptr(), user_data as *mut c_void) };
+        super::outside(|| unsafe { f(level, c.as_ptr(), user_data as *mut c_void) });
     }
 }
 
 /// Sets the process-wide log callback (NULL = silent, the default). It may be
 /// called from any thread that uses flashnext, so it must be thread-safe; it
-/// must not call `fnx_set_log_callback` itself.
+/// must not call `fnx_set_log_callback` itself. Internal errors (caught
+/// panics) are logged here at `FNX_LOG_ERROR`, never printed.
 ///
 /// # Safety
 /// `callback` must be NULL or a function that stays callable, with
@@ -191,7 +192,7 @@ pub unsafe extern "C" fn fnx_load(
                 let (user_data, cancelled) = (p.progress_user_data as usize, cancelled.clone());
                 let wrapped = move |fraction: f32| {
                     // SAFETY: the caller's callback and user data, called on this thread during fnx_load.
-                    let go_on = unsafe { f(fraction, user_data as *mut c_void) };
+                    let go_on = super::outside(|| unsafe { f(fraction, user_data as *mut c_void) });
                     if !go_on {
                         cancelled.store(true, Ordering::Relaxed);
                     }

@@ -30,7 +30,7 @@ impl fnx_state {
     pub(crate) fn abort_fn(&self) -> impl FnMut() -> bool {
         let abort = self.abort;
         // SAFETY: the caller registered the callback and its user data for this state.
-        move || abort.is_some_and(|(f, user_data)| unsafe { f(user_data) })
+        move || abort.is_some_and(|(f, user_data)| super::outside(|| unsafe { f(user_data) }))
     }
 }
 
