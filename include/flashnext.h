@@ -56,6 +56,10 @@
 // `fnx_sampler_params.seed` value asking for a random seed.
 #define FNX_SEED_RANDOM 18446744073709551615ull
 
+// The least `fnx_apply_chat_template` allows the rendered text, and each
+// string a template builds, to take (a larger output buffer allows more).
+#define FNX_CHAT_TEMPLATE_MAX_BYTES 4194304
+
 // Turns generated tokens into text one at a time (opaque). Use from one
 // thread at a time; free with `fnx_detokenizer_free`.
 typedef struct fnx_detokenizer fnx_detokenizer;
@@ -670,6 +674,14 @@ void fnx_detokenizer_free(struct fnx_detokenizer *detok);
 // malformed JSON are `FNX_ERR_INVALID_ARGUMENT` (a syntax error in the
 // model's own template: `FNX_ERR_INVALID_MODEL`), with the template's
 // message in `fnx_last_error()`.
+//
+// Rendering is bounded, so that a template cannot exhaust memory: the
+// text, and every string the template builds, may take at most
+// `FNX_CHAT_TEMPLATE_MAX_BYTES` (4 MiB) or `capacity` bytes, whichever is
+// larger (pass a larger buffer for a longer conversation), and the work and
+// memory of the whole render are bounded by the size of the conversation.
+// A template that goes beyond either is refused: `FNX_ERR_INVALID_ARGUMENT`
+// for `template_override`, `FNX_ERR_INVALID_MODEL` for the file's own.
 //
 // # Safety
 // `model` NULL or a live handle; `template_override` and `tools_json` NULL or

@@ -386,6 +386,11 @@ pub unsafe extern "C" fn fnx_detokenizer_free(detok: *mut fnx_detokenizer) {
     );
 }
 
+/// The least `fnx_apply_chat_template` allows the rendered text, and each
+/// string a template builds, to take (a larger output buffer allows more).
+pub const FNX_CHAT_TEMPLATE_MAX_BYTES: usize = 4194304;
+const _: () = assert!(FNX_CHAT_TEMPLATE_MAX_BYTES == crate::chat::DEFAULT_MAX_BYTES);
+
 /// One message of a conversation for `fnx_apply_chat_template`. All strings
 /// are NUL-terminated UTF-8.
 #[repr(C)]
@@ -417,6 +422,14 @@ pub struct fnx_chat_message {
 /// malformed JSON are `FNX_ERR_INVALID_ARGUMENT` (a syntax error in the
 /// model's own template: `FNX_ERR_INVALID_MODEL`), with the template's
 /// message in `fnx_last_error()`.
+///
+/// Rendering is bounded, so that a template cannot exhaust memory: the
+/// text, and every string the template builds, may take at most
+/// `FNX_CHAT_TEMPLATE_MAX_BYTES` (4 MiB) or `capacity` bytes, whichever is
+/// larger (pass a larger buffer for a longer conversation), and the work and
+/// memory of the whole render are bounded by the size of the conversation.
+/// A template that goes beyond either is refused: `FNX_ERR_INVALID_ARGUMENT`
+/// for `template_override`, `FNX_ERR_INVALID_MODEL` for the file's own.
 ///
 /// # Safety
 /// `model` NULL or a live handle; `template_override` and `tools_json` NULL or
@@ -481,6 +494,7 @@ pub unsafe extern "C" fn fnx_apply_chat_template(
                 None => ChatTemplate::from_metadata(&m.model.metadata, tok).map_err(prefix)?,
             };
             let opts = ChatOptions { add_generation_prompt, enable_thinking };
+            let template = template.with_max_bytes(capacity.max(FNX_CHAT_TEMPLATE_MAX_BYTES));
             let text = template.apply(&list, tools, &opts).map_err(prefix)?;
             deliver(text.as_bytes(), out.cast::<u8>(), capacity, out_len, F)
         },
