@@ -27,7 +27,9 @@
 //!   whose size is known in advance are refused before they are built.
 //! - Everything minijinja builds (`~`, `+`, `*`, captured blocks, its
 //!   built-in filters) is paid for with fuel: one unit per instruction, or per
-//!   64 bytes of data, checked before allocations whose size is known. The
+//!   64 bytes of data, checked before allocations whose size is known and,
+//!   when a list or map is turned into text, as it is written (the fix the
+//!   vendored minijinja carries: see `vendor/README.md`). The
 //!   fuel of a render ([`fuel_for`]) is a fixed base plus what the
 //!   conversation's size calls for, so a template given a small conversation
 //!   can allocate only a few MiB in all, whatever it does.

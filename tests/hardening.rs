@@ -84,11 +84,13 @@ fn child() {
             ATTACKS
                 .iter()
                 .map(|(n, t)| (n.to_string(), t.to_string()))
-                .chain(SHARED_TO_TEXT.iter().map(|(n, t)| (format!("a shared list {n}"), format!("{SHARED}{t}"))))
+                .chain(
+                    SHARED_TO_TEXT
+                        .iter()
+                        .chain(SHARED_TO_TEXT_IN_MINIJINJA)
+                        .map(|(n, t)| (format!("a shared list {n}"), format!("{SHARED}{t}"))),
+                )
                 .collect(),
-        ),
-        Ok("template-attacks-in-minijinja") => templates_within_an_address_space_limit(
-            SHARED_TO_TEXT_IN_MINIJINJA.iter().map(|(n, t)| (format!("a shared list {n}"), format!("{SHARED}{t}"))).collect(),
         ),
         Ok(other) => panic!("unknown child job {other}"),
     }
@@ -712,10 +714,9 @@ const SHARED_TO_TEXT: &[(&str, &str)] = &[
     ("raise_exception", "{{ raise_exception(f) }}"),
 ];
 
-/// Ways of turning it into text inside minijinja itself (operators and the
-/// built-in filters' string conversion), which allocates the whole text
-/// before it charges fuel for it. Not bounded yet: see
-/// `shared_lists_turned_into_text_by_minijinja_stay_small`.
+/// Ways of turning such lists into text inside minijinja itself (operators,
+/// built-in filters, their string arguments): bounded by the vendored
+/// minijinja's fuel charge for each item written (vendor/README.md).
 const SHARED_TO_TEXT_IN_MINIJINJA: &[(&str, &str)] = &[
     ("~", "{{ ('' ~ f)|length }}"),
     ("|join", "{{ f|join|length }}"),
@@ -723,6 +724,16 @@ const SHARED_TO_TEXT_IN_MINIJINJA: &[(&str, &str)] = &[
     ("|format('%s')", "{{ '%s'|format(f)|length }}"),
     (".format()", "{{ '{}'.format(f)|length }}"),
     ("|lower", "{{ f|lower|length }}"),
+    (
+        "|pprint of a list 400 levels deep",
+        "{% set ns = namespace(l='x') %}{% for i in range(400) %}{% set ns.l = [ns.l] %}{% endfor %}\
+         {{ ([ns.l] * 1000000)|pprint|length }}",
+    ),
+    (
+        "~ of a list holding itself 40 times over",
+        "{% set ns = namespace(l=[messages[0].content]) %}{% for i in range(40) %}{% set ns.l = ns.l + [ns.l] %}\
+         {% endfor %}{{ ('' ~ ns.l)|length }}",
+    ),
 ];
 
 /// A value of /proc/self/status, in bytes.
@@ -818,14 +829,10 @@ fn check_refused_small(job: &str, expected: usize) {
 #[test]
 #[cfg(target_os = "linux")]
 fn chat_templates_cannot_exhaust_memory() {
-    check_refused_small("template-attacks", ATTACKS.len() + SHARED_TO_TEXT.len());
-}
-
-#[test]
-#[cfg(target_os = "linux")]
-#[ignore = "minijinja turns lists into text before charging fuel for it (a fix belongs in minijinja)"]
-fn shared_lists_turned_into_text_by_minijinja_stay_small() {
-    check_refused_small("template-attacks-in-minijinja", SHARED_TO_TEXT_IN_MINIJINJA.len());
+    check_refused_small(
+        "template-attacks",
+        ATTACKS.len() + SHARED_TO_TEXT.len() + SHARED_TO_TEXT_IN_MINIJINJA.len(),
+    );
 }
 
 #[test]

@@ -302,6 +302,10 @@ pub trait Object: fmt::Debug + Send + Sync {
 
 #[inline(never)]
 fn default_render(obj: &DynObject, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    rendering_container(|| default_render_container(obj, f))
+}
+
+fn default_render_container(obj: &DynObject, f: &mut fmt::Formatter<'_>) -> fmt::Result {
     match obj.repr() {
         ObjectRepr::Map => render_container(f, "{...}", |f| {
             let mut dbg = f.debug_map();
@@ -309,6 +313,9 @@ fn default_render(obj: &DynObject, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 if is_over_item_limit(idx) {
                     let count = obj.enumerator_len().map(|x| x - idx);
                     dbg.entry(&OmittedKey, &Omitted { count, prefix: "" });
+                    break;
+                }
+                if !charge_rendered_item(&key) || !charge_rendered_item(&value) {
                     break;
                 }
                 dbg.entry(&key, &value);
@@ -330,6 +337,9 @@ fn default_render(obj: &DynObject, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                         });
                         break;
                     }
+                    if !charge_rendered_item(&value) {
+                        break;
+                    }
                     dbg.entry(&value);
                 }
                 dbg.finish()
@@ -338,6 +348,33 @@ fn default_render(obj: &DynObject, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         _ => {
             write!(f, "{obj:?}")
         }
+    }
+}
+
+/// Charges the fuel of the evaluation in progress for writing `value` as an
+/// item of a container; `false` once it is exhausted (stop writing: the
+/// engine fails at its next check).
+fn charge_rendered_item(value: &Value) -> bool {
+    #[cfg(feature = "fuel")]
+    {
+        crate::vm::fuel::charge_rendered_item(value)
+    }
+    #[cfg(not(feature = "fuel"))]
+    {
+        let _ = value;
+        true
+    }
+}
+
+/// Runs `f`, the conversion of one container to text, one level deeper.
+fn rendering_container<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(feature = "fuel")]
+    {
+        crate::vm::fuel::rendering_container(f)
+    }
+    #[cfg(not(feature = "fuel"))]
+    {
+        f()
     }
 }
 

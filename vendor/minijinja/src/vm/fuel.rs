@@ -23,6 +23,16 @@
 //! Once the fuel runs out, the tracker stays exhausted: every later charge
 //! fails.  That way code that cannot propagate an error directly (such as an
 //! iterator) can stop early and the engine fails at the next check.
+//!
+//! Converting a list or map to text (`~`, string arguments, `join`, `%s`,
+//! ...) happens in `Display` and `Debug` implementations that cannot see the
+//! state.  A list can hold the same value many times (`[x] * n`, or nested
+//! lists of shared references), so its text can be exponentially larger than
+//! what was charged to build it.  While a template is evaluated its tracker
+//! is therefore also reachable from the evaluating thread ([`with_active`]),
+//! and the default rendering of containers charges every item it writes
+//! before writing it ([`charge_rendered_item`]), stopping once the fuel is
+//! exhausted.
 use std::cell::Cell;
 
 use crate::compiler::instructions::Instruction;
@@ -58,6 +68,65 @@ pub(crate) const SERIALIZED_BYTE_COST: u64 = 16;
 
 /// Cost of one format specifier in the `format` filter.
 pub(crate) const FORMAT_SPEC_COST: u64 = 4 * UNITS_PER_FUEL;
+
+thread_local! {
+    /// The tracker of the evaluation running on this thread, if any.
+    static ACTIVE: std::cell::RefCell<Option<std::rc::Rc<FuelTracker>>> = const { std::cell::RefCell::new(None) };
+    /// How deeply nested the container being converted to text is.
+    static RENDER_DEPTH: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Runs `f`, the conversion of one container to text, one level deeper.
+pub(crate) fn rendering_container<R>(f: impl FnOnce() -> R) -> R {
+    struct Leave;
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            let _ = RENDER_DEPTH.try_with(|d| d.set(d.get().saturating_sub(1)));
+        }
+    }
+    let _ = RENDER_DEPTH.try_with(|d| d.set(d.get() + 1));
+    let _leave = Leave;
+    f()
+}
+
+/// Makes `tracker` the one [`charge_rendered_item`] charges while `f` runs.
+pub(crate) fn with_active<R>(tracker: Option<std::rc::Rc<FuelTracker>>, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<std::rc::Rc<FuelTracker>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let previous = self.0.take();
+            let _ = ACTIVE.try_with(|a| *a.borrow_mut() = previous);
+        }
+    }
+    let _restore = Restore(ACTIVE.with(|a| a.replace(tracker)));
+    f()
+}
+
+/// Charges the active tracker for writing `value` as an item of a container
+/// being converted to text: an item, the bytes of a string as escaped for
+/// debug output (at most 6 per byte), and the indentation of pretty output
+/// (4 bytes per level, each of which passes through one formatter adapter
+/// per level: 4 units per level squared).  Returns `false` once the fuel is exhausted: the
+/// caller stops writing, and the engine fails at its next check.  Without
+/// an active tracker everything may be written.
+pub(crate) fn charge_rendered_item(value: &Value) -> bool {
+    let bytes = match value.0 {
+        ValueRepr::String(ref s, _) => s.len(),
+        ValueRepr::SmallStr(ref s) => s.as_str().len(),
+        ValueRepr::Bytes(ref b) => b.len(),
+        _ => 0,
+    };
+    let depth = RENDER_DEPTH.try_with(Cell::get).unwrap_or(0);
+    let units = ITEM_COST
+        .saturating_add(cost_of(bytes, 6 * BYTE_COST))
+        .saturating_add(cost_of(depth.saturating_mul(depth), 4 * BYTE_COST));
+    ACTIVE
+        .try_with(|a| match *a.borrow() {
+            Some(ref tracker) => tracker.consume(units).is_ok(),
+            None => true,
+        })
+        .unwrap_or(true)
+}
 
 /// Helper for tracking fuel consumption.
 pub(crate) struct FuelTracker {

@@ -160,7 +160,13 @@ impl<'env> Executor<'env> {
             #[cfg(feature = "multi_template")]
             prepare_blocks(_blocks),
         );
-        Self::eval_state(&mut state, out).map(|x| (x, state))
+        // Containers converted to text during the evaluation charge this
+        // evaluation's fuel (see `fuel::charge_rendered_item`).
+        #[cfg(feature = "fuel")]
+        let rv = fuel::with_active(state.fuel_tracker.clone(), || Self::eval_state(&mut state, out));
+        #[cfg(not(feature = "fuel"))]
+        let rv = Self::eval_state(&mut state, out);
+        rv.map(|x| (x, state))
     }
 
     /// Evaluates a macro by temporarily switching the active state.

@@ -68,7 +68,7 @@ pub struct State<'template, 'env> {
     #[cfg(feature = "macros")]
     pub(crate) macro_context_pool: Vec<Context<'env>>,
     #[cfg(feature = "fuel")]
-    pub(crate) fuel_tracker: Option<FuelTracker>,
+    pub(crate) fuel_tracker: Option<std::rc::Rc<FuelTracker>>,
     // Instruction streams that undefined values created during this render
     // point into.  Undefined values only carry an instruction id and a pc,
     // this is used to resolve them back into debug info when an error is
@@ -124,7 +124,7 @@ impl<'template, 'env> State<'template, 'env> {
             #[cfg(feature = "macros")]
             macro_context_pool: Default::default(),
             #[cfg(feature = "fuel")]
-            fuel_tracker: ctx.env().fuel().map(FuelTracker::new),
+            fuel_tracker: ctx.env().fuel().map(|fuel| std::rc::Rc::new(FuelTracker::new(fuel))),
             #[cfg(feature = "debug")]
             undefined_origins: Default::default(),
             ctx,
@@ -485,7 +485,7 @@ impl<'template, 'env> State<'template, 'env> {
     #[cfg(feature = "fuel")]
     #[inline(always)]
     pub(crate) fn fuel_tracker(&self) -> Option<&FuelTracker> {
-        self.fuel_tracker.as_ref()
+        self.fuel_tracker.as_deref()
     }
 
     /// Charges fuel in internal units.
@@ -534,7 +534,7 @@ impl<'template, 'env> State<'template, 'env> {
         &self,
         iter: I,
     ) -> crate::vm::fuel::FuelIter<'_, I> {
-        crate::vm::fuel::FuelIter::new(self.fuel_tracker.as_ref(), iter)
+        crate::vm::fuel::FuelIter::new(self.fuel_tracker.as_deref(), iter)
     }
 
     /// Wraps an iterator so that it charges fuel for every item.
@@ -834,7 +834,7 @@ impl State<'_, '_> {
         state: Option<&'a State>,
         iter: I,
     ) -> crate::vm::fuel::FuelIter<'a, I> {
-        crate::vm::fuel::FuelIter::new(state.and_then(|x| x.fuel_tracker.as_ref()), iter)
+        crate::vm::fuel::FuelIter::new(state.and_then(|x| x.fuel_tracker.as_deref()), iter)
     }
 
     /// Like [`fuel_iter`](Self::fuel_iter) but with an optional state.
