@@ -4,8 +4,8 @@
 //! that try to exhaust memory.
 //!
 //! Tests that change process-wide settings (the panic hook, an address-space
-//! limit) run in a child process: this test binary started again with
-//! `FNX_HARDENING_CHILD` naming the child's job.
+//! limit) do it in a child process: this test binary started again to run
+//! only that test, with `FNX_HARDENING_CHILD` naming the child's job.
 
 mod common;
 mod util;
@@ -59,11 +59,12 @@ fn generate(s: *mut fnx_state, prompt: &[i32], p: &fnx_generate_params) -> (fnx_
     (st, n)
 }
 
-/// Runs this test binary again as a child doing `job` (see `child`);
-/// returns its exit status, standard output and standard error.
-fn run_child(job: &str) -> (std::process::ExitStatus, String, String) {
+/// Runs this test binary again, as a child that runs only `test` with
+/// `FNX_HARDENING_CHILD` set to `job` (the test then does that job: see
+/// `in_child`); returns its exit status, standard output and standard error.
+fn run_child(test: &str, job: &str) -> (std::process::ExitStatus, String, String) {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child", "--nocapture", "--test-threads=1"])
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
         .env("FNX_HARDENING_CHILD", job)
         .env_remove("RUST_BACKTRACE")
         .output()
@@ -72,27 +73,15 @@ fn run_child(job: &str) -> (std::process::ExitStatus, String, String) {
     (out.status, text(&out.stdout), text(&out.stderr))
 }
 
-/// The child's side of `run_child`: nothing unless `FNX_HARDENING_CHILD` is set.
-#[test]
-fn child() {
-    match std::env::var("FNX_HARDENING_CHILD").as_deref() {
-        Err(_) => {}
-        Ok("panic-default-hook") => panics_in_a_process_with_the_default_hook(),
-        Ok("panic-host-hook") => panics_in_a_process_with_its_own_hook(),
-        Ok("panic-in-callback") => a_callback_of_the_host_panics(),
-        Ok("template-attacks") => templates_within_an_address_space_limit(
-            ATTACKS
-                .iter()
-                .map(|(n, t)| (n.to_string(), t.to_string()))
-                .chain(
-                    SHARED_TO_TEXT
-                        .iter()
-                        .chain(SHARED_TO_TEXT_IN_MINIJINJA)
-                        .map(|(n, t)| (format!("a shared list {n}"), format!("{SHARED}{t}"))),
-                )
-                .collect(),
-        ),
-        Ok(other) => panic!("unknown child job {other}"),
+/// The child's side of `run_child`: in a child started for `job`, runs it
+/// and returns true (the test then does nothing else).
+fn in_child(job: &str, run: impl FnOnce()) -> bool {
+    match std::env::var("FNX_HARDENING_CHILD") {
+        Ok(j) if j == job => {
+            run();
+            true
+        }
+        _ => false,
     }
 }
 
@@ -635,7 +624,10 @@ fn a_callback_of_the_host_panics() {
 
 #[test]
 fn caught_panics_go_to_the_log_callback_not_to_stderr() {
-    let (status, out, err) = run_child("panic-default-hook");
+    if in_child("panic-default-hook", panics_in_a_process_with_the_default_hook) {
+        return;
+    }
+    let (status, out, err) = run_child("caught_panics_go_to_the_log_callback_not_to_stderr", "panic-default-hook");
     assert!(status.success() && out.contains("DONE"), "{status}\n{out}\n{err}");
     assert!(!err.contains("probe-"), "a caught panic reached stderr:\n{err}");
     assert!(!err.contains("stack backtrace"), "{err}");
@@ -657,14 +649,19 @@ fn caught_panics_go_to_the_log_callback_not_to_stderr() {
 
 #[test]
 fn a_hosts_own_panic_hook_keeps_working() {
-    let (status, out, err) = run_child("panic-host-hook");
+    if in_child("panic-host-hook", panics_in_a_process_with_its_own_hook)
+        || in_child("panic-in-callback", a_callback_of_the_host_panics)
+    {
+        return;
+    }
+    let (status, out, err) = run_child("a_hosts_own_panic_hook_keeps_working", "panic-host-hook");
     assert!(status.success() && out.contains("DONE"), "{status}\n{out}\n{err}");
     assert!(err.contains("HOST HOOK: host-4 (outside)"), "{err}");
     assert!(err.contains("HOST HOOK: host-5 (another thread)"), "{err}");
     assert!(!err.contains("probe-"), "the library's panics reached the host's hook:\n{err}");
 
     // A host callback runs outside the boundary: its panic is the host's.
-    let (status, out, err) = run_child("panic-in-callback");
+    let (status, out, err) = run_child("a_hosts_own_panic_hook_keeps_working", "panic-in-callback");
     assert!(!status.success() && !out.contains("NOT REACHED"), "{status}\n{out}\n{err}");
     assert!(err.contains("HOST HOOK: host-7 (in the host's abort callback)"), "{err}");
 }
@@ -813,8 +810,8 @@ fn parse_template_runs(out: &str) -> Vec<(fnx_status, usize, f64, String)> {
         .collect()
 }
 
-fn check_refused_small(job: &str, expected: usize) {
-    let (status, out, err) = run_child(job);
+fn check_refused_small(test: &str, job: &str, expected: usize) {
+    let (status, out, err) = run_child(test, job);
     assert!(status.success() && out.contains("DONE"), "the child died ({status}): the memory was not bounded\n{out}\n{err}");
     let runs = parse_template_runs(&out);
     assert_eq!(runs.len(), expected, "{out}");
@@ -829,10 +826,22 @@ fn check_refused_small(job: &str, expected: usize) {
 #[test]
 #[cfg(target_os = "linux")]
 fn chat_templates_cannot_exhaust_memory() {
-    check_refused_small(
-        "template-attacks",
-        ATTACKS.len() + SHARED_TO_TEXT.len() + SHARED_TO_TEXT_IN_MINIJINJA.len(),
-    );
+    let all = || -> Vec<(String, String)> {
+        ATTACKS
+            .iter()
+            .map(|(n, t)| (n.to_string(), t.to_string()))
+            .chain(
+                SHARED_TO_TEXT
+                    .iter()
+                    .chain(SHARED_TO_TEXT_IN_MINIJINJA)
+                    .map(|(n, t)| (format!("a shared list {n}"), format!("{SHARED}{t}"))),
+            )
+            .collect()
+    };
+    if in_child("template-attacks", || templates_within_an_address_space_limit(all())) {
+        return;
+    }
+    check_refused_small("chat_templates_cannot_exhaust_memory", "template-attacks", all().len());
 }
 
 #[test]
