@@ -8,8 +8,20 @@
  * - Out-parameters are written only on success; a failed call leaves every
  *   state unchanged.
  * - Handles are opaque. The caller owns what fnx_load / fnx_new_state give
- *   and frees it with fnx_free_model / fnx_free_state.
+ *   and frees it with fnx_free_model / fnx_free_state. A handle is a number
+ *   never given out twice, not an address: a freed handle, or one of another
+ *   kind, is refused (FNX_ERR_INVALID_HANDLE), even after a new object took
+ *   the freed one's memory.
+ * - A state, sampler or detokenizer is held by a call for its duration:
+ *   using it meanwhile (from a callback of that call, or another thread) is
+ *   refused with FNX_ERR_BUSY and does nothing.
  * - A model may be used by many threads at once; a state by one at a time.
+ * - A bug inside flashnext (a caught panic) returns FNX_ERR_INTERNAL; its
+ *   message goes to fnx_last_error() and the log callback, never to stderr.
+ * - A count of items (n, n_prompt, n_messages, a length, ...) larger than
+ *   any array can hold (SIZE_MAX / 2 bytes) is FNX_ERR_INVALID_ARGUMENT,
+ *   and tokens to decode are checked against the context room before they
+ *   are read.
  */
 
 #ifndef FLASHNEXT_H
@@ -44,6 +56,10 @@
 // `fnx_sampler_params.seed` value asking for a random seed.
 #define FNX_SEED_RANDOM 18446744073709551615ull
 
+// The least `fnx_apply_chat_template` allows the rendered text, and each
+// string a template builds, to take (a larger output buffer allows more).
+#define FNX_CHAT_TEMPLATE_MAX_BYTES 4194304
+
 // Turns generated tokens into text one at a time (opaque). Use from one
 // thread at a time; free with `fnx_detokenizer_free`.
 typedef struct fnx_detokenizer fnx_detokenizer;
@@ -67,13 +83,16 @@ typedef struct fnx_generate_params {
   uint32_t struct_size;
   // Most tokens to generate; 0 = no limit (until a stop condition or a full context).
   uint32_t max_tokens;
-  // Chooses each token; NULL = greedy. `fnx_generate` accepts every
-  // generated token into it (not the prompt) and does not reset it.
+  // Chooses each token; NULL = greedy (the rule of a temperature-0
+  // sampler: NaN or +INFINITY logits are refused with
+  // `FNX_ERR_INVALID_ARGUMENT`). `fnx_generate` accepts every generated
+  // token into it (not the prompt) and does not reset it.
   struct fnx_sampler *sampler;
   // Token ids that stop generation (after being generated): `n_stop_tokens` of them.
   const int32_t *stop_tokens;
   size_t n_stop_tokens;
-  // NUL-terminated strings that stop generation once the generated text
+  // NUL-terminated UTF-8 strings (others are `FNX_ERR_INVALID_ARGUMENT`)
+  // that stop generation once the generated text
   // contains one (checked after each token, across token boundaries; the
   // token completing it is still passed to the callback): `n_stop_strings` of them.
   const char *const *stop_strings;
@@ -87,8 +106,9 @@ typedef struct fnx_generate_params {
 // (UTF-8 from the model's tokenizer, never a partial character: bytes of an
 // incomplete one come with a later token; empty for special tokens such as
 // `<|im_end|>` and when the file has no tokenizer; followed by a NUL; valid
-// during the call only). Return false to stop after this token. It must not
-// use the state or the sampler that is generating.
+// during the call only). Return false to stop after this token. Calls it
+// makes on the state or the sampler that is generating are refused with
+// `FNX_ERR_BUSY` (and do nothing); other states and samplers may be used.
 typedef bool (*fnx_token_callback)(int32_t token,
                                    const char *piece,
                                    size_t piece_len,
@@ -104,7 +124,9 @@ typedef bool (*fnx_progress_callback)(float progress, void *user_data);
 typedef struct fnx_load_params {
   // `sizeof(fnx_load_params)` as the caller compiled it (set by `fnx_load_params_default`).
   uint32_t struct_size;
-  // Worker threads for matrix products; 0 = all cores.
+  // Worker threads for matrix products; 0 = all cores. At most four per
+  // logical CPU (and at least 256 are always allowed); more is
+  // `FNX_ERR_INVALID_ARGUMENT`.
   uint32_t n_threads;
   // Largest number of positions per state; 0 = the model's context length.
   uint32_t n_ctx;
@@ -212,13 +234,17 @@ typedef struct fnx_chat_message {
 // Memory could not be obtained.
 #define FNX_ERR_OUT_OF_MEMORY 12
 
-// A bug inside flashnext (a caught panic). The state involved is unusable until reset.
+// A bug inside flashnext (a caught panic). The state involved is unusable
+// until reset, except after `fnx_generate` and a multi-token
+// `fnx_decode_tokens`, which roll it back to where it was before the call.
 #define FNX_ERR_INTERNAL 13
 
 // The state was left unusable by an earlier internal error; reset or free it.
 #define FNX_ERR_STATE_INVALID 14
 
-// A handle of the wrong kind, or one already freed (detected by its tag).
+// A handle of the wrong kind, or one already freed. Handles are numbers
+// that are never given out twice (not addresses), so a freed handle is
+// detected even after a new object took its memory.
 #define FNX_ERR_INVALID_HANDLE 15
 
 // The load progress callback returned false; nothing was loaded.
@@ -232,6 +258,11 @@ typedef struct fnx_chat_message {
 
 // The bytes are not a complete, undamaged state snapshot.
 #define FNX_ERR_SNAPSHOT_CORRUPT 19
+
+// The state, sampler or detokenizer is in use by a call in progress: a
+// callback of that call (e.g. `fnx_generate`'s token callback, an abort
+// callback) or another thread used it. Nothing was done.
+#define FNX_ERR_BUSY 20
 
 #ifdef __cplusplus
 extern "C" {
@@ -254,7 +285,8 @@ struct fnx_generate_params fnx_generate_params_default(void);
 // Decodes `n` tokens in order; the logits are then the last token's. Every
 // token and the context room are checked before anything is decoded, and
 // any failure (including `FNX_ERR_ABORTED` from the abort callback, polled
-// before each token) leaves the state as it was. `n` = 0 does nothing.
+// before each token, and `FNX_ERR_INTERNAL` when `n` > 1) leaves the state
+// as it was. `n` = 0 does nothing.
 //
 // # Safety
 // `state` must be NULL or a live handle, not used by another thread
@@ -272,8 +304,9 @@ fnx_status fnx_decode_tokens(struct fnx_state *state, const int32_t *tokens, siz
 //
 // Arguments are checked before anything is decoded. On any failure,
 // including `FNX_ERR_ABORTED` (the abort callback is polled before every
-// token), the state and the sampler are as they were before the call;
-// tokens already passed to `on_token` are then not part of the state.
+// token) and `FNX_ERR_INTERNAL` (a bug, caught part way), the state and the
+// sampler are as they were before the call; tokens already passed to
+// `on_token` are then not part of the state.
 //
 // # Safety
 // `state` must be NULL or a live handle, not used by another thread
@@ -293,7 +326,8 @@ struct fnx_load_params fnx_load_params_default(void);
 
 // Sets the process-wide log callback (NULL = silent, the default). It may be
 // called from any thread that uses flashnext, so it must be thread-safe; it
-// must not call `fnx_set_log_callback` itself.
+// must not call `fnx_set_log_callback` itself. Internal errors (caught
+// panics) are logged here at `FNX_LOG_ERROR`, never printed.
 //
 // # Safety
 // `callback` must be NULL or a function that stays callable, with
@@ -419,7 +453,8 @@ void fnx_sampler_free(struct fnx_sampler *sampler);
 // `model` must be NULL or a live handle; `out_state` NULL or writable.
 fnx_status fnx_new_state(struct fnx_model *model, struct fnx_state **out_state);
 
-// Frees a state (NULL is ignored).
+// Frees a state (NULL is ignored). A freed handle, a handle of another kind
+// and a state in use by a call in progress are left alone.
 //
 // # Safety
 // `state` must be NULL or a handle from `fnx_new_state` not yet freed.
@@ -456,8 +491,8 @@ size_t fnx_state_position(const struct fnx_state *state);
 // `fnx_decode_tokens`, `fnx_generate`) poll before every token; NULL removes
 // it. When it returns true the call stops and returns `FNX_ERR_ABORTED`,
 // leaving the state as it was before the call. It runs on the decoding
-// thread and must not use this state. Copies made with `fnx_state_copy` do
-// not inherit it.
+// thread; calls it makes on this state are refused with `FNX_ERR_BUSY`.
+// Copies made with `fnx_state_copy` do not inherit it.
 //
 // # Safety
 // `state` must be NULL or a live handle, not used by another thread
@@ -640,6 +675,14 @@ void fnx_detokenizer_free(struct fnx_detokenizer *detok);
 // malformed JSON are `FNX_ERR_INVALID_ARGUMENT` (a syntax error in the
 // model's own template: `FNX_ERR_INVALID_MODEL`), with the template's
 // message in `fnx_last_error()`.
+//
+// Rendering is bounded, so that a template cannot exhaust memory: the
+// text, and every string the template builds, may take at most
+// `FNX_CHAT_TEMPLATE_MAX_BYTES` (4 MiB) or `capacity` bytes, whichever is
+// larger (pass a larger buffer for a longer conversation), and the work and
+// memory of the whole render are bounded by the size of the conversation.
+// A template that goes beyond either is refused: `FNX_ERR_INVALID_ARGUMENT`
+// for `template_override`, `FNX_ERR_INVALID_MODEL` for the file's own.
 //
 // # Safety
 // `model` NULL or a live handle; `template_override` and `tools_json` NULL or

@@ -246,6 +246,9 @@ public:
                                            detail::c_str_or_null(m.tool_calls_json)});
             guess += m.role.size() + (m.content ? m.content->size() : 0) + 32;
         }
+        // The buffer's size is also the most the C API lets the text take
+        // (when it is above FNX_CHAT_TEMPLATE_MAX_BYTES): leave room.
+        guess = 2 * guess + (options.tools_json ? 2 * options.tools_json->size() : 0);
         return detail::sized<std::string>(
             [&](char *out, size_t cap, size_t *len) {
                 return fnx_apply_chat_template(get(), detail::c_str_or_null(options.template_source), raw.data(),

@@ -17,6 +17,26 @@
 //! strings `bos_token`, `eos_token`, `unk_token`, `pad_token` the file names.
 //! Like transformers, message keys whose value is null are dropped, and a
 //! message's reasoning is also given as `thinking`.
+//!
+//! Templates come from model files, so rendering is bounded in time and in
+//! memory: a template must not be able to exhaust either and abort the host.
+//! - The rendered text, and every string flashnext's own filters, functions
+//!   and printing build (`tojson`, `string`, `trim`, the `format` filter and
+//!   method, printed lists and maps, ...), are capped at the template's
+//!   limit ([`DEFAULT_MAX_BYTES`], [`ChatTemplate::with_max_bytes`]); those
+//!   whose size is known in advance are refused before they are built.
+//! - Everything minijinja builds (`~`, `+`, `*`, captured blocks, its
+//!   built-in filters) is paid for with fuel: one unit per instruction, or per
+//!   64 bytes of data, checked before allocations whose size is known and,
+//!   when a list or map is turned into text, as it is written (the fix the
+//!   vendored minijinja carries: see `vendor/README.md`). The
+//!   fuel of a render ([`fuel_for`]) is a fixed base plus what the
+//!   conversation's size calls for, so a template given a small conversation
+//!   can allocate only a few MiB in all, whatever it does.
+//! - `debug()` (a dump of every variable, unbounded) is not offered, as in
+//!   transformers.
+//! Running over either bound is refused: [`Error::InvalidArgument`] for a
+//! template given by the caller, [`Error::Model`] for the file's own.
 
 use crate::error::{Error, Result};
 use crate::gguf::{Metadata, Value as GgufValue};
@@ -69,7 +89,16 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     /// `bos_token`, `eos_token`, ... as the template sees them.
     special_tokens: Vec<(&'static str, String)>,
+    /// Most bytes of the rendered text and of any string the hooks build.
+    max_bytes: usize,
+    /// The template is the model file's own (its failures to stay within
+    /// bounds are then [`Error::Model`]).
+    from_file: bool,
 }
+
+/// The default limit on a rendered conversation and on each string a
+/// template builds: 4 MiB, four times the text of a 256K-token context.
+pub const DEFAULT_MAX_BYTES: usize = 4 << 20;
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -80,8 +109,57 @@ impl std::fmt::Debug for ChatTemplate {
 const TEMPLATE_NAME: &str = "chat_template";
 /// Prefix of the detail of errors `raise_exception` makes, to word them apart.
 const RAISED: &str = "\u{1}raise_exception:";
-/// Upper bound on template work (minijinja fuel), against templates that never end.
-const FUEL: u64 = 50_000_000;
+/// Prefix of the detail of errors the hooks make when a string would exceed the limit.
+const TOO_LARGE: &str = "\u{1}too large:";
+/// Fuel every render gets (one unit per instruction or per 64 bytes of data):
+/// 8 MiB of data, or 128k instructions; real templates use a few hundred
+/// units for a short conversation.
+const BASE_FUEL: u64 = 128 << 10;
+/// Fuel per message: real templates spend about 90 on each.
+const FUEL_PER_MESSAGE: u64 = 512;
+/// Fuel per byte of the conversation, in 64ths: a render handles each
+/// byte a dozen times (copies, filters, output), 1/5 of a unit.
+const FUEL_PER_INPUT_BYTE_64THS: u64 = 32;
+/// Upper bound on the fuel of any render (time).
+const MAX_FUEL: u64 = 50_000_000;
+
+/// The fuel of a render of `n_messages` messages holding `input_bytes` bytes
+/// (tools included) within a limit of `max_bytes`: [`BASE_FUEL`] plus what the
+/// conversation calls for, the latter never more than what an output of
+/// `max_bytes` needs (half a unit per byte). As every byte minijinja
+/// allocates costs 1/64 of a unit, `64 * fuel_for(..)` bytes bound the memory
+/// a render can take.
+pub fn fuel_for(n_messages: usize, input_bytes: usize, max_bytes: usize) -> u64 {
+    let conversation = (n_messages as u64)
+        .saturating_mul(FUEL_PER_MESSAGE)
+        .saturating_add((input_bytes as u64).saturating_mul(FUEL_PER_INPUT_BYTE_64THS) / 64);
+    let output = (max_bytes as u64).saturating_mul(FUEL_PER_INPUT_BYTE_64THS) / 64;
+    BASE_FUEL.saturating_add(conversation.min(output)).min(MAX_FUEL)
+}
+
+thread_local! {
+    /// The limit of the render in progress on this thread, for the hooks.
+    static LIMIT: std::cell::Cell<usize> = const { std::cell::Cell::new(DEFAULT_MAX_BYTES) };
+}
+
+fn limit() -> usize {
+    LIMIT.with(|l| l.get())
+}
+
+/// The error a hook returns instead of building a string of `len` bytes
+/// (`usize::MAX`: more than the limit, how much more unknown).
+fn too_large(what: &str, len: usize) -> minijinja::Error {
+    let len = if len == usize::MAX { format!("more than {}", limit()) } else { len.to_string() };
+    minijinja::Error::new(ErrorKind::InvalidOperation, format!("{TOO_LARGE}{what} would take {len} bytes"))
+}
+
+/// Refuses `len` bytes beyond the limit.
+fn check_len(what: &str, len: usize) -> std::result::Result<(), minijinja::Error> {
+    if len > limit() {
+        return Err(too_large(what, len));
+    }
+    Ok(())
+}
 
 /// The special-token variables transformers passes (`special_tokens_map`), with the GGUF keys they come from.
 const SPECIAL_TOKEN_KEYS: [(&str, &str); 4] = [
@@ -91,11 +169,24 @@ const SPECIAL_TOKEN_KEYS: [(&str, &str); 4] = [
     ("pad_token", "tokenizer.ggml.padding_token_id"),
 ];
 
+/// At most 4 KiB of a message the template made (`raise_exception`).
+fn clip(text: &str) -> String {
+    const MAX: usize = 4096;
+    if text.len() <= MAX {
+        return text.to_string();
+    }
+    let mut end = MAX;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes)", &text[..end], text.len())
+}
+
 fn template_error(e: &minijinja::Error) -> String {
     let line = e.line().map(|l| format!(" (template line {l})")).unwrap_or_default();
     match e.detail() {
         Some(d) if d.starts_with(RAISED) => {
-            format!("chat template rejected the conversation: {}{line}", &d[RAISED.len()..])
+            format!("chat template rejected the conversation: {}{line}", clip(&d[RAISED.len()..]))
         }
         Some(d) => format!("chat template error: {}: {d}{line}", e.kind()),
         None => format!("chat template error: {}{line}", e.kind()),
@@ -114,21 +205,43 @@ impl ChatTemplate {
             .map_err(|e| Error::arg(template_error(&e)))?;
         env.set_syntax(syntax);
         env.set_debug(false);
-        env.set_fuel(Some(FUEL));
+        env.set_fuel(Some(BASE_FUEL));
         env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
         env.set_unknown_method_callback(unknown_method);
         env.set_formatter(|out, _state, value| {
-            out.write_str(&py_str(value)).map_err(|_| minijinja::Error::from(ErrorKind::WriteFailure))
+            let written = match value.as_str() {
+                Some(s) if value.kind() == ValueKind::String => out.write_str(s),
+                _ => out.write_str(&capped_str(value)?),
+            };
+            written.map_err(|_| minijinja::Error::from(ErrorKind::WriteFailure))
         });
         env.add_filter("tojson", tojson_filter);
         env.add_filter("trim", trim_filter);
-        env.add_filter("string", |v: Value| py_str(&v));
+        env.add_filter("string", |v: Value| capped_str(&v));
+        env.add_filter("format", format_filter);
         env.add_function("raise_exception", |msg: Value| -> std::result::Result<Value, minijinja::Error> {
-            Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("{RAISED}{}", py_str(&msg))))
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("{RAISED}{}", capped_str(&msg)?)))
         });
-        env.add_function("strftime_now", |fmt: String| strftime_utc(&fmt, unix_now()));
+        env.add_function("strftime_now", |fmt: String| -> std::result::Result<String, minijinja::Error> {
+            // No directive writes more than 9 bytes for its 2.
+            check_len("strftime_now", fmt.len().saturating_mul(5))?;
+            Ok(strftime_utc(&fmt, unix_now()))
+        });
+        env.remove_global("debug");
         env.add_template_owned(TEMPLATE_NAME, source.to_string()).map_err(|e| Error::arg(template_error(&e)))?;
-        Ok(ChatTemplate { env, special_tokens: Vec::new() })
+        Ok(ChatTemplate { env, special_tokens: Vec::new(), max_bytes: DEFAULT_MAX_BYTES, from_file: false })
+    }
+
+    /// The same template with another limit on the rendered text and on each
+    /// string it builds (the fuel follows: [`fuel_for`]).
+    pub fn with_max_bytes(mut self, max_bytes: usize) -> ChatTemplate {
+        self.max_bytes = max_bytes;
+        self
+    }
+
+    /// The limit on the rendered text and on each string the template builds.
+    pub fn max_bytes(&self) -> usize {
+        self.max_bytes
     }
 
     /// Compiles the file's `tokenizer.chat_template` (a syntax error there is
@@ -138,10 +251,11 @@ impl ChatTemplate {
             .get("tokenizer.chat_template")
             .and_then(GgufValue::as_str)
             .ok_or_else(|| Error::model("the file has no chat template (tokenizer.chat_template)"))?;
-        let t = ChatTemplate::new(source).map_err(|e| match e {
+        let mut t = ChatTemplate::new(source).map_err(|e| match e {
             Error::InvalidArgument(m) => Error::model(format!("the file's {m}")),
             other => other,
         })?;
+        t.from_file = true;
         Ok(match tokenizer {
             Some(tok) => t.with_special_tokens_of(meta, tok),
             None => t,
@@ -172,6 +286,14 @@ impl ChatTemplate {
     /// Renders a conversation. `tools_json` is a JSON array of tool schemas
     /// (`[{"type": "function", "function": {...}}]`) or `None`.
     pub fn apply(&self, messages: &[ChatMessage], tools_json: Option<&str>, opts: &ChatOptions) -> Result<String> {
+        let input: usize = messages
+            .iter()
+            .map(|m| {
+                let opt = |s: &Option<String>| s.as_ref().map_or(0, String::len);
+                m.role.len() + opt(&m.content) + opt(&m.reasoning_content) + opt(&m.tool_calls_json)
+            })
+            .sum();
+        let fuel = fuel_for(messages.len(), input + tools_json.map_or(0, str::len), self.max_bytes);
         let mut list = Vec::with_capacity(messages.len());
         for (i, m) in messages.iter().enumerate() {
             let mut pairs: Vec<(Value, Value)> = vec![("role".into(), Value::from(m.role.as_str()))];
@@ -190,7 +312,7 @@ impl ChatTemplate {
             }
             list.push(pairs);
         }
-        self.render(list, tools_json, opts)
+        self.render(list, tools_json, opts, fuel)
     }
 
     /// Renders a conversation given as a JSON array of message objects (any
@@ -212,7 +334,8 @@ impl ChatTemplate {
             }
             list.push(pairs);
         }
-        self.render(list, tools_json, opts)
+        let fuel = fuel_for(list.len(), messages_json.len() + tools_json.map_or(0, str::len), self.max_bytes);
+        self.render(list, tools_json, opts, fuel)
     }
 
     /// Renders the template with exactly the variables of a JSON object (plus
@@ -229,8 +352,7 @@ impl ChatTemplate {
             let val = v.get_item(&k).unwrap_or_default();
             ctx.push((k, val));
         }
-        let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| Error::arg(template_error(&e)))?;
-        tmpl.render(Value::from_pairs(ctx)).map_err(|e| Error::arg(template_error(&e)))
+        self.render_bounded(Value::from_pairs(ctx), fuel_for(0, context_json.len(), self.max_bytes))
     }
 
     fn render(
@@ -238,6 +360,7 @@ impl ChatTemplate {
         messages: Vec<Vec<(Value, Value)>>,
         tools_json: Option<&str>,
         opts: &ChatOptions,
+        fuel: u64,
     ) -> Result<String> {
         let tools = match tools_json {
             None => Value::from(()),
@@ -257,8 +380,71 @@ impl ChatTemplate {
         ctx.push(("documents", Value::from(())));
         ctx.push(("add_generation_prompt", Value::from(opts.add_generation_prompt)));
         ctx.push(("enable_thinking", Value::from(opts.enable_thinking)));
-        let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| Error::arg(template_error(&e)))?;
-        tmpl.render(Value::from_pairs(ctx)).map_err(|e| Error::arg(template_error(&e)))
+        self.render_bounded(Value::from_pairs(ctx), fuel)
+    }
+
+    /// Renders with `fuel` into a buffer of at most `max_bytes`, with the
+    /// hooks capped at `max_bytes` too.
+    fn render_bounded(&self, ctx: Value, fuel: u64) -> Result<String> {
+        struct Capped {
+            text: Vec<u8>,
+            max: usize,
+            over: bool,
+        }
+        impl std::io::Write for Capped {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                if self.text.len() + buf.len() > self.max {
+                    self.over = true;
+                    return Err(std::io::Error::other("the rendered text exceeds the limit"));
+                }
+                self.text.extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        struct Restore(usize);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                LIMIT.with(|l| l.set(self.0));
+            }
+        }
+        let _restore = Restore(LIMIT.with(|l| l.replace(self.max_bytes)));
+        let mut env = self.env.clone();
+        env.set_fuel(Some(fuel));
+        let tmpl = env.get_template(TEMPLATE_NAME).map_err(|e| Error::arg(template_error(&e)))?;
+        let mut out = Capped { text: Vec::new(), max: self.max_bytes, over: false };
+        let result = tmpl.render_captured_to(ctx, &mut out).map(drop);
+        let bounds = |what: String| {
+            let msg = format!(
+                "{}chat template {what}; refused to keep memory and time bounded",
+                if self.from_file { "the file's " } else { "" }
+            );
+            if self.from_file {
+                Error::model(msg)
+            } else {
+                Error::arg(msg)
+            }
+        };
+        match result {
+            Ok(()) => String::from_utf8(out.text).map_err(|_| Error::arg("chat template output is not UTF-8")),
+            Err(_) if out.over => Err(bounds(format!(
+                "renders more than the limit of {} bytes (ask for a larger limit if the conversation needs it)",
+                self.max_bytes
+            ))),
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(bounds(format!(
+                "needs more work or memory than this conversation calls for (fuel {fuel} ran out)"
+            ))),
+            Err(e) => match e.detail() {
+                Some(d) if d.starts_with(TOO_LARGE) => Err(bounds(format!(
+                    "builds a string beyond the limit of {} bytes: {}",
+                    self.max_bytes,
+                    &d[TOO_LARGE.len()..]
+                ))),
+                _ => Err(Error::arg(template_error(&e))),
+            },
+        }
     }
 }
 
@@ -448,17 +634,54 @@ pub fn py_str(v: &Value) -> String {
 /// other characters kept).
 pub fn py_repr(v: &Value) -> String {
     let mut out = String::new();
-    write_repr(&mut out, v);
+    let _ = write_repr(&mut out, v, usize::MAX);
     out
 }
 
-fn write_repr(out: &mut String, v: &Value) {
+/// [`py_str`] within the limit of the render in progress. A list may hold
+/// the same long string many times (or itself, nested), so its text can be
+/// far larger than the list: it is written piece by piece and refused once
+/// it exceeds the limit.
+fn capped_str(v: &Value) -> std::result::Result<String, minijinja::Error> {
+    match v.kind() {
+        ValueKind::Undefined => Ok(String::new()),
+        ValueKind::String => {
+            let s = v.as_str().unwrap_or_default();
+            check_len("a string", s.len())?;
+            Ok(s.to_string())
+        }
+        _ => {
+            let mut out = String::new();
+            let max = limit();
+            write_repr(&mut out, v, max).map_err(|_| too_large("the text of a list or map", usize::MAX))?;
+            Ok(out)
+        }
+    }
+}
+
+/// Stops a writer that went past its limit.
+struct Exceeded;
+
+/// Fails once `out` is longer than `max`.
+fn within(out: &str, max: usize) -> std::result::Result<(), Exceeded> {
+    if out.len() > max {
+        return Err(Exceeded);
+    }
+    Ok(())
+}
+
+fn write_repr(out: &mut String, v: &Value, max: usize) -> std::result::Result<(), Exceeded> {
+    within(out, max)?;
     match v.kind() {
         ValueKind::Undefined | ValueKind::None => out.push_str("None"),
         ValueKind::Bool => out.push_str(if v.is_true() { "True" } else { "False" }),
         ValueKind::Number => out.push_str(&number_str(v)),
         ValueKind::String => {
             let s = v.as_str().unwrap_or_default();
+            // Escaping at most quadruples a character.
+            if out.len().saturating_add(s.len()) > max {
+                return Err(Exceeded);
+            }
             let q = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
             out.push(q);
             for c in s.chars() {
@@ -485,7 +708,7 @@ fn write_repr(out: &mut String, v: &Value) {
                 if i > 0 {
                     out.push_str(", ");
                 }
-                write_repr(out, &item);
+                write_repr(out, &item, max)?;
             }
             out.push(']');
         }
@@ -495,14 +718,16 @@ fn write_repr(out: &mut String, v: &Value) {
                 if i > 0 {
                     out.push_str(", ");
                 }
-                write_repr(out, &k);
+                write_repr(out, &k, max)?;
                 out.push_str(": ");
-                write_repr(out, &v.get_item(&k).unwrap_or_default());
+                write_repr(out, &v.get_item(&k).unwrap_or_default(), max)?;
             }
             out.push('}');
         }
+        // Other objects print themselves; only plain values are expected here.
         _ => out.push_str(&v.to_string()),
     }
+    within(out, max)
 }
 
 struct JsonStyle {
@@ -558,6 +783,10 @@ fn write_json(out: &mut String, v: &Value, st: &JsonStyle, depth: usize) -> std:
     if depth > 500 {
         return Err(minijinja::Error::new(ErrorKind::InvalidOperation, "tojson: nesting too deep"));
     }
+    // A list may hold the same value many times: check as the text grows.
+    if out.len() > limit() {
+        return Err(too_large("tojson", usize::MAX));
+    }
     let newline = |out: &mut String, level: usize| {
         if let Some(ind) = &st.indent {
             out.push('\n');
@@ -579,7 +808,12 @@ fn write_json(out: &mut String, v: &Value, st: &JsonStyle, depth: usize) -> std:
             }),
             _ => out.push_str(&v.to_string()),
         },
-        ValueKind::String => json_string(out, v.as_str().unwrap_or_default(), st.ensure_ascii),
+        ValueKind::String => {
+            let s = v.as_str().unwrap_or_default();
+            // An escape takes at most 12 bytes per character (two \u escapes).
+            check_len("tojson", out.len().saturating_add(s.len()))?;
+            json_string(out, s, st.ensure_ascii)
+        }
         ValueKind::Seq | ValueKind::Iterable => {
             let items: Vec<Value> = v.try_iter()?.collect();
             if items.is_empty() {
@@ -653,7 +887,7 @@ fn tojson_filter(value: Value, args: Rest<Value>, kwargs: Kwargs) -> std::result
         Some(v) => {
             let parts: Vec<Value> = v.try_iter()?.collect();
             match parts.as_slice() {
-                [a, b] => (py_str(a), py_str(b)),
+                [a, b] => (capped_str(a)?, capped_str(b)?),
                 _ => {
                     return Err(minijinja::Error::new(ErrorKind::InvalidOperation, "tojson: separators must be a pair"))
                 }
@@ -667,16 +901,108 @@ fn tojson_filter(value: Value, args: Rest<Value>, kwargs: Kwargs) -> std::result
     let st = JsonStyle { ensure_ascii, indent, item_sep, key_sep, sort_keys };
     let mut out = String::new();
     write_json(&mut out, &value, &st, 0)?;
+    check_len("tojson", out.len())?;
     Ok(Value::from_safe_string(out))
 }
 
 /// Jinja2's `trim(value, chars=None)`: Python's `str.strip`.
-fn trim_filter(value: Value, chars: Option<String>) -> String {
-    let s = py_str(&value);
-    match chars {
+fn trim_filter(value: Value, chars: Option<String>) -> std::result::Result<String, minijinja::Error> {
+    let s = capped_str(&value)?;
+    Ok(match chars {
         Some(c) => s.trim_matches(|x| c.contains(x)).to_string(),
         None => s.trim_matches(py_space).to_string(),
+    })
+}
+
+/// Refuses a printf (`%...`) or `str.format` (`{...}`) format string whose
+/// widths or precisions ask for more than the limit: formatting pads to them
+/// before anything can check the size (`'%0999999999d'|format(1)` is a
+/// gigabyte). A width taken from the arguments (`*`) is checked against them.
+fn check_format(fmt: &str, args: &[Value], printf: bool) -> std::result::Result<(), minijinja::Error> {
+    let max = limit();
+    let b = fmt.as_bytes();
+    let mut asked: usize = fmt.len();
+    let mut star = false;
+    // Adds up the numbers (and notes the '*') in `spec`.
+    let mut add_numbers = |spec: &[u8], asked: &mut usize| {
+        let mut n: usize = 0;
+        let mut in_number = false;
+        for &c in spec.iter().chain(std::iter::once(&b' ')) {
+            if c.is_ascii_digit() {
+                n = n.saturating_mul(10).saturating_add((c - b'0') as usize);
+                in_number = true;
+            } else {
+                if in_number {
+                    *asked = asked.saturating_add(n);
+                }
+                n = 0;
+                in_number = false;
+                star |= c == b'*';
+            }
+        }
+    };
+    let mut i = 0;
+    while i < b.len() {
+        if printf && b[i] == b'%' {
+            if b.get(i + 1) == Some(&b'%') {
+                i += 2;
+                continue;
+            }
+            // '%' ['(' key ')'] flags width ['.' precision] [length] type
+            let mut j = i + 1;
+            if b.get(j) == Some(&b'(') {
+                while j < b.len() && b[j] != b')' {
+                    j += 1;
+                }
+                j += 1;
+            }
+            let start = j.min(b.len());
+            while j < b.len() && (b"#0- +*.".contains(&b[j]) || b[j].is_ascii_digit()) {
+                j += 1;
+            }
+            add_numbers(&b[start..j.min(b.len())], &mut asked);
+            i = j.max(i + 1);
+        } else if !printf && b[i] == b'{' {
+            if b.get(i + 1) == Some(&b'{') {
+                i += 2;
+                continue;
+            }
+            let mut j = i + 1;
+            while j < b.len() && b[j] != b'}' {
+                j += 1;
+            }
+            if let Some(colon) = b[i..j].iter().position(|&c| c == b':') {
+                add_numbers(&b[i + colon + 1..j], &mut asked);
+            }
+            i = j + 1;
+        } else {
+            i += 1;
+        }
     }
+    if star {
+        for a in args {
+            if let Some(n) = a.as_i64() {
+                asked = asked.saturating_add(n.unsigned_abs() as usize);
+            }
+        }
+    }
+    if asked > max {
+        return Err(too_large("format", asked));
+    }
+    Ok(())
+}
+
+/// minijinja's `format` filter (printf style), after [`check_format`].
+fn format_filter(
+    state: &mut State,
+    value: &Value,
+    args: Rest<minijinja::value::ValueOrKwargs>,
+) -> std::result::Result<Value, minijinja::Error> {
+    if let Some(fmt) = value.as_str() {
+        let values: Vec<Value> = args.0.iter().map(|a| a.clone().into_value()).collect();
+        check_format(fmt, &values, true)?;
+    }
+    minijinja::filters::format(state, value, args)
 }
 
 /// Python string methods: `strip`/`lstrip`/`rstrip`/`split` without arguments
@@ -699,7 +1025,14 @@ fn unknown_method(
             }
         }
     }
-    minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+    if let (Some(s), "format") = (value.as_str(), method) {
+        check_format(s, args, false)?;
+    }
+    let result = minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)?;
+    if let Some(s) = result.as_str() {
+        check_len(method, s.len())?;
+    }
+    Ok(result)
 }
 
 // ---------------------------------------------------------------------------------------------

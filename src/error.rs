@@ -39,6 +39,9 @@ pub enum Error {
     /// unusable until it is reset or a snapshot is loaded into it.
     #[error("the state is lost: {0}")]
     StateLost(String),
+    /// A bug inside flashnext (a caught panic); the call was undone.
+    #[error("internal error: {0}")]
+    Internal(String),
     /// The caller's abort callback asked to stop; nothing was changed.
     #[error("aborted by the abort callback; the state is unchanged")]
     Aborted,

@@ -3,7 +3,10 @@
 //!
 //! Failure semantics: [`decode_tokens`] and [`generate`] either succeed or
 //! leave the state (and the sampler) exactly as they were, whether the cause
-//! is a bad argument, an abort request or running out of memory part way.
+//! is a bad argument, an abort request, running out of memory part way, or a
+//! panic part way (a bug: reported as [`Error::Internal`] after the
+//! rollback; a one-token [`decode_tokens`] has nothing to undo and lets the
+//! panic through).
 //! Tokens already streamed to `on_token` before an abort are not taken back
 //! from the caller, but they are gone from the state.
 //!
@@ -12,7 +15,8 @@
 
 use crate::error::{Error, Result};
 use crate::model::State;
-use crate::sampling::{argmax, Sampler};
+use crate::sampling::{greedy, Sampler};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
 /// Turns generated tokens into text, one token at a time. A streaming
@@ -73,6 +77,16 @@ pub fn model_text(tokenizer: Option<&Tokenizer>) -> Box<dyn Detokenize + '_> {
         Some(t) => Box::new(TokenText::new(t)),
         None => Box::new(NoText),
     }
+}
+
+/// The error a panic (a bug in flashnext) caught during generation becomes.
+fn panic_error(payload: &(dyn std::any::Any + Send)) -> Error {
+    let msg = payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into());
+    Error::Internal(msg)
 }
 
 /// What [`generate`] does besides sampling.
@@ -182,14 +196,20 @@ pub fn decode_tokens(
         return state.decode(tokens[0]);
     }
     let undo = state.undo_point(Some(tokens.len()))?;
-    for (i, &t) in tokens.iter().enumerate() {
-        let step = if i > 0 && abort() { Err(Error::Aborted) } else { state.decode(t) };
-        if let Err(e) = step {
-            state.undo(&undo)?;
-            return Err(e);
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        for (i, &t) in tokens.iter().enumerate() {
+            if i > 0 && abort() {
+                return Err(Error::Aborted);
+            }
+            state.decode(t)?;
         }
+        Ok(())
+    }))
+    .unwrap_or_else(|p| Err(panic_error(&*p)));
+    if result.is_err() {
+        state.undo(&undo)?;
     }
-    Ok(())
+    result
 }
 
 /// Decodes `prompt` (may be empty when the state already has logits), then
@@ -221,7 +241,7 @@ pub fn generate(
     let undo = state.undo_point(None)?;
     let sampler_before = sampler.as_deref().cloned();
 
-    let mut run = || -> Result<Generation> {
+    let run = || -> Result<Generation> {
         for (i, &t) in prompt.iter().enumerate() {
             if i > 0 && abort() {
                 return Err(Error::Aborted);
@@ -252,7 +272,7 @@ pub fn generate(
                     s.accept(t);
                     t
                 }
-                None => argmax(logits).expect("logits are not empty"),
+                None => greedy(logits)?,
             };
             let piece = detok.push(token);
             let go_on = on_token(token, &piece);
@@ -278,7 +298,8 @@ pub fn generate(
             }
         }
     };
-    let result = run();
+    // A panic (a bug) part way is undone like an error.
+    let result = catch_unwind(AssertUnwindSafe(run)).unwrap_or_else(|p| Err(panic_error(&*p)));
     if result.is_err() {
         state.undo(&undo)?;
         if let (Some(s), Some(before)) = (sampler, sampler_before) {

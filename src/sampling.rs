@@ -23,7 +23,9 @@
 //! version: crates such as `rand` do not promise stable output streams.
 //!
 //! Logits of `-inf` mark banned tokens and never survive; NaN or `+inf`
-//! logits are refused.
+//! logits are refused. The penalties keep finite logits finite (saturating at
+//! `±f32::MAX`), so every later stage works on finite numbers and the chain
+//! always keeps at least its most likely candidate.
 
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
@@ -171,7 +173,9 @@ fn by_logit_desc(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
 }
 
 /// Divides positive logits by `penalty` and multiplies the others by it, once
-/// for each distinct id in `tokens` (ids beyond `logits` are ignored).
+/// for each distinct id in `tokens` (ids beyond `logits` are ignored). A
+/// finite logit stays finite: a result beyond the f32 range saturates at
+/// `±f32::MAX` (`-inf`, a banned token, stays banned).
 pub fn apply_repetition_penalty(
     logits: &mut [f32],
     tokens: impl IntoIterator<Item = u32>,
@@ -186,13 +190,26 @@ pub fn apply_repetition_penalty(
             continue;
         }
         if let Some(l) = logits.get_mut(t as usize) {
-            *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
+            let v = if *l > 0.0 { *l / penalty } else { *l * penalty };
+            *l = if v.is_finite() || !l.is_finite() {
+                v
+            } else if *l > 0.0 {
+                saturate(*l as f64 / penalty as f64)
+            } else {
+                saturate(*l as f64 * penalty as f64)
+            };
         }
     }
 }
 
+/// `x` rounded to the nearest finite f32 (the largest magnitude on overflow).
+fn saturate(x: f64) -> f32 {
+    x.clamp(-(f32::MAX as f64), f32::MAX as f64) as f32
+}
+
 /// OpenAI presence/frequency penalties: `logit -= count * frequency + presence`
-/// for each `(id, count)` with `count > 0`.
+/// for each `(id, count)` with `count > 0`. A finite logit stays finite (the
+/// result saturates at `±f32::MAX`).
 pub fn apply_presence_frequency(
     logits: &mut [f32],
     counts: impl IntoIterator<Item = (u32, u32)>,
@@ -207,7 +224,12 @@ pub fn apply_presence_frequency(
             continue;
         }
         if let Some(l) = logits.get_mut(t as usize) {
-            *l -= c as f32 * frequency + presence;
+            let v = *l - (c as f32 * frequency + presence);
+            *l = if v.is_finite() || !l.is_finite() {
+                v
+            } else {
+                saturate(*l as f64 - (c as f64 * frequency as f64 + presence as f64))
+            };
         }
     }
 }
@@ -269,6 +291,11 @@ pub fn min_p(cands: &mut Vec<Candidate>, p: f32, temperature: f32) {
         return;
     }
     let w = weights(cands, temperature);
+    // The most likely candidate has weight 1, so it always survives; a NaN
+    // weight (only possible from non-finite logits) must not empty the set.
+    if !w.iter().any(|&x| x >= p as f64) {
+        return;
+    }
     let mut i = 0;
     cands.retain(|_| {
         let keep = w[i] >= p as f64;
@@ -277,7 +304,34 @@ pub fn min_p(cands: &mut Vec<Candidate>, p: f32, temperature: f32) {
     });
 }
 
-/// Index of the largest finite-or-infinite logit, lowest on ties; `None` when empty.
+/// Refuses what no sampler accepts: no logits at all, a NaN or a `+inf`.
+fn check_logits(logits: &[f32]) -> Result<()> {
+    if logits.is_empty() {
+        return Err(Error::arg("sampler: no logits (length 0)"));
+    }
+    if let Some(bad) = logits.iter().position(|l| l.is_nan() || *l == f32::INFINITY) {
+        return Err(Error::arg(format!(
+            "sampler: logit {bad} is {} (NaN and +inf are refused)",
+            logits[bad]
+        )));
+    }
+    Ok(())
+}
+
+/// The greedy choice: the highest logit, lowest id on ties. The same rule
+/// as a temperature-0 [`Sampler`] without penalties: NaN or `+inf` logits
+/// are refused, and so are logits that are all `-inf`.
+pub fn greedy(logits: &[f32]) -> Result<u32> {
+    check_logits(logits)?;
+    match argmax(logits) {
+        Some(i) if logits[i as usize] != f32::NEG_INFINITY => Ok(i),
+        _ => Err(Error::arg("sampler: every logit is -inf (no token can be drawn)")),
+    }
+}
+
+/// Index of the largest finite-or-infinite logit, lowest on ties; `None` when
+/// empty. Unchecked: with NaN logits the answer is meaningless (see
+/// [`greedy`] for the checked choice).
 pub fn argmax(logits: &[f32]) -> Option<u32> {
     let mut best: Option<(usize, f32)> = None;
     for (i, &l) in logits.iter().enumerate() {
@@ -424,18 +478,7 @@ impl Sampler {
     /// The survivors of the whole chain (before the draw), with their
     /// penalised logits. Greedy (temperature 0) leaves only the argmax.
     pub fn candidates(&self, logits: &[f32]) -> Result<Vec<Candidate>> {
-        if logits.is_empty() {
-            return Err(Error::arg("sampler: no logits (length 0)"));
-        }
-        if let Some(bad) = logits
-            .iter()
-            .position(|l| l.is_nan() || *l == f32::INFINITY)
-        {
-            return Err(Error::arg(format!(
-                "sampler: logit {bad} is {} (NaN and +inf are refused)",
-                logits[bad]
-            )));
-        }
+        check_logits(logits)?;
         let penalized = self.penalized(logits);
         let mut cands: Vec<Candidate> = penalized
             .iter()
@@ -481,6 +524,10 @@ impl Sampler {
     /// Draws the next token. Does not [`accept`](Self::accept) it.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
         let cands = self.candidates(logits)?;
+        if cands.is_empty() {
+            // The chain keeps at least its most likely candidate; refuse rather than panic.
+            return Err(Error::arg("sampler: no candidate survived the chain"));
+        }
         if cands.len() == 1 {
             // Greedy or a single survivor: no randomness used, so the
             // generator's stream does not depend on how the chain truncates.

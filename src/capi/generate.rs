@@ -1,9 +1,10 @@
 //! Decoding several tokens at once and the generation loop (`fnx_generate`).
 
-use super::state::{aborted, check};
+use super::state::{aborted, check, poison};
 use super::{
-    fail, fnx_sampler, fnx_state, fnx_status, guard, log, non_null, Failure,
-    FNX_ERR_INVALID_ARGUMENT, FNX_ERR_NO_LOGITS, FNX_ERR_NULL_ARGUMENT, FNX_ERR_TOKEN_OUT_OF_RANGE,
+    check_count, fail, fnx_sampler, fnx_state, fnx_status, guard, log, non_null, slice_arg, Failure,
+    FNX_ERR_CONTEXT_FULL,
+    FNX_ERR_INTERNAL, FNX_ERR_INVALID_ARGUMENT, FNX_ERR_NO_LOGITS, FNX_ERR_NULL_ARGUMENT, FNX_ERR_TOKEN_OUT_OF_RANGE,
     FNX_LOG_DEBUG,
 };
 use crate::generate::{self, GenerateOptions, StopReason};
@@ -14,8 +15,9 @@ use std::ffi::{c_char, c_void, CStr};
 /// (UTF-8 from the model's tokenizer, never a partial character: bytes of an
 /// incomplete one come with a later token; empty for special tokens such as
 /// `<|im_end|>` and when the file has no tokenizer; followed by a NUL; valid
-/// during the call only). Return false to stop after this token. It must not
-/// use the state or the sampler that is generating.
+/// during the call only). Return false to stop after this token. Calls it
+/// makes on the state or the sampler that is generating are refused with
+/// `FNX_ERR_BUSY` (and do nothing); other states and samplers may be used.
 pub type fnx_token_callback = Option<
     unsafe extern "C" fn(
         token: i32,
@@ -33,13 +35,16 @@ pub struct fnx_generate_params {
     pub struct_size: u32,
     /// Most tokens to generate; 0 = no limit (until a stop condition or a full context).
     pub max_tokens: u32,
-    /// Chooses each token; NULL = greedy. `fnx_generate` accepts every
-    /// generated token into it (not the prompt) and does not reset it.
+    /// Chooses each token; NULL = greedy (the rule of a temperature-0
+    /// sampler: NaN or +INFINITY logits are refused with
+    /// `FNX_ERR_INVALID_ARGUMENT`). `fnx_generate` accepts every generated
+    /// token into it (not the prompt) and does not reset it.
     pub sampler: *mut fnx_sampler,
     /// Token ids that stop generation (after being generated): `n_stop_tokens` of them.
     pub stop_tokens: *const i32,
     pub n_stop_tokens: usize,
-    /// NUL-terminated strings that stop generation once the generated text
+    /// NUL-terminated UTF-8 strings (others are `FNX_ERR_INVALID_ARGUMENT`)
+    /// that stop generation once the generated text
     /// contains one (checked after each token, across token boundaries; the
     /// token completing it is still passed to the callback): `n_stop_strings` of them.
     pub stop_strings: *const *const c_char,
@@ -75,17 +80,8 @@ unsafe fn token_ids(
     func: &str,
     what: &str,
 ) -> Result<Vec<u32>, Failure> {
-    if n == 0 {
-        return Ok(Vec::new());
-    }
-    if tokens.is_null() {
-        return Err(fail(
-            FNX_ERR_NULL_ARGUMENT,
-            format!("{func}: {what} is NULL but its count is {n}"),
-        ));
-    }
     // SAFETY: `n` readable ids per the contract.
-    let raw = unsafe { std::slice::from_raw_parts(tokens, n) };
+    let raw = unsafe { slice_arg(tokens, n, func, what) }?;
     raw.iter()
         .enumerate()
         .map(|(i, &t)| {
@@ -99,9 +95,37 @@ unsafe fn token_ids(
         .collect()
 }
 
+/// Refuses `n` tokens that are not a real array or do not fit in the
+/// state's context, before any of them is read.
+fn check_room(s: &fnx_state, tokens: *const i32, n: usize, func: &str, what: &str) -> Result<(), Failure> {
+    if n == 0 {
+        return Ok(());
+    }
+    if tokens.is_null() {
+        return Err(fail(FNX_ERR_NULL_ARGUMENT, format!("{func}: {what} is NULL but its count is {n}")));
+    }
+    check_count::<i32>(n, func, what)?;
+    let (pos, n_ctx) = (s.state.position(), s.state.model().n_ctx);
+    let room = n_ctx.saturating_sub(pos);
+    if n > room {
+        return Err(fail(
+            FNX_ERR_CONTEXT_FULL,
+            format!("{func}: {n} tokens do not fit: {pos} positions decoded, context limit {n_ctx} ({room} left)"),
+        ));
+    }
+    Ok(())
+}
+
 fn generate_failure(e: Error, func: &str) -> Failure {
     match e {
         Error::Aborted => aborted(func),
+        Error::Internal(msg) => fail(
+            FNX_ERR_INTERNAL,
+            format!(
+                "{func}: internal error (please report): {msg}{}; the state is as it was before the call",
+                super::panic_location()
+            ),
+        ),
         e => {
             let Failure(status, msg) = Failure::from(e);
             Failure(status, format!("{func}: {msg}"))
@@ -112,7 +136,8 @@ fn generate_failure(e: Error, func: &str) -> Failure {
 /// Decodes `n` tokens in order; the logits are then the last token's. Every
 /// token and the context room are checked before anything is decoded, and
 /// any failure (including `FNX_ERR_ABORTED` from the abort callback, polled
-/// before each token) leaves the state as it was. `n` = 0 does nothing.
+/// before each token, and `FNX_ERR_INTERNAL` when `n` > 1) leaves the state
+/// as it was. `n` = 0 does nothing.
 ///
 /// # Safety
 /// `state` must be NULL or a live handle, not used by another thread
@@ -126,17 +151,16 @@ pub unsafe extern "C" fn fnx_decode_tokens(
     guard(
         || {
             non_null!(state, "fnx_decode_tokens", "state");
-            check(state, "fnx_decode_tokens")?;
+            let mut s = check(state, "fnx_decode_tokens")?;
+            check_room(&s, tokens, n, "fnx_decode_tokens", "tokens")?;
             // SAFETY: per the contract.
             let ids = unsafe { token_ids(tokens, n, "fnx_decode_tokens", "tokens") }?;
-            // SAFETY: checked above; the caller guarantees exclusive use.
-            let s = unsafe { &mut *state };
             let mut abort = s.abort_fn();
             generate::decode_tokens(&mut s.state, &ids, &mut abort)
                 .map_err(|e| generate_failure(e, "fnx_decode_tokens"))
         },
-        // SAFETY: as above; only reached after a panic inside decode.
-        || unsafe { (*state).poisoned = true },
+        // Only reached after a panic that was not rolled back.
+        || poison(state),
     )
 }
 
@@ -151,8 +175,9 @@ pub unsafe extern "C" fn fnx_decode_tokens(
 ///
 /// Arguments are checked before anything is decoded. On any failure,
 /// including `FNX_ERR_ABORTED` (the abort callback is polled before every
-/// token), the state and the sampler are as they were before the call;
-/// tokens already passed to `on_token` are then not part of the state.
+/// token) and `FNX_ERR_INTERNAL` (a bug, caught part way), the state and the
+/// sampler are as they were before the call; tokens already passed to
+/// `on_token` are then not part of the state.
 ///
 /// # Safety
 /// `state` must be NULL or a live handle, not used by another thread
@@ -173,7 +198,8 @@ pub unsafe extern "C" fn fnx_generate(
         || {
             const F: &str = "fnx_generate";
             non_null!(state, "fnx_generate", "state");
-            check(state, F)?;
+            let mut s = check(state, F)?;
+            check_room(&s, prompt, n_prompt, F, "prompt")?;
             // SAFETY: per the contract.
             let prompt = unsafe { token_ids(prompt, n_prompt, F, "prompt") }?;
             let p = if params.is_null() {
@@ -195,11 +221,10 @@ pub unsafe extern "C" fn fnx_generate(
             // SAFETY: per the contract.
             let mut stop_tokens =
                 unsafe { token_ids(p.stop_tokens, p.n_stop_tokens, F, "params.stop_tokens") }?;
-            let mut stop_strings = Vec::with_capacity(p.n_stop_strings);
-            if p.n_stop_strings > 0 {
-                non_null!(p.stop_strings, "fnx_generate", "params.stop_strings");
+            let mut stop_strings = Vec::new();
+            {
                 // SAFETY: `n_stop_strings` readable pointers per the contract.
-                let ptrs = unsafe { std::slice::from_raw_parts(p.stop_strings, p.n_stop_strings) };
+                let ptrs = unsafe { slice_arg(p.stop_strings, p.n_stop_strings, F, "params.stop_strings") }?;
                 for (i, &sp) in ptrs.iter().enumerate() {
                     if sp.is_null() {
                         return Err(fail(
@@ -215,17 +240,23 @@ pub unsafe extern "C" fn fnx_generate(
                             format!("{F}: params.stop_strings[{i}] is empty"),
                         ));
                     }
+                    if let Err(e) = std::str::from_utf8(bytes) {
+                        return Err(fail(
+                            FNX_ERR_INVALID_ARGUMENT,
+                            format!(
+                                "{F}: params.stop_strings[{i}] is not valid UTF-8 (bad byte at offset {})",
+                                e.valid_up_to()
+                            ),
+                        ));
+                    }
                     stop_strings.push(bytes.to_vec());
                 }
             }
-            let sampler = if p.sampler.is_null() {
-                None
-            } else {
-                // SAFETY: non-NULL; the caller passes a live sampler used by this thread only.
-                Some(&mut unsafe { fnx_sampler::from_ptr(p.sampler, F) }?.sampler)
-            };
-            // SAFETY: checked above; the caller guarantees exclusive use.
-            let s = unsafe { &mut *state };
+            // Held (busy) until the call returns, like the state.
+            let mut sampler_lease =
+                if p.sampler.is_null() { None } else { Some(fnx_sampler::from_ptr(p.sampler, F)?) };
+            let sampler = sampler_lease.as_mut().map(|l| &mut l.sampler);
+            let s = &mut *s;
             if prompt.is_empty() && s.state.logits().is_none() {
                 return Err(fail(
                     FNX_ERR_NO_LOGITS,
@@ -251,20 +282,13 @@ pub unsafe extern "C" fn fnx_generate(
                 piece_buf.extend_from_slice(piece);
                 piece_buf.push(0);
                 // SAFETY: the caller's callback; the buffer outlives the call and is NUL-terminated.
-                unsafe {
-                    cb(
-                        token as i32,
-                        piece_buf.as_ptr().cast(),
-                        piece.len(),
-                        user_data,
-                    )
-                }
+                super::outside(|| unsafe { cb(token as i32, piece_buf.as_ptr().cast(), piece.len(), user_data) })
             };
             let start = std::time::Instant::now();
             let out = generate::generate(
                 &mut s.state,
                 &prompt,
-                sampler.map(|b| &mut **b),
+                sampler,
                 &opts,
                 &mut *detok,
                 &mut abort,
@@ -294,11 +318,7 @@ pub unsafe extern "C" fn fnx_generate(
             }
             Ok(())
         },
-        // SAFETY: only reached after a panic; the state pointer was checked non-NULL first.
-        || unsafe {
-            if !state.is_null() {
-                (*state).poisoned = true
-            }
-        },
+        // Only reached after a panic that was not rolled back.
+        || poison(state),
     )
 }

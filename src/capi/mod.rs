@@ -6,13 +6,20 @@
 //!   On failure `fnx_last_error()` gives a message for the calling thread.
 //! - Out-parameters are written only on success.
 //! - Handles are opaque; whoever receives one from `fnx_load`/`fnx_new_state`
-//!   owns it and frees it with the matching `fnx_free_*`.
+//!   owns it and frees it with the matching `fnx_free_*`. They are numbers
+//!   from a registry (`handle`), never addresses: freed handles, handles of
+//!   another kind and handles in use by a call in progress are refused.
 //! - A model may be used from many threads at once; a state by one thread at a time.
-//! - Panics never cross the boundary: they become `FNX_ERR_INTERNAL`.
+//! - Panics never cross the boundary: they become `FNX_ERR_INTERNAL`, with
+//!   the message in `fnx_last_error` and the log, never on stderr (`panics`).
+//! - Counts larger than any array can hold are `FNX_ERR_INVALID_ARGUMENT`,
+//!   checked before anything is read (`check_count`, `slice_arg`).
 #![allow(non_camel_case_types)]
 
 mod generate;
+mod handle;
 mod model;
+mod panics;
 mod sampler;
 mod state;
 mod text;
@@ -57,11 +64,15 @@ pub const FNX_ERR_MODEL_FREED: fnx_status = 10;
 pub const FNX_ERR_BACKEND_UNAVAILABLE: fnx_status = 11;
 /// Memory could not be obtained.
 pub const FNX_ERR_OUT_OF_MEMORY: fnx_status = 12;
-/// A bug inside flashnext (a caught panic). The state involved is unusable until reset.
+/// A bug inside flashnext (a caught panic). The state involved is unusable
+/// until reset, except after `fnx_generate` and a multi-token
+/// `fnx_decode_tokens`, which roll it back to where it was before the call.
 pub const FNX_ERR_INTERNAL: fnx_status = 13;
 /// The state was left unusable by an earlier internal error; reset or free it.
 pub const FNX_ERR_STATE_INVALID: fnx_status = 14;
-/// A handle of the wrong kind, or one already freed (detected by its tag).
+/// A handle of the wrong kind, or one already freed. Handles are numbers
+/// that are never given out twice (not addresses), so a freed handle is
+/// detected even after a new object took its memory.
 pub const FNX_ERR_INVALID_HANDLE: fnx_status = 15;
 /// The load progress callback returned false; nothing was loaded.
 pub const FNX_ERR_CANCELLED: fnx_status = 16;
@@ -71,6 +82,10 @@ pub const FNX_ERR_ABORTED: fnx_status = 17;
 pub const FNX_ERR_SNAPSHOT_MISMATCH: fnx_status = 18;
 /// The bytes are not a complete, undamaged state snapshot.
 pub const FNX_ERR_SNAPSHOT_CORRUPT: fnx_status = 19;
+/// The state, sampler or detokenizer is in use by a call in progress: a
+/// callback of that call (e.g. `fnx_generate`'s token callback, an abort
+/// callback) or another thread used it. Nothing was done.
+pub const FNX_ERR_BUSY: fnx_status = 20;
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
@@ -92,6 +107,7 @@ impl From<Error> for Failure {
             Error::OutOfMemory(_) => FNX_ERR_OUT_OF_MEMORY,
             Error::StateLost(_) => FNX_ERR_STATE_INVALID,
             Error::Aborted => FNX_ERR_ABORTED,
+            Error::Internal(_) => FNX_ERR_INTERNAL,
             Error::Snapshot(s) if s.is_mismatch() => FNX_ERR_SNAPSHOT_MISMATCH,
             Error::Snapshot(_) => FNX_ERR_SNAPSHOT_CORRUPT,
         };
@@ -116,9 +132,10 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Runs `f` behind the panic boundary and turns its outcome into a status.
-/// `on_panic` runs after a caught panic (to mark a state unusable).
+/// `on_panic` runs after a caught panic (to mark a state unusable). A panic
+/// inside goes to the log callback, not to standard error (see `panics`).
 pub(crate) fn guard(f: impl FnOnce() -> Result<(), Failure>, on_panic: impl FnOnce()) -> fnx_status {
-    match catch_unwind(AssertUnwindSafe(f)) {
+    match panics::inside(|| catch_unwind(AssertUnwindSafe(f))) {
         Ok(Ok(())) => FNX_OK,
         Ok(Err(Failure(status, msg))) => {
             set_last_error(&msg);
@@ -126,11 +143,25 @@ pub(crate) fn guard(f: impl FnOnce() -> Result<(), Failure>, on_panic: impl FnOn
         }
         Err(p) => {
             on_panic();
-            set_last_error(&format!("internal error (please report): {}", panic_message(&*p)));
+            set_last_error(&format!("internal error (please report): {}{}", panic_message(&*p), panic_location()));
             FNX_ERR_INTERNAL
         }
     }
 }
+
+/// " at FILE:LINE:COLUMN" of the last panic caught on this thread, or "".
+pub(crate) fn panic_location() -> String {
+    panics::take_location().map(|l| format!(" at {l}")).unwrap_or_default()
+}
+
+/// Panics behind the boundary exactly as a bug inside an `fnx_` call would,
+/// for tests of where its message goes. Returns `FNX_ERR_INTERNAL`.
+#[doc(hidden)]
+pub fn panic_behind_boundary(message: &str) -> fnx_status {
+    guard(|| panic!("{message}"), || {})
+}
+
+pub(crate) use panics::outside;
 
 /// Returns `Err` with `FNX_ERR_NULL_ARGUMENT` naming `$name` when `$ptr` is NULL.
 macro_rules! non_null {
@@ -144,6 +175,59 @@ macro_rules! non_null {
     };
 }
 pub(crate) use non_null;
+
+/// Checks that `n` items of `T` could be a real array (`n * size_of::<T>()`
+/// at most `isize::MAX` bytes): larger counts are
+/// `FNX_ERR_INVALID_ARGUMENT`, before anything is read.
+pub(crate) fn check_count<T>(n: usize, func: &str, what: &str) -> Result<(), Failure> {
+    let max = isize::MAX as usize / std::mem::size_of::<T>().max(1);
+    if n > max {
+        return Err(fail(
+            FNX_ERR_INVALID_ARGUMENT,
+            format!("{func}: {what} is {n}, more than any array can hold ({max} at most)"),
+        ));
+    }
+    Ok(())
+}
+
+/// The `n` items at `p` (NULL is accepted when `n` is 0), after the NULL and
+/// count checks.
+///
+/// # Safety
+/// When `n` > 0, `p` must be NULL or point to `n` readable items that stay
+/// unchanged for `'a`.
+pub(crate) unsafe fn slice_arg<'a, T>(p: *const T, n: usize, func: &str, what: &str) -> Result<&'a [T], Failure> {
+    if n == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return Err(fail(FNX_ERR_NULL_ARGUMENT, format!("{func}: {what} is NULL but its count is {n}")));
+    }
+    check_count::<T>(n, func, what)?;
+    // SAFETY: non-NULL, a real count, and `n` readable items per the contract.
+    Ok(unsafe { std::slice::from_raw_parts(p, n) })
+}
+
+/// The most worker threads `fnx_load` accepts: four per logical CPU, and
+/// never fewer than 256. More threads than cores only slow the matrix
+/// products down; a count beyond this is a mistake, and honouring it would
+/// start that many threads.
+pub(crate) fn max_threads() -> usize {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    cpus.saturating_mul(4).max(256)
+}
+
+/// Refuses a thread count beyond [`max_threads`].
+pub(crate) fn check_threads(n: u32, func: &str) -> Result<(), Failure> {
+    let max = max_threads();
+    if n as usize > max {
+        return Err(fail(
+            FNX_ERR_INVALID_ARGUMENT,
+            format!("{func}: n_threads {n} is more than {max} (four per logical CPU, at least 256)"),
+        ));
+    }
+    Ok(())
+}
 
 /// The message of the last failed call on this thread, or "" if none. The
 /// pointer stays valid until the next failing call on the same thread.
@@ -182,6 +266,7 @@ pub extern "C" fn fnx_status_name(status: fnx_status) -> *const c_char {
         FNX_ERR_ABORTED => "FNX_ERR_ABORTED\0",
         FNX_ERR_SNAPSHOT_MISMATCH => "FNX_ERR_SNAPSHOT_MISMATCH\0",
         FNX_ERR_SNAPSHOT_CORRUPT => "FNX_ERR_SNAPSHOT_CORRUPT\0",
+        FNX_ERR_BUSY => "FNX_ERR_BUSY\0",
         _ => "FNX_UNKNOWN_STATUS\0",
     };
     s.as_ptr().cast()

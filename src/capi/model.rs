@@ -1,9 +1,6 @@
 //! `fnx_model`: loading a GGUF file and the facts a caller needs about it.
 
-use super::{
-    fail, guard, non_null, fnx_status, Failure, FNX_ERR_CANCELLED, FNX_ERR_INVALID_ARGUMENT,
-    FNX_ERR_INVALID_HANDLE,
-};
+use super::{fail, guard, non_null, fnx_status, Failure, FNX_ERR_CANCELLED, FNX_ERR_INVALID_ARGUMENT};
 use crate::load::{Backend, LoadOptions};
 use crate::model::{BackendKind, LayerKind, Model};
 use crate::tokenizer::SharedTokenizer;
@@ -32,7 +29,9 @@ pub type fnx_progress_callback = Option<unsafe extern "C" fn(progress: f32, user
 pub struct fnx_load_params {
     /// `sizeof(fnx_load_params)` as the caller compiled it (set by `fnx_load_params_default`).
     pub struct_size: u32,
-    /// Worker threads for matrix products; 0 = all cores.
+    /// Worker threads for matrix products; 0 = all cores. At most four per
+    /// logical CPU (and at least 256 are always allowed); more is
+    /// `FNX_ERR_INVALID_ARGUMENT`.
     pub n_threads: u32,
     /// Largest number of positions per state; 0 = the model's context length.
     pub n_ctx: u32,
@@ -54,7 +53,6 @@ const LOAD_PARAMS_V1_SIZE: usize = std::mem::offset_of!(fnx_load_params, progres
 
 /// A loaded model (opaque). Share it between threads freely.
 pub struct fnx_model {
-    tag: u64,
     pub(crate) model: Arc<Model>,
     /// The model file's tokenizer, beside the model (built on first use).
     pub(crate) tokenizer: SharedTokenizer,
@@ -62,18 +60,10 @@ pub struct fnx_model {
     pub(crate) alive: Arc<AtomicBool>,
 }
 
-const MODEL_TAG: u64 = 0x666e_785f_6d6f_646c; // "fnx_modl"
-
 impl fnx_model {
-    /// Borrows a model handle, checking its tag.
+    /// Borrows a model handle (refused unless it is a live model handle).
     pub(crate) fn from_ptr<'a>(p: *const fnx_model, func: &str) -> Result<&'a fnx_model, Failure> {
-        // SAFETY: the caller passed a pointer obtained from `fnx_load` (checked non-NULL
-        // by the caller of this function); the tag catches handles of the wrong kind.
-        let m = unsafe { &*p };
-        if m.tag != MODEL_TAG {
-            return Err(fail(FNX_ERR_INVALID_HANDLE, format!("{func}: not a live fnx_model handle")));
-        }
-        Ok(m)
+        super::handle::get(p, func)
     }
 }
 
@@ -116,13 +106,14 @@ pub(crate) fn log(level: i32, message: impl FnOnce() -> String) {
         let c = CString::new(message().replace('\0', " ")).unwrap_or_default();
         // SAFETY: the callback and its user data were registered by the caller
         // through fnx_set_log_callback; the string lives across the call.
-        unsafe { f(level, c.as_ptr(), user_data as *mut c_void) };
+        super::outside(|| unsafe { f(level, c.as_ptr(), user_data as *mut c_void) });
     }
 }
 
 /// Sets the process-wide log callback (NULL = silent, the default). It may be
 /// called from any thread that uses flashnext, so it must be thread-safe; it
-/// must not call `fnx_set_log_callback` itself.
+/// must not call `fnx_set_log_callback` itself. Internal errors (caught
+/// panics) are logged here at `FNX_LOG_ERROR`, never printed.
 ///
 /// # Safety
 /// `callback` must be NULL or a function that stays callable, with
@@ -193,6 +184,7 @@ pub unsafe extern "C" fn fnx_load(
             // SAFETY: non-NULL, and the caller promises a valid struct.
             let p = if params.is_null() { fnx_load_params_default() } else { unsafe { read_params(params) }? };
             let backend = backend_choice(&p)?;
+            super::check_threads(p.n_threads, "fnx_load")?;
             let device_index = usize::try_from(p.device_index)
                 .map_err(|_| fail(FNX_ERR_INVALID_ARGUMENT, format!("fnx_load: device_index {} is negative", p.device_index)))?;
             // SAFETY: non-NULL and NUL-terminated per the contract.
@@ -204,7 +196,7 @@ pub unsafe extern "C" fn fnx_load(
                 let (user_data, cancelled) = (p.progress_user_data as usize, cancelled.clone());
                 let wrapped = move |fraction: f32| {
                     // SAFETY: the caller's callback and user data, called on this thread during fnx_load.
-                    let go_on = unsafe { f(fraction, user_data as *mut c_void) };
+                    let go_on = super::outside(|| unsafe { f(fraction, user_data as *mut c_void) });
                     if !go_on {
                         cancelled.store(true, Ordering::Relaxed);
                     }
@@ -242,9 +234,9 @@ pub unsafe extern "C" fn fnx_load(
                 });
             }
             log(super::FNX_LOG_INFO, || describe(path, &model, start.elapsed()));
-            let handle = Box::new(fnx_model { tag: MODEL_TAG, model, tokenizer: SharedTokenizer::default(), alive: Arc::new(AtomicBool::new(true)) });
+            let handle = Box::new(fnx_model { model, tokenizer: SharedTokenizer::default(), alive: Arc::new(AtomicBool::new(true)) });
             // SAFETY: checked non-NULL above; written only on success.
-            unsafe { *out_model = Box::into_raw(handle) };
+            unsafe { *out_model = super::handle::insert(handle) };
             Ok(())
         },
         || {},
@@ -285,12 +277,9 @@ pub unsafe extern "C" fn fnx_free_model(model: *mut fnx_model) {
     }
     let _ = guard(
         || {
-            let m = fnx_model::from_ptr(model, "fnx_free_model")?;
+            let m = super::handle::remove(model, "fnx_free_model")?;
             m.alive.store(false, Ordering::Release);
-            // SAFETY: the pointer came from Box::into_raw in fnx_load and is freed once.
-            let mut b = unsafe { Box::from_raw(model) };
-            b.tag = 0;
-            drop(b);
+            drop(m);
             Ok(())
         },
         || {},

@@ -1,9 +1,8 @@
 //! `fnx_sampler`: turns logits into a token (penalties, temperature,
 //! top-k, top-p, min-p, seeded draw); see `crate::sampling` for the exact chain.
 
-use super::{
-    fail, fnx_status, guard, non_null, Failure, FNX_ERR_INVALID_ARGUMENT, FNX_ERR_INVALID_HANDLE,
-};
+use super::handle::{lease, Lease};
+use super::{fail, fnx_status, guard, non_null, Failure, FNX_ERR_INVALID_ARGUMENT};
 use crate::sampling::{Sampler, SamplerParams, PRESETS, RANDOM_SEED};
 use std::ffi::{c_char, CStr};
 
@@ -45,33 +44,14 @@ pub struct fnx_sampler_params {
 /// A sampler (opaque): the settings, the random generator and the accepted
 /// tokens. Use from one thread at a time; free with `fnx_sampler_free`.
 pub struct fnx_sampler {
-    tag: u64,
-    /// Boxed so the handle is two words: a wrong handle passed here is still
-    /// read within its allocation when the tag is checked.
-    pub(crate) sampler: Box<Sampler>,
+    pub(crate) sampler: Sampler,
 }
 
-const SAMPLER_TAG: u64 = 0x666e_785f_736d_706c; // "fnx_smpl"
-
 impl fnx_sampler {
-    /// Borrows a sampler handle mutably, checking its tag.
-    ///
-    /// # Safety
-    /// `p` is non-NULL and, per the caller's contract, a handle from
-    /// `fnx_sampler_new` not used elsewhere meanwhile.
-    pub(crate) unsafe fn from_ptr<'a>(
-        p: *mut fnx_sampler,
-        func: &str,
-    ) -> Result<&'a mut fnx_sampler, Failure> {
-        // SAFETY: see above; the tag catches handles of the wrong kind.
-        let s = unsafe { &mut *p };
-        if s.tag != SAMPLER_TAG {
-            return Err(fail(
-                FNX_ERR_INVALID_HANDLE,
-                format!("{func}: not a live fnx_sampler handle"),
-            ));
-        }
-        Ok(s)
+    /// Takes a sampler handle for the call (refused unless it is a live
+    /// sampler handle not in use by another call).
+    pub(crate) fn from_ptr(p: *mut fnx_sampler, func: &str) -> Result<Lease<fnx_sampler>, Failure> {
+        lease(p, func)
     }
 }
 
@@ -203,12 +183,9 @@ pub unsafe extern "C" fn fnx_sampler_new(
                 unsafe { *params }
             };
             let sampler = Sampler::new(from_c(&p, "fnx_sampler_new")?)?;
-            let handle = Box::new(fnx_sampler {
-                tag: SAMPLER_TAG,
-                sampler: Box::new(sampler),
-            });
+            let handle = Box::new(fnx_sampler { sampler });
             // SAFETY: checked non-NULL; written only on success.
-            unsafe { *out_sampler = Box::into_raw(handle) };
+            unsafe { *out_sampler = super::handle::insert(handle) };
             Ok(())
         },
         || {},
@@ -235,8 +212,7 @@ pub unsafe extern "C" fn fnx_sampler_sample(
             non_null!(sampler, "fnx_sampler_sample", "sampler");
             non_null!(logits, "fnx_sampler_sample", "logits");
             non_null!(out_token, "fnx_sampler_sample", "out_token");
-            // SAFETY: non-NULL live handle used by this thread only.
-            let s = unsafe { fnx_sampler::from_ptr(sampler, "fnx_sampler_sample") }?;
+            let mut s = fnx_sampler::from_ptr(sampler, "fnx_sampler_sample")?;
             if n == 0 || n > i32::MAX as usize {
                 return Err(fail(
                     FNX_ERR_INVALID_ARGUMENT,
@@ -267,8 +243,7 @@ pub unsafe extern "C" fn fnx_sampler_accept(sampler: *mut fnx_sampler, token: i3
     guard(
         || {
             non_null!(sampler, "fnx_sampler_accept", "sampler");
-            // SAFETY: non-NULL live handle used by this thread only.
-            let s = unsafe { fnx_sampler::from_ptr(sampler, "fnx_sampler_accept") }?;
+            let mut s = fnx_sampler::from_ptr(sampler, "fnx_sampler_accept")?;
             let t = u32::try_from(token).map_err(|_| {
                 fail(
                     super::FNX_ERR_TOKEN_OUT_OF_RANGE,
@@ -293,8 +268,7 @@ pub unsafe extern "C" fn fnx_sampler_reset(sampler: *mut fnx_sampler) -> fnx_sta
     guard(
         || {
             non_null!(sampler, "fnx_sampler_reset", "sampler");
-            // SAFETY: non-NULL live handle used by this thread only.
-            let s = unsafe { fnx_sampler::from_ptr(sampler, "fnx_sampler_reset") }?;
+            let mut s = fnx_sampler::from_ptr(sampler, "fnx_sampler_reset")?;
             s.sampler.reset();
             Ok(())
         },
@@ -313,12 +287,7 @@ pub unsafe extern "C" fn fnx_sampler_free(sampler: *mut fnx_sampler) {
     }
     let _ = guard(
         || {
-            // SAFETY: non-NULL; the tag is checked before freeing.
-            unsafe { fnx_sampler::from_ptr(sampler, "fnx_sampler_free") }?;
-            // SAFETY: made by Box::into_raw in fnx_sampler_new, freed once.
-            let mut b = unsafe { Box::from_raw(sampler) };
-            b.tag = 0;
-            drop(b);
+            drop(super::handle::remove(sampler, "fnx_sampler_free")?);
             Ok(())
         },
         || {},

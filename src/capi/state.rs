@@ -1,9 +1,9 @@
 //! `fnx_state`: one sequence being decoded.
 
+use super::handle::{lease, Lease};
 use super::{
     fail, fnx_model, fnx_status, guard, log, non_null, Failure, FNX_ERR_ABORTED, FNX_ERR_BUFFER_TOO_SMALL,
-    FNX_ERR_INVALID_HANDLE, FNX_ERR_MODEL_FREED, FNX_ERR_NO_LOGITS,
-    FNX_ERR_STATE_INVALID, FNX_LOG_DEBUG,
+    FNX_ERR_MODEL_FREED, FNX_ERR_NO_LOGITS, FNX_ERR_STATE_INVALID, FNX_LOG_DEBUG,
 };
 use crate::model::State;
 use crate::tokenizer::SharedTokenizer;
@@ -17,7 +17,6 @@ pub type fnx_abort_callback = Option<unsafe extern "C" fn(user_data: *mut c_void
 
 /// Decode state of one sequence (opaque). Use from one thread at a time.
 pub struct fnx_state {
-    tag: u64,
     pub(crate) state: State,
     /// The model's tokenizer (shared with the model handle).
     pub(crate) tokenizer: SharedTokenizer,
@@ -28,14 +27,12 @@ pub struct fnx_state {
     abort: Option<(unsafe extern "C" fn(*mut c_void) -> bool, *mut c_void)>,
 }
 
-const STATE_TAG: u64 = 0x666e_785f_7374_6174; // "fnx_stat"
-
 impl fnx_state {
     /// The abort callback as a closure (never aborts when none is set).
     pub(crate) fn abort_fn(&self) -> impl FnMut() -> bool {
         let abort = self.abort;
         // SAFETY: the caller registered the callback and its user data for this state.
-        move || abort.is_some_and(|(f, user_data)| unsafe { f(user_data) })
+        move || abort.is_some_and(|(f, user_data)| super::outside(|| unsafe { f(user_data) }))
     }
 }
 
@@ -44,8 +41,9 @@ pub(crate) fn aborted(func: &str) -> Failure {
     fail(FNX_ERR_ABORTED, format!("{func}: aborted by the abort callback; the state is unchanged"))
 }
 
-/// Borrows a live, usable state handle (tag, model alive, not poisoned).
-pub(crate) fn check<'a>(p: *const fnx_state, func: &str) -> Result<&'a fnx_state, Failure> {
+/// Takes a live, usable state handle for the call (registered, not busy,
+/// model alive, not poisoned).
+pub(crate) fn check(p: *const fnx_state, func: &str) -> Result<Lease<fnx_state>, Failure> {
     let s = check_live(p, func)?;
     if s.poisoned {
         return Err(fail(
@@ -56,14 +54,16 @@ pub(crate) fn check<'a>(p: *const fnx_state, func: &str) -> Result<&'a fnx_state
     Ok(s)
 }
 
-/// Like `check` but accepts a poisoned state (for calls that replace its contents).
-fn check_live<'a>(p: *const fnx_state, func: &str) -> Result<&'a fnx_state, Failure> {
-    // SAFETY: non-NULL (checked by the caller) handle from fnx_new_state; the tag
-    // catches handles of the wrong kind.
-    let s = unsafe { &*p };
-    if s.tag != STATE_TAG {
-        return Err(fail(FNX_ERR_INVALID_HANDLE, format!("{func}: not a live fnx_state handle")));
+/// Marks a state unusable after a panic interrupted a call on it.
+pub(crate) fn poison(p: *const fnx_state) {
+    if let Ok(mut s) = lease(p, "") {
+        s.poisoned = true;
     }
+}
+
+/// Like `check` but accepts a poisoned state (for calls that replace its contents).
+fn check_live(p: *const fnx_state, func: &str) -> Result<Lease<fnx_state>, Failure> {
+    let s = lease(p, func)?;
     if !s.model_alive.load(Ordering::Acquire) {
         return Err(fail(FNX_ERR_MODEL_FREED, format!("{func}: the state's model has been freed")));
     }
@@ -82,7 +82,6 @@ pub unsafe extern "C" fn fnx_new_state(model: *mut fnx_model, out_state: *mut *m
             non_null!(out_state, "fnx_new_state", "out_state");
             let m = fnx_model::from_ptr(model, "fnx_new_state")?;
             let s = Box::new(fnx_state {
-                tag: STATE_TAG,
                 state: State::new(m.model.clone())?,
                 tokenizer: m.tokenizer.clone(),
                 model_alive: m.alive.clone(),
@@ -90,14 +89,15 @@ pub unsafe extern "C" fn fnx_new_state(model: *mut fnx_model, out_state: *mut *m
                 abort: None,
             });
             // SAFETY: checked non-NULL; written only on success.
-            unsafe { *out_state = Box::into_raw(s) };
+            unsafe { *out_state = super::handle::insert(s) };
             Ok(())
         },
         || {},
     )
 }
 
-/// Frees a state (NULL is ignored).
+/// Frees a state (NULL is ignored). A freed handle, a handle of another kind
+/// and a state in use by a call in progress are left alone.
 ///
 /// # Safety
 /// `state` must be NULL or a handle from `fnx_new_state` not yet freed.
@@ -108,13 +108,7 @@ pub unsafe extern "C" fn fnx_free_state(state: *mut fnx_state) {
     }
     let _ = guard(
         || {
-            // SAFETY: see `check`; freed once from the Box made in fnx_new_state.
-            if unsafe { (*state).tag } != STATE_TAG {
-                return Err(fail(FNX_ERR_INVALID_HANDLE, "fnx_free_state: not a live fnx_state handle"));
-            }
-            let mut b = unsafe { Box::from_raw(state) };
-            b.tag = 0;
-            drop(b);
+            drop(super::handle::remove(state, "fnx_free_state")?);
             Ok(())
         },
         || {},
@@ -132,9 +126,7 @@ pub unsafe extern "C" fn fnx_decode_token(state: *mut fnx_state, token: i32) -> 
     guard(
         || {
             non_null!(state, "fnx_decode_token", "state");
-            check(state, "fnx_decode_token")?;
-            // SAFETY: checked above; the caller guarantees exclusive use.
-            let s = unsafe { &mut *state };
+            let mut s = check(state, "fnx_decode_token")?;
             let token = u32::try_from(token).map_err(|_| {
                 fail(super::FNX_ERR_TOKEN_OUT_OF_RANGE, format!("fnx_decode_token: token {token} is negative"))
             })?;
@@ -148,8 +140,8 @@ pub unsafe extern "C" fn fnx_decode_token(state: *mut fnx_state, token: i32) -> 
             s.state.decode(token)?;
             Ok(())
         },
-        // SAFETY: as above; only reached after a panic inside decode.
-        || unsafe { (*state).poisoned = true },
+        // Only reached after a panic inside decode.
+        || poison(state),
     )
 }
 
@@ -192,14 +184,7 @@ pub unsafe extern "C" fn fnx_state_reset(state: *mut fnx_state) -> fnx_status {
     guard(
         || {
             non_null!(state, "fnx_state_reset", "state");
-            // SAFETY: non-NULL handle; the tag is checked before use.
-            let s = unsafe { &mut *state };
-            if s.tag != STATE_TAG {
-                return Err(fail(FNX_ERR_INVALID_HANDLE, "fnx_state_reset: not a live fnx_state handle"));
-            }
-            if !s.model_alive.load(Ordering::Acquire) {
-                return Err(fail(FNX_ERR_MODEL_FREED, "fnx_state_reset: the state's model has been freed"));
-            }
+            let mut s = check_live(state, "fnx_state_reset")?;
             s.state.reset()?;
             s.poisoned = false;
             Ok(())
@@ -218,12 +203,7 @@ pub unsafe extern "C" fn fnx_state_position(state: *const fnx_state) -> usize {
     let _ = guard(
         || {
             non_null!(state, "fnx_state_position", "state");
-            // SAFETY: non-NULL live handle per the contract; tag checked.
-            let s = unsafe { &*state };
-            if s.tag != STATE_TAG {
-                return Err(fail(FNX_ERR_INVALID_HANDLE, "fnx_state_position: not a live fnx_state handle"));
-            }
-            pos = s.state.position();
+            pos = lease(state, "fnx_state_position")?.state.position();
             Ok(())
         },
         || {},
@@ -235,8 +215,8 @@ pub unsafe extern "C" fn fnx_state_position(state: *const fnx_state) -> usize {
 /// `fnx_decode_tokens`, `fnx_generate`) poll before every token; NULL removes
 /// it. When it returns true the call stops and returns `FNX_ERR_ABORTED`,
 /// leaving the state as it was before the call. It runs on the decoding
-/// thread and must not use this state. Copies made with `fnx_state_copy` do
-/// not inherit it.
+/// thread; calls it makes on this state are refused with `FNX_ERR_BUSY`.
+/// Copies made with `fnx_state_copy` do not inherit it.
 ///
 /// # Safety
 /// `state` must be NULL or a live handle, not used by another thread
@@ -250,9 +230,7 @@ pub unsafe extern "C" fn fnx_state_set_abort_callback(
     guard(
         || {
             non_null!(state, "fnx_state_set_abort_callback", "state");
-            check_live(state, "fnx_state_set_abort_callback")?;
-            // SAFETY: checked above; the caller guarantees exclusive use.
-            let s = unsafe { &mut *state };
+            let mut s = check_live(state, "fnx_state_set_abort_callback")?;
             s.abort = callback.map(|f| (f, user_data));
             Ok(())
         },
@@ -275,7 +253,6 @@ pub unsafe extern "C" fn fnx_state_copy(state: *const fnx_state, out_state: *mut
             non_null!(out_state, "fnx_state_copy", "out_state");
             let s = check(state, "fnx_state_copy")?;
             let copy = Box::new(fnx_state {
-                tag: STATE_TAG,
                 state: s.state.try_clone()?,
                 tokenizer: s.tokenizer.clone(),
                 model_alive: s.model_alive.clone(),
@@ -283,7 +260,7 @@ pub unsafe extern "C" fn fnx_state_copy(state: *const fnx_state, out_state: *mut
                 abort: None,
             });
             // SAFETY: checked non-NULL; written only on success.
-            unsafe { *out_state = Box::into_raw(copy) };
+            unsafe { *out_state = super::handle::insert(copy) };
             Ok(())
         },
         || {},
@@ -370,10 +347,9 @@ pub unsafe extern "C" fn fnx_state_load(state: *mut fnx_state, data: *const u8, 
         || {
             non_null!(state, "fnx_state_load", "state");
             non_null!(data, "fnx_state_load", "data");
-            check_live(state, "fnx_state_load")?;
-            // SAFETY: checked above; the caller guarantees exclusive use and `size` readable bytes.
-            let s = unsafe { &mut *state };
-            let bytes = unsafe { std::slice::from_raw_parts(data, size) };
+            let mut s = check_live(state, "fnx_state_load")?;
+            // SAFETY: the caller guarantees `size` readable bytes.
+            let bytes = unsafe { super::slice_arg(data, size, "fnx_state_load", "size") }?;
             s.state.restore(bytes).map_err(|e| {
                 let Failure(status, msg) = Failure::from(e);
                 fail(status, format!("fnx_state_load: {msg}"))

@@ -17,9 +17,10 @@
 //!   file without a (supported) tokenizer or chat template is `FNX_ERR_INVALID_MODEL`.
 
 use super::{
-    fail, fnx_model, fnx_status, guard, non_null, Failure, FNX_ERR_BUFFER_TOO_SMALL, FNX_ERR_INVALID_ARGUMENT,
-    FNX_ERR_INVALID_HANDLE, FNX_ERR_MODEL_FREED, FNX_ERR_NULL_ARGUMENT, FNX_ERR_TOKEN_OUT_OF_RANGE,
+    check_count, fail, fnx_model, slice_arg, fnx_status, guard, non_null, Failure, FNX_ERR_BUFFER_TOO_SMALL, FNX_ERR_INVALID_ARGUMENT,
+    FNX_ERR_MODEL_FREED, FNX_ERR_NULL_ARGUMENT, FNX_ERR_TOKEN_OUT_OF_RANGE,
 };
+use super::handle::{lease, Lease};
 use crate::chat::{ChatMessage, ChatOptions, ChatTemplate};
 use crate::model::Model;
 use crate::tokenizer::{end_of_generation_tokens, SharedTokenizer, StreamDecoder, Tokenizer};
@@ -44,7 +45,7 @@ fn bytes_arg<'a>(p: *const c_char, len: usize, func: &str, name: &str) -> Result
         return Err(fail(FNX_ERR_NULL_ARGUMENT, format!("{func}: {name} is NULL but its length is {len}")));
     }
     // SAFETY: the caller promises `len` readable bytes at `p`.
-    Ok(unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) })
+    unsafe { slice_arg(p.cast::<u8>(), len, func, &format!("the length of {name}")) }
 }
 
 fn utf8<'a>(b: &'a [u8], func: &str, name: &str) -> Result<&'a str, Failure> {
@@ -244,9 +245,10 @@ pub unsafe extern "C" fn fnx_detokenize(
             if tokens.is_null() && n > 0 {
                 return Err(fail(FNX_ERR_NULL_ARGUMENT, format!("{F}: tokens is NULL but n is {n}")));
             }
+            check_count::<i32>(n, F, "n")?;
             let tok = tokenizer_of(model, F)?;
             // SAFETY: non-NULL with `n` readable ids per the contract (or n == 0).
-            let raw = if n == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(tokens, n) } };
+            let raw = unsafe { slice_arg(tokens, n, F, "tokens") }?;
             let ids = raw.iter().map(|&t| token_arg(tok, t, F)).collect::<Result<Vec<u32>, _>>()?;
             let text = tok.decode(&ids, remove_special)?;
             deliver(text.as_bytes(), out.cast::<u8>(), capacity, out_len, F)
@@ -258,23 +260,14 @@ pub unsafe extern "C" fn fnx_detokenize(
 /// Turns generated tokens into text one at a time (opaque). Use from one
 /// thread at a time; free with `fnx_detokenizer_free`.
 pub struct fnx_detokenizer {
-    tag: u64,
     model: Arc<Model>,
     tokenizer: SharedTokenizer,
     model_alive: Arc<AtomicBool>,
     decoder: StreamDecoder,
 }
 
-const DETOK_TAG: u64 = 0x666e_785f_6474_6b6e; // "fnx_dtkn"
-
-fn detok_arg<'a>(p: *mut fnx_detokenizer, func: &str) -> Result<&'a mut fnx_detokenizer, Failure> {
-    // SAFETY: non-NULL (checked by the caller) handle from fnx_detokenizer_new; the tag
-    // catches handles of the wrong kind.
-    let d = unsafe { &mut *p };
-    if d.tag != DETOK_TAG {
-        return Err(fail(FNX_ERR_INVALID_HANDLE, format!("{func}: not a live fnx_detokenizer handle")));
-    }
-    Ok(d)
+fn detok_arg(p: *mut fnx_detokenizer, func: &str) -> Result<Lease<fnx_detokenizer>, Failure> {
+    lease(p, func)
 }
 
 /// Creates a streaming detokenizer for `model`'s tokens; `*out` receives a
@@ -293,14 +286,13 @@ pub unsafe extern "C" fn fnx_detokenizer_new(model: *const fnx_model, out: *mut 
             tokenizer_of(model, F)?;
             let m = fnx_model::from_ptr(model, F)?;
             let d = Box::new(fnx_detokenizer {
-                tag: DETOK_TAG,
                 model: m.model.clone(),
                 tokenizer: m.tokenizer.clone(),
                 model_alive: m.alive.clone(),
                 decoder: StreamDecoder::new(false),
             });
             // SAFETY: checked non-NULL; written only on success.
-            unsafe { *out = Box::into_raw(d) };
+            unsafe { *out = super::handle::insert(d) };
             Ok(())
         },
         || {},
@@ -331,7 +323,7 @@ pub unsafe extern "C" fn fnx_detokenizer_push(
             non_null!(detok, "fnx_detokenizer_push", "detok");
             non_null!(out_len, "fnx_detokenizer_push", "out_len");
             check_out(out, capacity, F, "out")?;
-            let d = detok_arg(detok, F)?;
+            let mut d = detok_arg(detok, F)?;
             if !d.model_alive.load(Ordering::Acquire) {
                 return Err(fail(FNX_ERR_MODEL_FREED, format!("{F}: the detokenizer's model has been freed")));
             }
@@ -368,7 +360,7 @@ pub unsafe extern "C" fn fnx_detokenizer_flush(
             non_null!(detok, "fnx_detokenizer_flush", "detok");
             non_null!(out_len, "fnx_detokenizer_flush", "out_len");
             check_out(out, capacity, F, "out")?;
-            let d = detok_arg(detok, F)?;
+            let mut d = detok_arg(detok, F)?;
             let mut next = d.decoder.clone();
             let text = next.flush();
             deliver(text.as_bytes(), out.cast::<u8>(), capacity, out_len, F)?;
@@ -390,16 +382,17 @@ pub unsafe extern "C" fn fnx_detokenizer_free(detok: *mut fnx_detokenizer) {
     }
     let _ = guard(
         || {
-            detok_arg(detok, "fnx_detokenizer_free")?;
-            // SAFETY: the pointer came from Box::into_raw in fnx_detokenizer_new and is freed once.
-            let mut b = unsafe { Box::from_raw(detok) };
-            b.tag = 0;
-            drop(b);
+            drop(super::handle::remove(detok, "fnx_detokenizer_free")?);
             Ok(())
         },
         || {},
     );
 }
+
+/// The least `fnx_apply_chat_template` allows the rendered text, and each
+/// string a template builds, to take (a larger output buffer allows more).
+pub const FNX_CHAT_TEMPLATE_MAX_BYTES: usize = 4194304;
+const _: () = assert!(FNX_CHAT_TEMPLATE_MAX_BYTES == crate::chat::DEFAULT_MAX_BYTES);
 
 /// One message of a conversation for `fnx_apply_chat_template`. All strings
 /// are NUL-terminated UTF-8.
@@ -433,6 +426,14 @@ pub struct fnx_chat_message {
 /// model's own template: `FNX_ERR_INVALID_MODEL`), with the template's
 /// message in `fnx_last_error()`.
 ///
+/// Rendering is bounded, so that a template cannot exhaust memory: the
+/// text, and every string the template builds, may take at most
+/// `FNX_CHAT_TEMPLATE_MAX_BYTES` (4 MiB) or `capacity` bytes, whichever is
+/// larger (pass a larger buffer for a longer conversation), and the work and
+/// memory of the whole render are bounded by the size of the conversation.
+/// A template that goes beyond either is refused: `FNX_ERR_INVALID_ARGUMENT`
+/// for `template_override`, `FNX_ERR_INVALID_MODEL` for the file's own.
+///
 /// # Safety
 /// `model` NULL or a live handle; `template_override` and `tools_json` NULL or
 /// NUL-terminated; `messages` NULL or `n_messages` readable structs whose
@@ -463,11 +464,11 @@ pub unsafe extern "C" fn fnx_apply_chat_template(
                     format!("{F}: messages is NULL but n_messages is {n_messages}"),
                 ));
             }
+            check_count::<fnx_chat_message>(n_messages, F, "n_messages")?;
             let m = fnx_model::from_ptr(model, F)?;
             // SAFETY: non-NULL with `n_messages` readable structs per the contract (or none).
-            let raw =
-                if n_messages == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(messages, n_messages) } };
-            let mut list = Vec::with_capacity(raw.len());
+            let raw = unsafe { slice_arg(messages, n_messages, F, "messages") }?;
+            let mut list = Vec::new();
             for (i, msg) in raw.iter().enumerate() {
                 let field = |p: *const c_char, name: &str| cstr_arg(p, F, &format!("messages[{i}].{name}"));
                 let role = field(msg.role, "role")?
@@ -496,6 +497,7 @@ pub unsafe extern "C" fn fnx_apply_chat_template(
                 None => ChatTemplate::from_metadata(&m.model.metadata, tok).map_err(prefix)?,
             };
             let opts = ChatOptions { add_generation_prompt, enable_thinking };
+            let template = template.with_max_bytes(capacity.max(FNX_CHAT_TEMPLATE_MAX_BYTES));
             let text = template.apply(&list, tools, &opts).map_err(prefix)?;
             deliver(text.as_bytes(), out.cast::<u8>(), capacity, out_len, F)
         },

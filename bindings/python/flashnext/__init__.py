@@ -76,6 +76,8 @@ LOG_DEBUG = 4
 
 SEED_RANDOM = 18446744073709551615
 
+CHAT_TEMPLATE_MAX_BYTES = 4194304
+
 OK = 0
 ERR_NULL_ARGUMENT = 1
 ERR_INVALID_ARGUMENT = 2
@@ -96,6 +98,7 @@ ERR_CANCELLED = 16
 ERR_ABORTED = 17
 ERR_SNAPSHOT_MISMATCH = 18
 ERR_SNAPSHOT_CORRUPT = 19
+ERR_BUSY = 20
 
 # --------------------------------------------------------------------------
 # Finding the library
@@ -1093,7 +1096,9 @@ def _apply_chat_template(
             h, tmpl, arr, len(fields), tools_json, add_generation_prompt, enable_thinking, out, cap, n_out
         ),
         ctypes.create_string_buffer,
-        sum(len(f[1] or b"") for f in fields) + 256,
+        # The buffer's size is also the most the C API lets the text take
+        # (when it is above CHAT_TEMPLATE_MAX_BYTES): leave room.
+        2 * (sum(len(f[1] or b"") for f in fields) + len(tools_json or b"")) + 256,
     )
     return buf.raw[:n].decode("utf-8")
 
