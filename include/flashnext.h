@@ -134,12 +134,25 @@ typedef struct fnx_load_params {
   int32_t backend;
   // GPU index for the Vulkan backend.
   int32_t device_index;
-  // VRAM the Vulkan backend may use, in MiB; 0 = as much as it needs.
+  // Device memory the Vulkan backend may use at most, in MiB; 0 = nine
+  // tenths of the device's. The dense weights and one state stay
+  // resident; what is left holds routed experts: all of them when they
+  // fit, otherwise an expert cache whose misses run on the host's cores.
   uint64_t vram_budget_mb;
   // Called on the loading thread as the load advances; NULL = none.
   fnx_progress_callback progress_callback;
   // Passed unchanged to `progress_callback`.
   void *progress_user_data;
+  // Expert-cache slots per layer on the Vulkan backend; -1 (the default)
+  // = as many as the budget leaves room for.
+  int32_t expert_cache_slots;
+  // Positions a state can step back with `fnx_state_rewind`; 0 = the
+  // default, 4. Each costs one more copy of every Gated DeltaNet layer's
+  // recurrent state.
+  uint32_t rewind_window;
+  // A routing profile (`fnx_model_save_routing_profile`) whose most used
+  // experts fill the expert cache at load; NULL = none.
+  const char *routing_profile;
 } fnx_load_params;
 
 // Receives log messages: `level` is one of `FNX_LOG_*`, `message` a
@@ -380,6 +393,17 @@ size_t fnx_model_n_layers(const struct fnx_model *model);
 // `model` must be NULL or a live handle from `fnx_load`.
 int32_t fnx_model_backend(const struct fnx_model *model);
 
+// Writes how often each layer chose each expert since the load (a routing
+// profile, JSON) to the file `path`; give it to a later `fnx_load`
+// (`fnx_load_params.routing_profile`) to fill that load's expert cache with
+// each layer's most used experts. `FNX_ERR_INVALID_ARGUMENT` when the model
+// keeps no expert cache (CPU, or every expert resident).
+//
+// # Safety
+// `model` must be NULL or a live handle from `fnx_load`; `path` NULL or a
+// NUL-terminated string.
+fnx_status fnx_model_save_routing_profile(const struct fnx_model *model, const char *path);
+
 // Width of the hidden state.
 //
 // # Safety
@@ -486,6 +510,24 @@ fnx_status fnx_state_reset(struct fnx_state *state);
 // # Safety
 // `state` must be NULL or a live handle.
 size_t fnx_state_position(const struct fnx_state *state);
+
+// Returns the state to `position` (from `fnx_state_rewind_floor` to
+// `fnx_state_position`): everything decoded from there on is forgotten,
+// without copying any state (the model keeps the recurrent states of the
+// last `rewind_window` positions: see `fnx_load_params`). The logits are
+// then that position's when they were computed (`FNX_ERR_NO_LOGITS` from
+// `fnx_get_logits` otherwise). `FNX_ERR_INVALID_ARGUMENT`, state unchanged,
+// for a position outside that range.
+//
+// # Safety
+// `state` must be NULL or a live handle, not used by another thread meanwhile.
+fnx_status fnx_state_rewind(struct fnx_state *state, size_t position);
+
+// The earliest position `fnx_state_rewind` can return to now.
+//
+// # Safety
+// `state` must be NULL or a live handle; `out_position` NULL or writable.
+fnx_status fnx_state_rewind_floor(const struct fnx_state *state, size_t *out_position);
 
 // Sets the callback that decoding calls on this state (`fnx_decode_token`,
 // `fnx_decode_tokens`, `fnx_generate`) poll before every token; NULL removes

@@ -136,6 +136,9 @@ struct LoadOptions {
     int32_t backend = FNX_BACKEND_AUTO;
     int32_t device_index = 0;
     uint64_t vram_budget_mb = 0;
+    int32_t expert_cache_slots = -1;   // -1: as the budget allows
+    uint32_t rewind_window = 0;        // 0: the default (4)
+    std::optional<std::string> routing_profile;
     // Called with 0..1 as the load advances; return false to cancel.
     std::function<bool(float)> progress;
 };
@@ -170,6 +173,9 @@ public:
         params.backend = options.backend;
         params.device_index = options.device_index;
         params.vram_budget_mb = options.vram_budget_mb;
+        params.expert_cache_slots = options.expert_cache_slots;
+        params.rewind_window = options.rewind_window;
+        params.routing_profile = options.routing_profile ? options.routing_profile->c_str() : nullptr;
         struct Progress {
             const std::function<bool(float)> *fn;
             detail::Pending pending;
@@ -363,6 +369,14 @@ public:
     }
 
     void reset() { detail::check(fnx_state_reset(get())); }
+
+    // Back to `position` (rewind_floor() .. position()) without copying anything.
+    void rewind(size_t position) { call(fnx_state_rewind(get(), position)); }
+    size_t rewind_floor() const {
+        size_t floor = 0;
+        detail::check(fnx_state_rewind_floor(get(), &floor));
+        return floor;
+    }
 
     // A snapshot of the state, for load().
     std::vector<uint8_t> save() const {

@@ -352,3 +352,53 @@ fn vulkan_routing_profile_warms_the_cache() {
     assert!(close, "a warm cache gives the cold cache's logits");
     std::fs::remove_file(&file).ok();
 }
+
+/// The C API: load parameters for the rewind window (and an older caller's
+/// struct without the new fields), `fnx_state_rewind`, its floor, and the
+/// routing profile of a model without an expert cache.
+#[test]
+fn c_rewind_and_load_parameters() {
+    use flashnext::capi::*;
+    use std::ffi::CString;
+    let path = CString::new(converted("tiny_native", OutType::F32).to_str().unwrap()).unwrap();
+    let logits = |s: *mut fnx_state, v: usize| {
+        let mut out = vec![0f32; v];
+        assert_eq!(unsafe { fnx_get_logits(s, out.as_mut_ptr(), v) }, FNX_OK);
+        out.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    };
+    unsafe {
+        let mut p = fnx_load_params_default();
+        p.backend = FNX_BACKEND_CPU;
+        p.rewind_window = 2;
+        let mut m = std::ptr::null_mut();
+        assert_eq!(fnx_load(path.as_ptr(), &p, &mut m), FNX_OK);
+        let v = fnx_model_vocab_size(m);
+        let mut s = std::ptr::null_mut();
+        assert_eq!(fnx_new_state(m, &mut s), FNX_OK);
+        assert_eq!(fnx_decode_tokens(s, [5, 6, 7].as_ptr(), 3), FNX_OK);
+        let at3 = logits(s, v);
+        assert_eq!(fnx_decode_tokens(s, [9, 9].as_ptr(), 2), FNX_OK);
+        let mut floor = 99;
+        assert_eq!(fnx_state_rewind_floor(s, &mut floor), FNX_OK);
+        assert_eq!(floor, 3);
+        assert_eq!(fnx_state_rewind(s, 3), FNX_OK);
+        assert_eq!((fnx_state_position(s), logits(s, v)), (3, at3.clone()));
+        assert_eq!(fnx_state_rewind(s, 2), FNX_ERR_INVALID_ARGUMENT);
+        assert_eq!(fnx_state_rewind(s, 4), FNX_ERR_INVALID_ARGUMENT);
+        assert_eq!(fnx_state_position(s), 3);
+        assert_eq!(fnx_state_rewind_floor(s, std::ptr::null_mut()), FNX_ERR_NULL_ARGUMENT);
+        // No expert cache on the CPU: no routing profile.
+        let file = CString::new(std::env::temp_dir().join("flashnext-no-profile.json").to_str().unwrap()).unwrap();
+        assert_eq!(fnx_model_save_routing_profile(m, file.as_ptr()), FNX_ERR_INVALID_ARGUMENT);
+        fnx_free_state(s);
+        fnx_free_model(m);
+        // A caller built before the expert-cache fields: accepted, defaults.
+        p.struct_size = std::mem::offset_of!(fnx_load_params, expert_cache_slots) as u32;
+        assert_eq!(fnx_load(path.as_ptr(), &p, &mut m), FNX_OK);
+        fnx_free_model(m);
+        // A negative slot count other than -1 is refused.
+        let mut q = fnx_load_params_default();
+        q.expert_cache_slots = -2;
+        assert_eq!(fnx_load(path.as_ptr(), &q, &mut m), FNX_ERR_INVALID_ARGUMENT);
+    }
+}

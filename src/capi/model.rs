@@ -39,17 +39,33 @@ pub struct fnx_load_params {
     pub backend: i32,
     /// GPU index for the Vulkan backend.
     pub device_index: i32,
-    /// VRAM the Vulkan backend may use, in MiB; 0 = as much as it needs.
+    /// Device memory the Vulkan backend may use at most, in MiB; 0 = nine
+    /// tenths of the device's. The dense weights and one state stay
+    /// resident; what is left holds routed experts: all of them when they
+    /// fit, otherwise an expert cache whose misses run on the host's cores.
     pub vram_budget_mb: u64,
     /// Called on the loading thread as the load advances; NULL = none.
     pub progress_callback: fnx_progress_callback,
     /// Passed unchanged to `progress_callback`.
     pub progress_user_data: *mut c_void,
+    /// Expert-cache slots per layer on the Vulkan backend; -1 (the default)
+    /// = as many as the budget leaves room for.
+    pub expert_cache_slots: i32,
+    /// Positions a state can step back with `fnx_state_rewind`; 0 = the
+    /// default, 4. Each costs one more copy of every Gated DeltaNet layer's
+    /// recurrent state.
+    pub rewind_window: u32,
+    /// A routing profile (`fnx_model_save_routing_profile`) whose most used
+    /// experts fill the expert cache at load; NULL = none.
+    pub routing_profile: *const c_char,
 }
 
 /// `struct_size` of callers built before the progress fields existed; such
 /// callers are still accepted (the missing fields read as NULL).
 const LOAD_PARAMS_V1_SIZE: usize = std::mem::offset_of!(fnx_load_params, progress_callback);
+/// `struct_size` of callers built before the expert-cache and rewind fields
+/// (they read as their defaults).
+const LOAD_PARAMS_V2_SIZE: usize = std::mem::offset_of!(fnx_load_params, expert_cache_slots);
 
 /// A loaded model (opaque). Share it between threads freely.
 pub struct fnx_model {
@@ -79,6 +95,9 @@ pub extern "C" fn fnx_load_params_default() -> fnx_load_params {
         vram_budget_mb: 0,
         progress_callback: None,
         progress_user_data: std::ptr::null_mut(),
+        expert_cache_slots: -1,
+        rewind_window: 0,
+        routing_profile: std::ptr::null(),
     }
 }
 
@@ -135,8 +154,8 @@ unsafe fn read_params(params: *const fnx_load_params) -> Result<fnx_load_params,
     if size == std::mem::size_of::<fnx_load_params>() {
         // SAFETY: the caller's struct has this layout.
         p = unsafe { *params };
-    } else if size == LOAD_PARAMS_V1_SIZE {
-        // SAFETY: the caller's struct is the older prefix of this layout.
+    } else if size == LOAD_PARAMS_V1_SIZE || size == LOAD_PARAMS_V2_SIZE {
+        // SAFETY: the caller's struct is an older prefix of this layout.
         unsafe { std::ptr::copy_nonoverlapping(params.cast::<u8>(), (&mut p as *mut fnx_load_params).cast::<u8>(), size) };
     } else {
         return Err(fail(
@@ -204,6 +223,21 @@ pub unsafe extern "C" fn fnx_load(
                 };
                 Arc::new(wrapped) as crate::load::ProgressFn
             });
+            let expert_cache_slots = match p.expert_cache_slots {
+                -1 => None,
+                n => Some(usize::try_from(n).map_err(|_| {
+                    fail(FNX_ERR_INVALID_ARGUMENT, format!("fnx_load: expert_cache_slots {n}: expected -1 or a slot count"))
+                })?),
+            };
+            let routing_profile = if p.routing_profile.is_null() {
+                None
+            } else {
+                // SAFETY: non-NULL and NUL-terminated per the contract.
+                let s = unsafe { CStr::from_ptr(p.routing_profile) }
+                    .to_str()
+                    .map_err(|_| fail(FNX_ERR_INVALID_ARGUMENT, "fnx_load: routing_profile is not valid UTF-8"))?;
+                Some(std::path::PathBuf::from(s))
+            };
             let opts = LoadOptions {
                 n_ctx: p.n_ctx as usize,
                 n_threads: p.n_threads as usize,
@@ -211,6 +245,9 @@ pub unsafe extern "C" fn fnx_load(
                 backend,
                 device_index,
                 vram_budget_mb: p.vram_budget_mb,
+                expert_cache_slots,
+                rewind_window: p.rewind_window as usize,
+                routing_profile,
                 ..Default::default()
             };
             let start = std::time::Instant::now();
@@ -338,6 +375,39 @@ pub unsafe extern "C" fn fnx_model_n_layers(model: *const fnx_model) -> usize {
 #[no_mangle]
 pub unsafe extern "C" fn fnx_model_backend(model: *const fnx_model) -> i32 {
     fact(model, "fnx_model_backend", |m| if m.backend_kind() == BackendKind::Vulkan { FNX_BACKEND_VULKAN } else { FNX_BACKEND_CPU } as u64) as i32
+}
+
+/// Writes how often each layer chose each expert since the load (a routing
+/// profile, JSON) to the file `path`; give it to a later `fnx_load`
+/// (`fnx_load_params.routing_profile`) to fill that load's expert cache with
+/// each layer's most used experts. `FNX_ERR_INVALID_ARGUMENT` when the model
+/// keeps no expert cache (CPU, or every expert resident).
+///
+/// # Safety
+/// `model` must be NULL or a live handle from `fnx_load`; `path` NULL or a
+/// NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_model_save_routing_profile(model: *const fnx_model, path: *const c_char) -> fnx_status {
+    const F: &str = "fnx_model_save_routing_profile";
+    guard(
+        || {
+            non_null!(model, "fnx_model_save_routing_profile", "model");
+            non_null!(path, "fnx_model_save_routing_profile", "path");
+            let m = fnx_model::from_ptr(model, F)?;
+            // SAFETY: non-NULL and NUL-terminated per the contract.
+            let path = unsafe { CStr::from_ptr(path) }
+                .to_str()
+                .map_err(|_| fail(FNX_ERR_INVALID_ARGUMENT, format!("{F}: path is not valid UTF-8")))?;
+            let profile = m.model.routing_profile().ok_or_else(|| {
+                fail(FNX_ERR_INVALID_ARGUMENT, format!("{F}: this model keeps no expert cache ({})", m.model.backend_note()))
+            })?;
+            profile.save(Path::new(path)).map_err(|e| {
+                let Failure(status, msg) = Failure::from(e);
+                fail(status, format!("{F}: {msg}"))
+            })
+        },
+        || {},
+    )
 }
 
 /// Width of the hidden state.

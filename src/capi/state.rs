@@ -211,6 +211,50 @@ pub unsafe extern "C" fn fnx_state_position(state: *const fnx_state) -> usize {
     pos
 }
 
+/// Returns the state to `position` (from `fnx_state_rewind_floor` to
+/// `fnx_state_position`): everything decoded from there on is forgotten,
+/// without copying any state (the model keeps the recurrent states of the
+/// last `rewind_window` positions: see `fnx_load_params`). The logits are
+/// then that position's when they were computed (`FNX_ERR_NO_LOGITS` from
+/// `fnx_get_logits` otherwise). `FNX_ERR_INVALID_ARGUMENT`, state unchanged,
+/// for a position outside that range.
+///
+/// # Safety
+/// `state` must be NULL or a live handle, not used by another thread meanwhile.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_state_rewind(state: *mut fnx_state, position: usize) -> fnx_status {
+    guard(
+        || {
+            non_null!(state, "fnx_state_rewind", "state");
+            let mut s = check(state, "fnx_state_rewind")?;
+            s.state.rewind(position).map_err(|e| {
+                let Failure(status, msg) = Failure::from(e);
+                fail(status, format!("fnx_state_rewind: {msg}"))
+            })
+        },
+        || {},
+    )
+}
+
+/// The earliest position `fnx_state_rewind` can return to now.
+///
+/// # Safety
+/// `state` must be NULL or a live handle; `out_position` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_state_rewind_floor(state: *const fnx_state, out_position: *mut usize) -> fnx_status {
+    guard(
+        || {
+            non_null!(state, "fnx_state_rewind_floor", "state");
+            non_null!(out_position, "fnx_state_rewind_floor", "out_position");
+            let floor = check(state, "fnx_state_rewind_floor")?.state.rewind_floor();
+            // SAFETY: checked non-NULL; written only on success.
+            unsafe { *out_position = floor };
+            Ok(())
+        },
+        || {},
+    )
+}
+
 /// Sets the callback that decoding calls on this state (`fnx_decode_token`,
 /// `fnx_decode_tokens`, `fnx_generate`) poll before every token; NULL removes
 /// it. When it returns true the call stops and returns `FNX_ERR_ABORTED`,

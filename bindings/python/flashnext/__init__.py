@@ -188,6 +188,9 @@ class fnx_load_params(Structure):
         ("vram_budget_mb", c_uint64),
         ("progress_callback", fnx_progress_callback),
         ("progress_user_data", c_void_p),
+        ("expert_cache_slots", c_int32),
+        ("rewind_window", c_uint32),
+        ("routing_profile", c_char_p),
     ]
 
 
@@ -246,6 +249,7 @@ _FUNCTIONS = {
     "fnx_model_n_layers": (c_size_t, [_ModelP]),
     "fnx_model_hidden_size": (c_size_t, [_ModelP]),
     "fnx_model_backend": (c_int32, [_ModelP]),
+    "fnx_model_save_routing_profile": (fnx_status, [_ModelP, c_char_p]),
     "fnx_model_eos_token": (c_int64, [_ModelP]),
     # state
     "fnx_new_state": (fnx_status, [_ModelP, POINTER(_StateP)]),
@@ -255,6 +259,8 @@ _FUNCTIONS = {
     "fnx_get_logits": (fnx_status, [_StateP, POINTER(c_float), c_size_t]),
     "fnx_state_reset": (fnx_status, [_StateP]),
     "fnx_state_position": (c_size_t, [_StateP]),
+    "fnx_state_rewind": (fnx_status, [_StateP, c_size_t]),
+    "fnx_state_rewind_floor": (fnx_status, [_StateP, POINTER(c_size_t)]),
     "fnx_state_set_abort_callback": (fnx_status, [_StateP, fnx_abort_callback, c_void_p]),
     "fnx_state_copy": (fnx_status, [_StateP, POINTER(_StateP)]),
     "fnx_state_save_size": (fnx_status, [_StateP, POINTER(c_size_t)]),
@@ -486,6 +492,9 @@ class Model:
         backend=BACKEND_AUTO,
         device_index=0,
         vram_budget_mb=0,
+        expert_cache_slots=-1,
+        rewind_window=0,
+        routing_profile=None,
         progress=None,
     ):
         self._h = None
@@ -495,6 +504,10 @@ class Model:
         params.backend = backend
         params.device_index = device_index
         params.vram_budget_mb = vram_budget_mb
+        params.expert_cache_slots = expert_cache_slots
+        params.rewind_window = rewind_window
+        profile = None if routing_profile is None else os.fsencode(routing_profile)
+        params.routing_profile = profile
         raised = []
         if progress is not None:
 
@@ -576,6 +589,11 @@ class Model:
     def backend(self):
         """BACKEND_CPU or BACKEND_VULKAN: where the model computes."""
         return _lib.fnx_model_backend(self._handle())
+
+    def save_routing_profile(self, path):
+        """Writes how often each layer chose each expert since the load (for a
+        later load's ``routing_profile``); models with an expert cache only."""
+        _check(_fn("fnx_model_save_routing_profile")(self._handle(), os.fsencode(path)))
 
     @property
     def eos_token(self):
@@ -688,6 +706,18 @@ class State:
     def reset(self):
         """Forgets the sequence (position 0); also clears an unusable state."""
         self._call(_fn("fnx_state_reset"))
+
+    def rewind(self, position):
+        """Returns to ``position`` (from :attr:`rewind_floor` to :attr:`position`)
+        without copying anything; later tokens are forgotten."""
+        self._call(_fn("fnx_state_rewind"), position)
+
+    @property
+    def rewind_floor(self):
+        """The earliest position :meth:`rewind` can return to now."""
+        out = c_size_t()
+        self._call(_fn("fnx_state_rewind_floor"), byref(out))
+        return out.value
 
     def save(self):
         """A snapshot of the state as bytes (for :meth:`load`)."""

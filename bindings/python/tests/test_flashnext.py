@@ -248,6 +248,25 @@ class TestState(ModelCase):
         b.decode_tokens([])
         self.assertEqual(b.position, 4)
 
+    def test_rewind_returns_to_an_earlier_position(self):
+        with flashnext.Model(MODEL, n_threads=1, rewind_window=2) as m:
+            s = m.new_state()
+            s.decode_tokens([5, 6, 7])
+            at3 = s.logits()
+            s.decode_tokens([9, 9])
+            self.assertEqual(s.rewind_floor, 3)
+            s.rewind(3)
+            self.assertEqual(s.position, 3)
+            self.assertEqual(s.logits(), at3)
+            with self.assertRaises(FlashnextError) as cm:
+                s.rewind(2)
+            self.assertEqual(cm.exception.status, flashnext.ERR_INVALID_ARGUMENT)
+            self.assertEqual(s.position, 3)
+            s.decode_tokens([8, 8])
+            t = m.new_state()
+            t.decode_tokens([5, 6, 7, 8, 8])
+            self.assertEqual(s.logits(), t.logits())
+
     def test_failures_leave_the_state_unchanged(self):
         s = self.model.new_state()
         s.decode_tokens([1, 2])
