@@ -118,6 +118,9 @@ pub struct ExpertCacheStats {
     pub host_ms_per_token: f64,
     pub upload_ms_per_token: f64,
     pub wait_ms_per_token: f64,
+    /// Recall of predicting layer l+1's experts with its router on layer l's
+    /// MoE input (`FNX_MEASURE_PREDICTION=1`; `None` when not measured).
+    pub prediction_recall: Option<f64>,
 }
 
 /// Figures only the backend can measure; each `None` where it has none (the
@@ -258,6 +261,7 @@ fn backend_stats(model: &Model, state: &State, opts: &BenchOptions) -> BackendSt
             host_ms_per_token: 1e3 * c.host_seconds / tokens,
             upload_ms_per_token: 1e3 * c.upload_seconds / tokens,
             wait_ms_per_token: 1e3 * c.wait_seconds / tokens,
+            prediction_recall: (c.predicted_of > 0).then(|| c.predicted as f64 / c.predicted_of as f64),
         }
     });
     let load = model.load_transfer();
@@ -430,7 +434,7 @@ impl BenchReport {
                 c.wait_ms_per_token,
                 c.host_gbs,
                 c.upload_gbs
-            )
+            ) + &c.prediction_recall.map_or(String::new(), |r| format!("; next-layer prediction recall {:.1}%", 100.0 * r))
         });
         let lines = [
             format!("machine: {} ({} threads), {:.0} GiB RAM", self.machine.cpu, self.machine.logical_cpus, self.machine.mem_total_bytes as f64 / (1u64 << 30) as f64),

@@ -185,6 +185,10 @@ pub struct ExpertCacheReport {
     pub host_seconds: f64,
     pub upload_seconds: f64,
     pub wait_seconds: f64,
+    /// With prediction measured: chosen experts that layer l's MoE input,
+    /// through layer l+1's router, predicted, and how many were chosen.
+    pub predicted: u64,
+    pub predicted_of: u64,
 }
 
 /// Counts of the last forward pass's device work (zero on the CPU).

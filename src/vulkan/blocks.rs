@@ -73,6 +73,9 @@ pub(crate) struct VkPass<'a> {
     cache: Option<Token<'a>>,
     /// Segments submitted so far (with the expert cache).
     pub submits: u32,
+    /// Whether to measure how well a layer's MoE input predicts the next
+    /// layer's experts (`FNX_MEASURE_PREDICTION=1`; costs a router on the host).
+    measure_prediction: bool,
 }
 
 /// The host's cos/sin table of position `pos`: `(1.., 0..)` rotated, i.e.
@@ -127,7 +130,8 @@ impl<'a> VkPass<'a> {
             }
         }
         state.write_upload(0, &inputs);
-        VkPass { state, gpu, model, cfg, rec, pos, attn_index, cache, submits: 0 }
+        let measure_prediction = cache.is_some() && std::env::var("FNX_MEASURE_PREDICTION").is_ok_and(|v| v == "1");
+        VkPass { state, gpu, model, cfg, rec, pos, attn_index, cache, submits: 0, measure_prediction }
     }
 
     /// The token's counts (segments submitted included) and the pipelines it timed.
@@ -476,6 +480,15 @@ impl Blocks for VkPass<'_> {
         let o = self.state.offload.as_mut().expect("checked above");
         let v: Vec<f32> = o.down.mapped()[..(2 * k + h) * 4].chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
         let host = HostRoutes { ids: v[..k].iter().map(|f| f.to_bits()).collect(), weights: v[k..2 * k].to_vec(), x: v[2 * k..].to_vec() };
+        if self.measure_prediction && layer + 1 < cfg.n_layers {
+            // The next layer's router on this layer's MoE input: how well it
+            // would predict the next choice (a measurement; see `cache`).
+            let next = &self.model.weights.layers[layer + 1].moe;
+            let predicted = self.model.install(|| crate::cpu::moe::route(next, cfg, &host.x));
+            if let Some(t) = self.cache.as_mut() {
+                t.predict(layer + 1, predicted.iter().map(|&(e, _)| e as u32).collect());
+            }
+        }
         Ok(Routes { host: Some(host) })
     }
 

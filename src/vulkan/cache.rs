@@ -86,6 +86,11 @@ pub struct CacheStats {
     pub host_ns: u64,
     pub upload_ns: u64,
     pub wait_ns: u64,
+    /// With prediction measured (`FNX_MEASURE_PREDICTION=1`): experts of
+    /// layer l+1 that its router, run on layer l's MoE input, put in its
+    /// top-k, and how many were chosen in all.
+    pub predicted: u64,
+    pub predicted_of: u64,
 }
 
 /// One layer's slots.
@@ -177,6 +182,8 @@ struct Inner {
     tick: u64,
     layers: Vec<LayerSlots>,
     stats: CacheStats,
+    /// The experts predicted for the next layer (measurement only).
+    predicted: Option<(usize, Vec<u32>)>,
 }
 
 /// The model's expert cache (see the module docs).
@@ -194,7 +201,12 @@ pub(crate) struct Token<'a> {
 
 impl ExpertCache {
     pub fn new(layers: usize, slots: usize, experts: usize, split: Split) -> ExpertCache {
-        let inner = Inner { tick: 1, layers: (0..layers).map(|_| LayerSlots::new(slots, experts)).collect(), stats: CacheStats::default() };
+        let inner = Inner {
+            tick: 1,
+            layers: (0..layers).map(|_| LayerSlots::new(slots, experts)).collect(),
+            stats: CacheStats::default(),
+            predicted: None,
+        };
         ExpertCache { slots, split, inner: Mutex::new(inner) }
     }
 
@@ -230,9 +242,19 @@ impl ExpertCache {
 }
 
 impl Token<'_> {
+    /// Records a prediction of layer `layer`'s experts.
+    pub fn predict(&mut self, layer: usize, ids: Vec<u32>) {
+        self.inner.predicted = Some((layer, ids));
+    }
+
     /// Places layer `layer`'s chosen experts.
     pub fn place(&mut self, layer: usize, ids: &[u32]) -> Vec<Place> {
-        let Inner { tick, layers, stats } = &mut *self.inner;
+        if self.inner.predicted.as_ref().is_some_and(|(l, _)| *l == layer) {
+            let (_, p) = self.inner.predicted.take().expect("checked");
+            self.inner.stats.predicted += ids.iter().filter(|e| p.contains(e)).count() as u64;
+            self.inner.stats.predicted_of += ids.len() as u64;
+        }
+        let Inner { tick, layers, stats, .. } = &mut *self.inner;
         let places = layers[layer].place(*tick, ids, &self.split, stats);
         stats.host_experts += places.iter().filter(|p| **p == Place::Host).count() as u64;
         stats.uploads += places.iter().filter(|p| matches!(p, Place::Upload(_))).count() as u64;
