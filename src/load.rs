@@ -6,7 +6,7 @@
 use crate::cpu::CpuBackend;
 use crate::error::{Error, Result};
 use crate::gguf::{GgmlType, GgufFile};
-use crate::model::backend::BackendModel;
+use crate::model::backend::{BackendModel, OnModelThreads};
 use crate::model::{snapshot, Config, Model, Weights};
 use crate::quant::kernels::Kernels;
 use std::path::Path;
@@ -162,7 +162,7 @@ fn choose_backend(
     weights: &Weights,
     opts: &LoadOptions,
     n_ctx: usize,
-    host: &(dyn Fn(&mut (dyn FnMut() + Send)) + Sync),
+    host: &OnModelThreads<'_>,
 ) -> Result<(Box<dyn BackendModel>, String)> {
     let budget = opts.vram_budget_mb.saturating_mul(1 << 20);
     let choice = |index| crate::vulkan::DeviceChoice { index, budget };

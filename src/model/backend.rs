@@ -136,6 +136,10 @@ impl BackendKind {
     }
 }
 
+/// Runs a piece of host work on the model's own threads (its rayon pool),
+/// so a backend's load-time measurements see the threads decoding will use.
+pub type OnModelThreads<'a> = dyn Fn(&mut (dyn FnMut() + Send)) + Sync + 'a;
+
 /// A model's weights on a backend; shared by every state of the model.
 pub trait BackendModel: Send + Sync {
     fn kind(&self) -> BackendKind;

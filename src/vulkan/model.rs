@@ -20,7 +20,7 @@ use super::device::{Context, DeviceChoice};
 use super::matrix::GpuMatrix;
 use super::pipelines::{Pipelines, MAX_ATTN_HEAD_DIM, MAX_GDN_HEAD_DIM, MAX_INDEX_DIM, MAX_EXPERTS, MAX_QSA_KEEP, MAX_TOP_K};
 use crate::error::{Error, Result};
-use crate::model::backend::{BackendKind, BackendModel, BackendState, ExpertCacheReport};
+use crate::model::backend::{BackendKind, BackendModel, BackendState, ExpertCacheReport, OnModelThreads};
 use crate::model::profile::RoutingProfile;
 use crate::model::weights::{HyperConnection, Mixer, Weights};
 use crate::model::{Config, LayerKind, Model};
@@ -263,7 +263,7 @@ impl GpuModel {
         w: &Weights,
         choice: &DeviceChoice,
         placement: &ExpertPlacement,
-        host: &(dyn Fn(&mut (dyn FnMut() + Send)) + Sync),
+        host: &OnModelThreads<'_>,
     ) -> Result<GpuModel> {
         check_shapes(cfg)?;
         let ctx = Arc::new(Context::new(choice)?);
@@ -313,7 +313,7 @@ impl GpuModel {
         pipes: &Pipelines,
         stream: &mut Stream,
         placement: &ExpertPlacement,
-        _host: &(dyn Fn(&mut (dyn FnMut() + Send)) + Sync),
+        _host: &OnModelThreads<'_>,
     ) -> Result<(Vec<GpuLayer>, GpuHyper, GpuMatrix, ExpertArena, Buffer, LoadReport)> {
         let moes: Vec<_> = w.layers.iter().map(|l| &l.moe).collect();
         let (arena_layers, shared_fits) = arena_layers(cfg, &moes)?;
@@ -460,7 +460,7 @@ fn measure_split(
     w: &Weights,
     ctx: &Arc<Context>,
     arena: &ExpertArena,
-    host: &(dyn Fn(&mut (dyn FnMut() + Send)) + Sync),
+    host: &OnModelThreads<'_>,
 ) -> Result<Split> {
     use crate::cpu::moe::{expert_outputs, Expert};
     let moe = &w.layers[0].moe;
@@ -502,7 +502,7 @@ impl VulkanBackend {
         w: &Weights,
         choice: &DeviceChoice,
         placement: &ExpertPlacement,
-        host: &(dyn Fn(&mut (dyn FnMut() + Send)) + Sync),
+        host: &OnModelThreads<'_>,
     ) -> Result<VulkanBackend> {
         Ok(VulkanBackend(Arc::new(GpuModel::load(cfg, w, choice, placement, host)?)))
     }
