@@ -5,7 +5,7 @@
 # file), next to a baseline binary of an earlier commit on the same file.
 #
 # Usage (repository root; binaries carried, see the device notes):
-#   OUT=/dir scripts/h200-offload.sh synth|resident|budgets|all
+#   OUT=/dir scripts/h200-offload.sh synth|resident|budgets|hostmoe|all
 # Environment: NEW (the binary under test, default target/carry/flashnext),
 # OLD (a baseline binary; skipped when absent), WORK (where the model is
 # written; default target/bench-models, kept between calls on a warm
@@ -72,6 +72,14 @@ resident() {
     [ -f "$old" ] && bench old-cpu "$old" 8 1 --backend cpu
 }
 
+# The host's share of offloaded experts alone: layer calls back to back and
+# with the GPU's time between layers spent asleep or spinning.
+hostmoe() {
+    say "bench-host-moe"
+    timeout "$step_timeout" "$new" bench-host-moe --model "$model" --misses 2,5,10 --gap-us 0,250 2>&1 | tee -a "$log" \
+        || say "bench-host-moe failed"
+}
+
 budgets() {
     for b in $budgets; do
         bench "new-vulkan-budget-$b-$tokens" "$new" "$gen" "$warmup" --backend vulkan --vram-budget-mb "$b" --tokens "$tokens"
@@ -82,7 +90,8 @@ case $which in
     synth) synth ;;
     resident) synth; resident ;;
     budgets) synth; budgets ;;
+    hostmoe) synth; hostmoe ;;
     all) synth; budgets; resident ;;
-    *) echo "usage: $0 synth|resident|budgets|all" >&2; exit 2 ;;
+    *) echo "usage: $0 synth|resident|budgets|hostmoe|all" >&2; exit 2 ;;
 esac
 say "done"

@@ -156,6 +156,25 @@ enum Command {
     },
     /// Measure decode and prompt speed of a model against its bandwidth bound.
     Bench(bench_cmd::BenchArgs),
+    /// The host's share of an offloaded MoE layer alone: a real model's
+    /// routed experts computed layer by layer as an expert-cache decode
+    /// computes its misses, with the GPU's share replaced by an idle gap.
+    BenchHostMoe {
+        #[arg(long, short)]
+        model: PathBuf,
+        /// Experts computed per layer (comma-separated).
+        #[arg(long, value_delimiter = ',', default_value = "2,5,10")]
+        misses: Vec<usize>,
+        /// Idle microseconds between layers (comma-separated).
+        #[arg(long, value_delimiter = ',', default_value = "0,250")]
+        gap_us: Vec<u64>,
+        /// Layer calls timed per configuration.
+        #[arg(long, default_value_t = 480)]
+        calls: usize,
+        /// Worker threads (0 = all cores).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+    },
 }
 
 fn parse_out_type(s: &str) -> Result<OutType, String> {
@@ -182,6 +201,11 @@ fn main() -> ExitCode {
             synth_cmd::run(out, opts, &dims, quiet)
         }
         Command::Bench(args) => bench_cmd::run(args),
+        Command::BenchHostMoe { model, misses, gap_us, calls, threads } => {
+            use flashnext::bench::host_moe::{run, HostMoeOptions, Idle};
+            let opts = HostMoeOptions { model: &model, misses, gaps_us: gap_us, idle: vec![Idle::Sleep, Idle::Spin], calls, threads };
+            run(&opts).map(|report| print!("{report}"))
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

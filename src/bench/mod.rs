@@ -14,6 +14,7 @@
 //! per token, VRAM, expert-cache hits) come through [`BackendStats`], a
 //! struct of options the backend fills; absent ones print as "n/a".
 
+pub mod host_moe;
 mod weights;
 
 pub use crate::cpu::host::{measure_read_bandwidth, peak_rss_bytes, Machine};
