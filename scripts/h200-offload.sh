@@ -5,12 +5,12 @@
 # file), next to a baseline binary of an earlier commit on the same file.
 #
 # Usage (repository root; binaries carried, see the device notes):
-#   OUT=/dir scripts/h200-offload.sh synth|resident|budgets|hostmoe|all
+#   OUT=/dir scripts/h200-offload.sh synth|resident|budgets|hostmoe|hoststore|ab|hostmoe-ab|all
 # Environment: NEW (the binary under test, default target/carry/flashnext),
 # OLD (a baseline binary; skipped when absent), WORK (where the model is
 # written; default target/bench-models, kept between calls on a warm
 # machine), GEN, WARMUP, BUDGETS (MiB list), TOKENS (random|greedy for the
-# budget runs), STEP_TIMEOUT.
+# budget runs), ROUNDS (of the A/B), STEP_TIMEOUT.
 set -u -o pipefail
 
 which=${1:-all}
@@ -72,12 +72,36 @@ resident() {
     [ -f "$old" ] && bench old-cpu "$old" 8 1 --backend cpu
 }
 
+# Resident Vulkan, the binary under test and the baseline alternating
+# (ROUNDS times each), so drift in the machine falls on both.
+ab() {
+    for r in $(seq "${ROUNDS:-2}"); do
+        bench "new-vulkan-resident-$r" "$new" "$gen" "$warmup" --backend vulkan
+        [ -f "$old" ] && bench "old-vulkan-resident-$r" "$old" "$gen" "$warmup" --backend vulkan
+    done
+}
+
 # The host's share of offloaded experts alone: layer calls back to back and
 # with the GPU's time between layers spent asleep or spinning.
 hostmoe() {
     say "bench-host-moe"
     timeout "$step_timeout" "$new" bench-host-moe --model "$model" --misses 2,5,10 --gap-us 0,250 2>&1 | tee -a "$log" \
         || say "bench-host-moe failed"
+}
+
+# Where the host's expert throughput goes: the mapped file against a copy in
+# huge-page anonymous memory, software prefetch distances, thread counts.
+hoststore() {
+    say "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"
+    local args=(bench-host-moe --model "$model" --store file,anon --misses 5,10 --layers 8)
+    timeout "$step_timeout" "$new" "${args[@]}" --gap-us 0,250 2>&1 | tee -a "$log"
+    for ahead in 1024 4096; do
+        say "FNX_PREFETCH_BYTES=$ahead"
+        FNX_PREFETCH_BYTES=$ahead timeout "$step_timeout" "$new" "${args[@]}" --gap-us 0 2>&1 | tee -a "$log"
+    done
+    say "8 threads"
+    timeout "$step_timeout" "$new" "${args[@]}" --gap-us 0 --threads 8 2>&1 | tee -a "$log"
+    grep -i hugepages /proc/meminfo | tee -a "$log"
 }
 
 budgets() {
@@ -91,7 +115,10 @@ case $which in
     resident) synth; resident ;;
     budgets) synth; budgets ;;
     hostmoe) synth; hostmoe ;;
+    hoststore) synth; hoststore ;;
+    ab) synth; ab ;;
+    hostmoe-ab) synth; hostmoe; ab ;;
     all) synth; budgets; resident ;;
-    *) echo "usage: $0 synth|resident|budgets|hostmoe|all" >&2; exit 2 ;;
+    *) echo "usage: $0 synth|resident|budgets|hostmoe|hoststore|ab|hostmoe-ab|all" >&2; exit 2 ;;
 esac
 say "done"

@@ -168,6 +168,13 @@ enum Command {
         /// Idle microseconds between layers (comma-separated).
         #[arg(long, value_delimiter = ',', default_value = "0,250")]
         gap_us: Vec<u64>,
+        /// Where the experts are read: file (the mapped model) and/or anon (a
+        /// copy in huge-page anonymous memory), comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "file")]
+        store: Vec<String>,
+        /// Use the first N layers (anon copies their experts).
+        #[arg(long, default_value_t = 8)]
+        layers: usize,
         /// Layer calls timed per configuration.
         #[arg(long, default_value_t = 480)]
         calls: usize,
@@ -201,10 +208,13 @@ fn main() -> ExitCode {
             synth_cmd::run(out, opts, &dims, quiet)
         }
         Command::Bench(args) => bench_cmd::run(args),
-        Command::BenchHostMoe { model, misses, gap_us, calls, threads } => {
-            use flashnext::bench::host_moe::{run, HostMoeOptions, Idle};
-            let opts = HostMoeOptions { model: &model, misses, gaps_us: gap_us, idle: vec![Idle::Sleep, Idle::Spin], calls, threads };
-            run(&opts).map(|report| print!("{report}"))
+        Command::BenchHostMoe { model, misses, gap_us, store, layers, calls, threads } => {
+            use flashnext::bench::host_moe::{run, HostMoeOptions, Idle, Store};
+            let parse = |s: &String| Store::parse(s).ok_or_else(|| flashnext::Error::arg(format!("--store {s:?}: expected file or anon")));
+            store.iter().map(parse).collect::<flashnext::Result<Vec<_>>>().and_then(|stores| {
+                let idle = vec![Idle::Sleep, Idle::Spin];
+                run(&HostMoeOptions { model: &model, misses, gaps_us: gap_us, idle, stores, layers, calls, threads }).map(|report| print!("{report}"))
+            })
         }
     };
     match result {
