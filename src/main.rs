@@ -13,6 +13,7 @@ use std::process::ExitCode;
 mod bench_cmd;
 mod cli;
 mod quant_cli;
+mod replay_cmd;
 mod synth_cmd;
 
 #[derive(Parser)]
@@ -156,6 +157,8 @@ enum Command {
     },
     /// Measure decode and prompt speed of a model against its bandwidth bound.
     Bench(bench_cmd::BenchArgs),
+    /// Replay a routing trace through per-layer expert-cache policies (hit rates per slot count).
+    Replay(replay_cmd::ReplayArgs),
 }
 
 fn parse_out_type(s: &str) -> Result<OutType, String> {
@@ -182,6 +185,7 @@ fn main() -> ExitCode {
             synth_cmd::run(out, opts, &dims, quiet)
         }
         Command::Bench(args) => bench_cmd::run(args),
+        Command::Replay(args) => replay_cmd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

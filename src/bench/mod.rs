@@ -15,8 +15,9 @@
 //! struct of options the backend fills; absent ones print as "n/a".
 //!
 //! A run can also record its routing ([`trace`]) for offline replays
-//! through expert-cache policies (`flashnext replay`).
+//! through expert-cache policies ([`replay`]).
 
+pub mod replay;
 pub mod trace;
 mod weights;
 

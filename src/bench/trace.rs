@@ -1,6 +1,6 @@
 //! Routing traces: which experts every layer chose for every token of a
 //! run, kept in a compact file that offline tools replay through expert
-//! cache policies (`flashnext replay`).
+//! cache policies (`flashnext replay`, [`super::replay`]).
 //!
 //! A [`TraceRecorder`] listens to [`Model::observe_routing`] (every routing
 //! decision the host sees: the CPU backend always, Vulkan with an expert
