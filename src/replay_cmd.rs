@@ -53,20 +53,33 @@ pub fn run(a: ReplayArgs) -> flashnext::Result<()> {
         (Some(path), None) => Trace::load(path)?,
         (None, None) => unreachable!("clap requires a trace or --generate"),
     };
-    let policies = a.policy.iter().map(|p| p.parse::<Policy>()).collect::<flashnext::Result<Vec<_>>>()?;
-    let opts = ReplayOptions { slots: a.slots, policies, window: a.window, skip: a.skip, distinct_over: a.distinct_over };
+    let policies = a
+        .policy
+        .iter()
+        .map(|p| p.parse::<Policy>())
+        .collect::<flashnext::Result<Vec<_>>>()?;
+    let opts = ReplayOptions {
+        slots: a.slots,
+        policies,
+        window: a.window,
+        skip: a.skip,
+        distinct_over: a.distinct_over,
+    };
     let report = replay(&trace, &opts)?;
     println!("{}", report.summary());
     if let Some(p) = &a.per_layer {
         let name = p.parse::<Policy>()?.to_string();
         if !report.results.iter().any(|r| r.policy == name) {
-            return Err(flashnext::Error::arg(format!("--per-layer {p}: not among the replayed policies")));
+            return Err(flashnext::Error::arg(format!(
+                "--per-layer {p}: not among the replayed policies"
+            )));
         }
         println!("{}", report.per_layer(&name));
     }
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&report).expect("the report serializes");
-        std::fs::write(path, text + "\n").map_err(|e| flashnext::Error::io(format!("writing {}", path.display()), e))?;
+        std::fs::write(path, text + "\n")
+            .map_err(|e| flashnext::Error::io(format!("writing {}", path.display()), e))?;
     }
     Ok(())
 }

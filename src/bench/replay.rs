@@ -46,7 +46,10 @@ pub enum Policy {
     PinFrequent,
     /// The engine's policy with this admission threshold; warm from the
     /// trace's own profile when `profile`.
-    Engine { admit_at: f32, profile: bool },
+    Engine {
+        admit_at: f32,
+        profile: bool,
+    },
     Optimal,
 }
 
@@ -59,17 +62,25 @@ impl std::str::FromStr for Policy {
         };
         let admit_at = || match arg {
             None => Ok(2.0),
-            Some(a) => a.parse::<f32>().ok().filter(|v| v.is_finite() && *v >= 1.0).ok_or_else(|| {
-                Error::arg(format!("policy {s:?}: the admission threshold must be a number >= 1"))
-            }),
+            Some(a) => a
+                .parse::<f32>()
+                .ok()
+                .filter(|v| v.is_finite() && *v >= 1.0)
+                .ok_or_else(|| Error::arg(format!("policy {s:?}: the admission threshold must be a number >= 1"))),
         };
         match (name, arg) {
             ("lru", None) => Ok(Policy::Lru),
             ("lfu", None) => Ok(Policy::Lfu),
             ("pin-frequent", None) => Ok(Policy::PinFrequent),
             ("opt", None) => Ok(Policy::Optimal),
-            ("engine", _) => Ok(Policy::Engine { admit_at: admit_at()?, profile: false }),
-            ("engine-profile", _) => Ok(Policy::Engine { admit_at: admit_at()?, profile: true }),
+            ("engine", _) => Ok(Policy::Engine {
+                admit_at: admit_at()?,
+                profile: false,
+            }),
+            ("engine-profile", _) => Ok(Policy::Engine {
+                admit_at: admit_at()?,
+                profile: true,
+            }),
             _ => Err(Error::arg(format!(
                 "unknown policy {s:?}: expected lru, lfu, pin-frequent, engine[:A], engine-profile[:A] or opt"
             ))),
@@ -114,7 +125,16 @@ impl Default for ReplayOptions {
     fn default() -> Self {
         ReplayOptions {
             slots: Vec::new(),
-            policies: vec![Policy::Lru, Policy::Engine { admit_at: 2.0, profile: false }, Policy::Lfu, Policy::PinFrequent, Policy::Optimal],
+            policies: vec![
+                Policy::Lru,
+                Policy::Engine {
+                    admit_at: 2.0,
+                    profile: false,
+                },
+                Policy::Lfu,
+                Policy::PinFrequent,
+                Policy::Optimal,
+            ],
             window: None,
             skip: 0,
             distinct_over: 300,
@@ -163,12 +183,18 @@ pub fn replay(trace: &Trace, opts: &ReplayOptions) -> Result<ReplayReport> {
     let total = trace.tokens();
     let window = opts.window.unwrap_or(total).min(total);
     if window == 0 {
-        return Err(Error::arg(format!("nothing to replay: the trace has {total} tokens after skipping {}", opts.skip)));
+        return Err(Error::arg(format!(
+            "nothing to replay: the trace has {total} tokens after skipping {}",
+            opts.skip
+        )));
     }
     let windows = total / window;
     let (e, k) = (trace.experts, trace.k);
-    let slots: Vec<usize> =
-        if opts.slots.is_empty() { [93, 186, 279, 372].iter().map(|s| (s * e).div_ceil(512)).collect() } else { opts.slots.clone() };
+    let slots: Vec<usize> = if opts.slots.is_empty() {
+        [93, 186, 279, 372].iter().map(|s| (s * e).div_ceil(512)).collect()
+    } else {
+        opts.slots.clone()
+    };
     if let Some(s) = slots.iter().find(|&&s| s == 0 || s > e) {
         return Err(Error::arg(format!("{s} slots per layer: expected 1..={e}")));
     }
@@ -185,7 +211,13 @@ pub fn replay(trace: &Trace, opts: &ReplayOptions) -> Result<ReplayReport> {
             let all = count(l, 0..windows * window);
             ranges
                 .iter()
-                .map(|r| if windows == 1 { all.clone() } else { all.iter().zip(count(l, r.clone())).map(|(a, w)| a - w).collect() })
+                .map(|r| {
+                    if windows == 1 {
+                        all.clone()
+                    } else {
+                        all.iter().zip(count(l, r.clone())).map(|(a, w)| a - w).collect()
+                    }
+                })
                 .collect()
         })
         .collect();
@@ -227,7 +259,10 @@ pub fn replay(trace: &Trace, opts: &ReplayOptions) -> Result<ReplayReport> {
                 .iter()
                 .map(|r| {
                     let mut seen = vec![false; e];
-                    r.clone().flat_map(|t| trace.ids(t, l).iter()).filter(|&&x| !std::mem::replace(&mut seen[x as usize], true)).count()
+                    r.clone()
+                        .flat_map(|t| trace.ids(t, l).iter())
+                        .filter(|&&x| !std::mem::replace(&mut seen[x as usize], true))
+                        .count()
                 })
                 .sum::<usize>()
         })
@@ -251,7 +286,14 @@ pub fn replay(trace: &Trace, opts: &ReplayOptions) -> Result<ReplayReport> {
 
 /// Hits of layer `layer` over tokens `range` under `policy` with `slots`
 /// slots; `counts` is the layer's routing profile (choices per expert).
-fn replay_layer(trace: &Trace, layer: usize, range: std::ops::Range<usize>, policy: Policy, slots: usize, counts: &[u32]) -> u64 {
+fn replay_layer(
+    trace: &Trace,
+    layer: usize,
+    range: std::ops::Range<usize>,
+    policy: Policy,
+    slots: usize,
+    counts: &[u32],
+) -> u64 {
     let ids = |t: usize| trace.ids(t, layer);
     let e = trace.experts;
     let mut hits = 0u64;
@@ -279,7 +321,10 @@ fn replay_layer(trace: &Trace, layer: usize, range: std::ops::Range<usize>, poli
                 (0..slots as u32).collect()
             };
             cache.fill(&warm);
-            let split = Split { host_bytes_per_s: admit_at as f64, upload_bytes_per_s: 1.0 };
+            let split = Split {
+                host_bytes_per_s: admit_at as f64,
+                upload_bytes_per_s: 1.0,
+            };
             let mut stats = CacheStats::default();
             // The engine's ticks start at 1 and advance before each token.
             for (i, t) in range.enumerate() {
@@ -295,7 +340,11 @@ fn replay_layer(trace: &Trace, layer: usize, range: std::ops::Range<usize>, poli
             let mut next_of = vec![usize::MAX; e];
             let mut resident = vec![false; e];
             let mut n_resident = 0;
-            let next = if policy == Policy::Optimal { next_uses(trace, layer, range.clone()) } else { Vec::new() };
+            let next = if policy == Policy::Optimal {
+                next_uses(trace, layer, range.clone())
+            } else {
+                Vec::new()
+            };
             for (i, t) in range.enumerate() {
                 let tick = i as u64 + 1;
                 let chosen = ids(t);
@@ -323,7 +372,9 @@ fn replay_layer(trace: &Trace, layer: usize, range: std::ops::Range<usize>, poli
                     let victim = match policy {
                         Policy::Lru => candidates.min_by_key(|&y| last[y]),
                         Policy::Lfu => candidates.min_by_key(|&y| (uses[y], last[y])),
-                        _ => candidates.max_by_key(|&y| (next_of[y], std::cmp::Reverse(y))).filter(|&y| next_of[y] > next_of[x]),
+                        _ => candidates
+                            .max_by_key(|&y| (next_of[y], std::cmp::Reverse(y)))
+                            .filter(|&y| next_of[y] > next_of[x]),
                     };
                     if let Some(v) = victim {
                         resident[v] = false;
@@ -378,7 +429,10 @@ impl ReplayReport {
             d.iter().max().unwrap_or(&0),
             self.distinct_uniform
         ));
-        lines.push(format!("a cache that never evicts: {:.1}% (the rest are first sightings)", 100.0 * self.unbounded_hit_rate));
+        lines.push(format!(
+            "a cache that never evicts: {:.1}% (the rest are first sightings)",
+            100.0 * self.unbounded_hit_rate
+        ));
         lines.push(
             if self.profile_is_oracle {
                 "routing profiles (pin-frequent, engine-profile): the replayed tokens' own (an oracle)"
@@ -404,7 +458,11 @@ impl ReplayReport {
         for s in &slots {
             let mut row = format!("{:>6} slots", s);
             for p in &policies {
-                let r = self.results.iter().find(|r| r.slots == *s && r.policy == *p).expect("every pair replayed");
+                let r = self
+                    .results
+                    .iter()
+                    .find(|r| r.slots == *s && r.policy == *p)
+                    .expect("every pair replayed");
                 row += &format!("  {:>width$.1}", 100.0 * r.hit_rate);
             }
             lines.push(row);
@@ -417,11 +475,22 @@ impl ReplayReport {
         let rows: Vec<&PolicyResult> = self.results.iter().filter(|r| r.policy == policy).collect();
         let mut lines = vec![format!(
             "{policy} per layer: {}",
-            rows.iter().map(|r| format!("{:>6}", r.slots)).collect::<Vec<_>>().join(" ")
+            rows.iter()
+                .map(|r| format!("{:>6}", r.slots))
+                .collect::<Vec<_>>()
+                .join(" ")
         )];
         for l in 0..self.layers {
-            let vals: Vec<String> = rows.iter().map(|r| format!("{:>6.1}", 100.0 * r.per_layer[l])).collect();
-            lines.push(format!("{:>width$} {l:>5}: {}", "layer", vals.join(" "), width = policy.len() + 4));
+            let vals: Vec<String> = rows
+                .iter()
+                .map(|r| format!("{:>6.1}", 100.0 * r.per_layer[l]))
+                .collect();
+            lines.push(format!(
+                "{:>width$} {l:>5}: {}",
+                "layer",
+                vals.join(" "),
+                width = policy.len() + 4
+            ));
         }
         lines.join("\n")
     }
@@ -439,7 +508,11 @@ mod tests {
     }
 
     fn hits(t: &Trace, policy: &str, slots: usize) -> u64 {
-        let opts = ReplayOptions { slots: vec![slots], policies: vec![policy.parse().unwrap()], ..Default::default() };
+        let opts = ReplayOptions {
+            slots: vec![slots],
+            policies: vec![policy.parse().unwrap()],
+            ..Default::default()
+        };
         replay(t, &opts).unwrap().results[0].hits
     }
 
@@ -494,12 +567,29 @@ mod tests {
     #[test]
     fn windows_restart_cold_and_report_distinct_experts() {
         let t = trace(&[[0, 1], [0, 1], [0, 1], [0, 1]]);
-        let opts = ReplayOptions { slots: vec![2], policies: vec![Policy::Lru], window: Some(2), distinct_over: 3, ..Default::default() };
+        let opts = ReplayOptions {
+            slots: vec![2],
+            policies: vec![Policy::Lru],
+            window: Some(2),
+            distinct_over: 3,
+            ..Default::default()
+        };
         let r = replay(&t, &opts).unwrap();
-        assert_eq!((r.windows, r.tokens, r.results[0].hits, r.results[0].uses), (2, 4, 4, 8));
+        assert_eq!(
+            (r.windows, r.tokens, r.results[0].hits, r.results[0].uses),
+            (2, 4, 4, 8)
+        );
         assert_eq!(r.unbounded_hit_rate, 0.5);
         assert_eq!(r.distinct_per_layer, [2]);
-        let skipped = replay(&t, &ReplayOptions { skip: 1, window: None, ..opts }).unwrap();
+        let skipped = replay(
+            &t,
+            &ReplayOptions {
+                skip: 1,
+                window: None,
+                ..opts
+            },
+        )
+        .unwrap();
         assert_eq!((skipped.tokens, skipped.results[0].hits), (3, 4));
         assert!(r.summary().contains("2 slots"), "{}", r.summary());
     }

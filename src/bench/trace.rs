@@ -50,7 +50,12 @@ impl Trace {
                 "a trace needs at least one layer and 1 <= k <= experts <= 65536 (got {layers} layers, k {k}, {experts} experts)"
             )));
         }
-        Ok(Trace { layers, experts, k, ids: Vec::new() })
+        Ok(Trace {
+            layers,
+            experts,
+            k,
+            ids: Vec::new(),
+        })
     }
 
     pub fn tokens(&self) -> usize {
@@ -66,10 +71,17 @@ impl Trace {
     /// Appends a token: `k` ids for each layer, concatenated layer by layer.
     pub fn push_token(&mut self, ids: &[u16]) -> Result<()> {
         if ids.len() != self.layers * self.k {
-            return Err(Error::arg(format!("a token of this trace has {} ids, not {}", self.layers * self.k, ids.len())));
+            return Err(Error::arg(format!(
+                "a token of this trace has {} ids, not {}",
+                self.layers * self.k,
+                ids.len()
+            )));
         }
         if let Some(e) = ids.iter().find(|&&e| e as usize >= self.experts) {
-            return Err(Error::arg(format!("expert {e} is out of range (the trace has {} experts)", self.experts)));
+            return Err(Error::arg(format!(
+                "expert {e} is out of range (the trace has {} experts)",
+                self.experts
+            )));
         }
         self.ids.extend_from_slice(ids);
         Ok(())
@@ -80,7 +92,10 @@ impl Trace {
         let per = self.layers * self.k;
         let end = range.end.min(self.tokens());
         let start = range.start.min(end);
-        Trace { ids: self.ids[start * per..end * per].to_vec(), ..*self }
+        Trace {
+            ids: self.ids[start * per..end * per].to_vec(),
+            ..*self
+        }
     }
 
     /// The file's bytes (see the module docs).
@@ -105,10 +120,13 @@ impl Trace {
         let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes")) as usize;
         let version = u32_at(8);
         if version != VERSION as usize {
-            return Err(Error::format(format!("routing trace version {version}; this build reads version {VERSION}")));
+            return Err(Error::format(format!(
+                "routing trace version {version}; this build reads version {VERSION}"
+            )));
         }
         let tokens = u64::from_le_bytes(bytes[24..32].try_into().expect("8 bytes"));
-        let mut trace = Trace::new(u32_at(12), u32_at(16), u32_at(20)).map_err(|e| Error::format(format!("routing trace header: {e}")))?;
+        let mut trace = Trace::new(u32_at(12), u32_at(16), u32_at(20))
+            .map_err(|e| Error::format(format!("routing trace header: {e}")))?;
         let n = usize::try_from(tokens)
             .ok()
             .and_then(|t| t.checked_mul(trace.layers * trace.k))
@@ -122,20 +140,28 @@ impl Trace {
                     bytes.len() - HEADER
                 ))
             })?;
-        trace.ids = bytes[HEADER..].chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+        trace.ids = bytes[HEADER..]
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect();
         debug_assert_eq!(trace.ids.len(), n);
         if let Some(e) = trace.ids.iter().find(|&&e| e as usize >= trace.experts) {
-            return Err(Error::format(format!("routing trace names expert {e} of {}", trace.experts)));
+            return Err(Error::format(format!(
+                "routing trace names expert {e} of {}",
+                trace.experts
+            )));
         }
         Ok(trace)
     }
 
     pub fn save(&self, path: &Path) -> Result<()> {
-        std::fs::write(path, self.to_bytes()).map_err(|e| Error::io(format!("writing the routing trace {}", path.display()), e))
+        std::fs::write(path, self.to_bytes())
+            .map_err(|e| Error::io(format!("writing the routing trace {}", path.display()), e))
     }
 
     pub fn load(path: &Path) -> Result<Trace> {
-        let bytes = std::fs::read(path).map_err(|e| Error::io(format!("reading the routing trace {}", path.display()), e))?;
+        let bytes =
+            std::fs::read(path).map_err(|e| Error::io(format!("reading the routing trace {}", path.display()), e))?;
         Trace::from_bytes(&bytes).map_err(|e| Error::format(format!("{}: {e}", path.display())))
     }
 }
@@ -168,7 +194,13 @@ impl TraceRecorder {
     pub fn with_shape(layers: usize, experts: usize, k: usize) -> Result<Arc<TraceRecorder>> {
         let trace = Trace::new(layers, experts, k)?;
         let pending = vec![Vec::new(); layers];
-        Ok(Arc::new(TraceRecorder { trace: Mutex::new(Recording { trace, pending, error: None }) }))
+        Ok(Arc::new(TraceRecorder {
+            trace: Mutex::new(Recording {
+                trace,
+                pending,
+                error: None,
+            }),
+        }))
     }
 
     /// The function to give [`Model::observe_routing`].
@@ -181,7 +213,8 @@ impl TraceRecorder {
         let mut r = self.trace.lock().unwrap_or_else(|e| e.into_inner());
         let (layers, k, experts) = (r.trace.layers, r.trace.k, r.trace.experts);
         if layer >= layers || ids.len() != k || ids.iter().any(|&e| e as usize >= experts) {
-            r.error.get_or_insert_with(|| format!("layer {layer} reported {ids:?}, not {k} of {experts} experts"));
+            r.error
+                .get_or_insert_with(|| format!("layer {layer} reported {ids:?}, not {k} of {experts} experts"));
             return;
         }
         r.pending[layer].extend(ids.iter().map(|&e| e as u16));
@@ -227,7 +260,16 @@ pub struct RoutingLaw {
 
 impl Default for RoutingLaw {
     fn default() -> Self {
-        RoutingLaw { zipf: 0.0, locality: 0.0, memory: 8.0, tokens: 300, layers: 4, experts: 512, k: 10, seed: 0 }
+        RoutingLaw {
+            zipf: 0.0,
+            locality: 0.0,
+            memory: 8.0,
+            tokens: 300,
+            layers: 4,
+            experts: 512,
+            k: 10,
+            seed: 0,
+        }
     }
 }
 
@@ -237,20 +279,28 @@ impl std::str::FromStr for RoutingLaw {
     fn from_str(s: &str) -> Result<RoutingLaw> {
         let mut law = RoutingLaw::default();
         for part in s.split(',').filter(|p| !p.is_empty()) {
-            let (key, value) = part.split_once(':').ok_or_else(|| Error::arg(format!("{part:?}: expected KEY:VALUE")))?;
+            let (key, value) = part
+                .split_once(':')
+                .ok_or_else(|| Error::arg(format!("{part:?}: expected KEY:VALUE")))?;
             let bad = || Error::arg(format!("{part:?}: {value:?} is not a valid {key}"));
             let float = || value.parse::<f64>().ok().filter(|v| v.is_finite()).ok_or_else(bad);
             let int = || value.parse::<usize>().map_err(|_| bad());
             match key {
                 "zipf" => law.zipf = float()?,
-                "locality" => law.locality = float().and_then(|v| if (0.0..1.0).contains(&v) { Ok(v) } else { Err(bad()) })?,
+                "locality" => {
+                    law.locality = float().and_then(|v| if (0.0..1.0).contains(&v) { Ok(v) } else { Err(bad()) })?
+                }
                 "memory" => law.memory = float().and_then(|v| if v >= 1.0 { Ok(v) } else { Err(bad()) })?,
                 "tokens" => law.tokens = int()?,
                 "layers" => law.layers = int()?,
                 "experts" => law.experts = int()?,
                 "k" => law.k = int()?,
                 "seed" => law.seed = value.parse().map_err(|_| bad())?,
-                _ => return Err(Error::arg(format!("{key:?}: expected zipf, locality, memory, tokens, layers, experts, k or seed"))),
+                _ => {
+                    return Err(Error::arg(format!(
+                        "{key:?}: expected zipf, locality, memory, tokens, layers, experts, k or seed"
+                    )))
+                }
             }
         }
         Ok(law)
@@ -340,7 +390,10 @@ mod tests {
         assert_eq!(&bytes[..8], b"FNXTRACE");
         let back = Trace::from_bytes(&bytes).unwrap();
         assert_eq!(back, t);
-        assert_eq!((back.tokens(), back.ids(0, 1), back.ids(1, 0)), (2, &[7u16, 6, 5][..], &[0u16, 1, 2][..]));
+        assert_eq!(
+            (back.tokens(), back.ids(0, 1), back.ids(1, 0)),
+            (2, &[7u16, 6, 5][..], &[0u16, 1, 2][..])
+        );
         assert_eq!(back.slice(1..5).ids(0, 1), &[3, 4, 5]);
 
         let path = std::env::temp_dir().join(format!("flashnext-trace-{}.bin", std::process::id()));
@@ -375,15 +428,31 @@ mod tests {
         f(1, &[2, 4]);
         let t = r.trace().unwrap();
         assert_eq!(t.tokens(), 3);
-        assert_eq!([t.ids(1, 0), t.ids(1, 1), t.ids(2, 0), t.ids(2, 1)], [&[5, 6][..], &[1, 3], &[7, 0], &[2, 4]]);
+        assert_eq!(
+            [t.ids(1, 0), t.ids(1, 1), t.ids(2, 0), t.ids(2, 1)],
+            [&[5, 6][..], &[1, 3], &[7, 0], &[2, 4]]
+        );
         f(0, &[1, 9]);
         assert!(r.trace().is_err());
     }
 
     #[test]
     fn laws_parse_and_generate_deterministically() {
-        let law: RoutingLaw = "zipf:0.5,locality:0.5,memory:4,tokens:20,layers:2,experts:64,k:4,seed:3".parse().unwrap();
-        assert_eq!((law.zipf, law.locality, law.memory, law.tokens, law.layers, law.experts, law.k), (0.5, 0.5, 4.0, 20, 2, 64, 4));
+        let law: RoutingLaw = "zipf:0.5,locality:0.5,memory:4,tokens:20,layers:2,experts:64,k:4,seed:3"
+            .parse()
+            .unwrap();
+        assert_eq!(
+            (
+                law.zipf,
+                law.locality,
+                law.memory,
+                law.tokens,
+                law.layers,
+                law.experts,
+                law.k
+            ),
+            (0.5, 0.5, 4.0, 20, 2, 64, 4)
+        );
         for bad in ["zipf", "locality:1", "memory:0.5", "tokens:-1", "colour:3"] {
             assert!(bad.parse::<RoutingLaw>().is_err(), "{bad}");
         }
