@@ -65,8 +65,8 @@ impl std::str::FromStr for Policy {
             Some(a) => a
                 .parse::<f32>()
                 .ok()
-                .filter(|v| v.is_finite() && *v >= 1.0)
-                .ok_or_else(|| Error::arg(format!("policy {s:?}: the admission threshold must be a number >= 1"))),
+                .filter(|v| v.is_finite() && *v >= 2.0)
+                .ok_or_else(|| Error::arg(format!("policy {s:?}: the engine admits at 2 misses or more"))),
         };
         match (name, arg) {
             ("lru", None) => Ok(Policy::Lru),
@@ -561,7 +561,7 @@ mod tests {
         // An admission threshold that is never reached keeps the first experts.
         assert_eq!(hits(&t, "engine:100", 2), 1 + 1);
         assert_eq!("engine:3".parse::<Policy>().unwrap().to_string(), "engine:3");
-        assert!("engine:0.5".parse::<Policy>().is_err() && "lru:2".parse::<Policy>().is_err());
+        assert!("engine:1".parse::<Policy>().is_err() && "lru:2".parse::<Policy>().is_err());
     }
 
     #[test]
