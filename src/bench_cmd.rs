@@ -49,6 +49,10 @@ pub struct BenchArgs {
     /// as uniform as the model makes it).
     #[arg(long, default_value = "greedy")]
     tokens: String,
+    /// Save the routing of every decoded token (prompt included) to this
+    /// file, for `flashnext replay` (CPU backend, or Vulkan with an expert cache).
+    #[arg(long)]
+    save_trace: Option<PathBuf>,
 }
 
 fn parse_backend(s: &str) -> flashnext::Result<Backend> {
@@ -79,6 +83,7 @@ pub fn run(a: BenchArgs) -> flashnext::Result<()> {
         routing_profile: a.routing_profile,
         save_profile: a.save_profile,
         tokens,
+        save_trace: a.save_trace,
     };
     let report = bench::run(&opts)?;
     println!("{}", report.summary());

@@ -12,7 +12,7 @@
 //! | text | [`tokenizer`] | the vocabulary of a model file, beside the model (built from its metadata), not inside it |
 //! | opening | [`load`] | [`LoadOptions`], the one place a backend is chosen and built |
 //! | backends | [`cpu`], [`vulkan`] | the blocks of the network on the host's cores / on a GPU; `vulkan` may use `cpu`'s formulas (host-side tables, the twins that check its shaders), never the reverse |
-//! | network | [`model`] | [`model::Config`], [`model::Weights`], the one layer walk ([`model::forward`]), the block interface ([`model::backend`]), [`State`] (position, token history, logits, one backend state), snapshots |
+//! | network | [`model`] | [`model::Config`], [`model::Weights`], the one layer walk ([`model::forward`]), the block interface ([`model::backend`]), [`State`] (position, token history, logits, one backend state), snapshots, routing profiles and the expert cache's placement policy (no device in it) |
 //! | formats | [`quant`], [`tensor`], [`gguf`] | block formats and their kernels, weight views into the mapped file, the container |
 //! | tools | [`convert`], [`synth`] | Hugging Face → GGUF, synthetic models; they sit beside the faces and use the formats below |
 //!

@@ -13,6 +13,7 @@ use std::process::ExitCode;
 mod bench_cmd;
 mod cli;
 mod quant_cli;
+mod replay_cmd;
 mod synth_cmd;
 
 #[derive(Parser)]
@@ -147,12 +148,27 @@ enum Command {
         ple_rows: u64,
         #[arg(long, default_value_t = 0)]
         seed: u64,
-        /// real, or small (shrunken dimensions, for tests).
+        /// real, small (shrunken dimensions, for tests) or narrow (small with
+        /// the real router: 512 experts, top 10).
         #[arg(long, default_value = "real")]
         dims: String,
         /// No progress on stderr.
         #[arg(long, short)]
         quiet: bool,
+        /// Routing options by name: real (skew and locality calibrated
+        /// against a trace of the real model) or uniform (the default);
+        /// --route-skew/-locality/-memory override its values.
+        #[arg(long, value_name = "NAME")]
+        route_preset: Option<String>,
+        /// Zipf-like exponent of the experts' popularity (0 = uniform).
+        #[arg(long, value_name = "S")]
+        route_skew: Option<f32>,
+        /// Share of the routers' input that varies slowly from token to token (0 = none, < 1).
+        #[arg(long, value_name = "L")]
+        route_locality: Option<f32>,
+        /// Time constant of that slow variation in tokens (default 8).
+        #[arg(long, value_name = "T")]
+        route_memory: Option<f32>,
     },
     /// Measure decode and prompt speed of a model against its bandwidth bound.
     Bench(bench_cmd::BenchArgs),
@@ -182,6 +198,8 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         threads: usize,
     },
+    /// Replay a routing trace through per-layer expert-cache policies (hit rates per slot count).
+    Replay(replay_cmd::ReplayArgs),
 }
 
 fn parse_out_type(s: &str) -> Result<OutType, String> {
@@ -203,9 +221,11 @@ fn main() -> ExitCode {
         Command::BenchKernels { seconds, lm_head_fraction, threads, kernels, types, per_core_only, isa } => {
             quant_cli::run_bench_kernels(seconds, lm_head_fraction, threads, &kernels, &types, per_core_only, isa.as_deref())
         }
-        Command::Synth { out, layers, out_type, tensor_types, ple_rows, seed, dims, quiet } => {
-            let opts = flashnext::synth::SynthOptions { layers, out_type, tensor_types, ple_rows, seed, dims: Default::default() };
-            synth_cmd::run(out, opts, &dims, quiet)
+        Command::Synth { out, layers, out_type, tensor_types, ple_rows, seed, dims, quiet, route_preset, route_skew, route_locality, route_memory } => {
+            synth_cmd::route_options(route_preset.as_deref(), route_skew, route_locality, route_memory).and_then(|routing| {
+                let opts = flashnext::synth::SynthOptions { layers, out_type, tensor_types, ple_rows, seed, dims: Default::default(), routing };
+                synth_cmd::run(out, opts, &dims, quiet)
+            })
         }
         Command::Bench(args) => bench_cmd::run(args),
         Command::BenchHostMoe { model, misses, gap_us, store, layers, calls, threads } => {
@@ -216,6 +236,7 @@ fn main() -> ExitCode {
                 run(&HostMoeOptions { model: &model, misses, gaps_us: gap_us, idle, stores, layers, calls, threads }).map(|report| print!("{report}"))
             })
         }
+        Command::Replay(args) => replay_cmd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,10 +1,31 @@
 //! `flashnext synth`: writes a synthetic real-shape model, with progress.
 
-use flashnext::synth::{synthesize, Dims, SynthOptions, SynthProgress};
+use flashnext::synth::{synthesize, Dims, RouteOptions, SynthOptions, SynthProgress};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Instant;
+
+/// `--route-preset` (default uniform) with any of `--route-skew`,
+/// `--route-locality`, `--route-memory` overriding its values.
+pub fn route_options(
+    preset: Option<&str>,
+    skew: Option<f32>,
+    locality: Option<f32>,
+    memory: Option<f32>,
+) -> flashnext::Result<RouteOptions> {
+    let base = match preset {
+        Some(name) => RouteOptions::preset(name)?,
+        None => RouteOptions::default(),
+    };
+    let r = RouteOptions {
+        skew: skew.unwrap_or(base.skew),
+        locality: locality.unwrap_or(base.locality),
+        memory: memory.unwrap_or(base.memory),
+    };
+    r.check()?;
+    Ok(r)
+}
 
 pub fn run(out: PathBuf, opts: SynthOptions, dims: &str, quiet: bool) -> flashnext::Result<()> {
     let opts = SynthOptions {
@@ -45,6 +66,13 @@ pub fn run(out: PathBuf, opts: SynthOptions, dims: &str, quiet: bool) -> flashne
         .iter()
         .map(|(t, b)| format!("{} {:.2} GB", t.name(), *b as f64 / 1e9))
         .collect();
+    if !opts.routing.is_uniform() {
+        let r = &opts.routing;
+        eprintln!(
+            "routing: skew {}, locality {}, memory {} tokens (decode with --tokens random)",
+            r.skew, r.locality, r.memory
+        );
+    }
     eprintln!(
         "wrote {} ({} layers, {}, {} tensors, {:.2} GB, PLE table {} rows) in {:.1} s: {:.2} GB/s [{}]",
         out.display(),

@@ -114,3 +114,27 @@ fn bench_report_is_consistent() {
     let _ = std::fs::remove_file(&json_path);
     let _ = std::fs::remove_file(&path);
 }
+
+/// `save_trace`: the routing of every decoded token (prompt, warm-up and
+/// timed) in a file `flashnext replay` reads.
+#[test]
+fn bench_saves_the_routing_of_every_token() {
+    let path = small_model("trace");
+    let trace_path = path.with_extension("trace");
+    let run = BenchOptions {
+        gen: 3,
+        warmup: 1,
+        threads: 1,
+        tokens: bench::GenTokens::Random,
+        save_trace: Some(trace_path.clone()),
+        ..BenchOptions::new(&path)
+    };
+    let r = bench::run(&run);
+    let trace = bench::trace::Trace::load(&trace_path);
+    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_file(&trace_path);
+    let (r, t) = (r.unwrap(), trace.unwrap());
+    assert_eq!((t.tokens(), t.layers, t.experts, t.k), (r.prompt_tokens + 1 + 3, 4, 64, 4));
+    let replayed = bench::replay::replay(&t, &Default::default()).unwrap();
+    assert!(replayed.results.iter().all(|x| x.uses == (t.tokens() * 4 * 4) as u64));
+}

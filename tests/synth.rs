@@ -6,7 +6,9 @@ use flashnext::convert::OutType;
 use flashnext::gguf::{GgmlType, GgufFile};
 use flashnext::{LoadOptions, Model, State};
 use flashnext::quant::policy::{Preset, TensorTypeOverride};
-use flashnext::synth::{synthesize, Dims, SynthOptions, SynthPlan};
+use flashnext::bench::replay::{replay, Policy, ReplayOptions};
+use flashnext::bench::trace::TraceRecorder;
+use flashnext::synth::{synthesize, Dims, RouteOptions, SynthOptions, SynthPlan};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -18,6 +20,7 @@ fn small(out_type: OutType, seed: u64) -> SynthOptions {
         ple_rows: 1 << 16,
         seed,
         dims: Dims::Small,
+        ..Default::default()
     }
 }
 
@@ -151,6 +154,63 @@ fn same_seed_same_bytes() {
     assert!(a != c, "the seed changes nothing");
 }
 
+/// FNV-1a, 64 bits.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+/// Without routing options (or with only a memory, which needs locality to
+/// matter) a model is drawn exactly as before the options existed: the
+/// hashes are of files the tree wrote before them. A deliberate change of
+/// the default draws, the quantizers or the metadata changes them; update
+/// them in the same commit.
+#[test]
+fn without_routing_options_the_bytes_are_those_from_before_them() {
+    let before = [(OutType::Q8_0, 0xb37a_87eb_4465_da25u64), (OutType::Quant(Preset::Q4KM), 0xaef3_9e4b_538e_ec4c)];
+    for (out_type, hash) in before {
+        let opts = SynthOptions { routing: RouteOptions { memory: 3.0, ..Default::default() }, ..small(out_type, 1) };
+        let file = write(&opts, &format!("{out_type}-before.gguf"));
+        assert_eq!(fnv1a(&std::fs::read(&file.0).unwrap()), hash, "{out_type}");
+    }
+}
+
+/// With routing options the model's own forward pass routes skewed and
+/// local: a per-layer LRU cache of 93 of 512 slots hits about as often as
+/// on the real model's trace (43.5%) over 300 pseudo-random tokens, while
+/// the default model routes like uniform draws (93/512 = 18%, the worst case).
+#[test]
+fn routing_options_make_routing_local_and_the_default_stays_uniform() {
+    let lru_93 = |routing: RouteOptions, name: &str| {
+        let opts = SynthOptions {
+            layers: Some(2),
+            out_type: OutType::Q8_0,
+            tensor_types: vec!["_exps=q4_0".parse().unwrap()],
+            ple_rows: 1 << 14,
+            seed: 2,
+            dims: Dims::Narrow,
+            routing,
+        };
+        let file = write(&opts, name);
+        let model = load(&file.0);
+        assert_eq!((model.config.n_experts, model.config.n_experts_used), (512, 10));
+        let recorder = TraceRecorder::new(&model).unwrap();
+        model.observe_routing(Some(recorder.observer()));
+        let mut state = State::new(model.clone()).unwrap();
+        let mut s = 42u64;
+        for _ in 0..300 {
+            state.decode((flashnext::sampling::splitmix64(&mut s) % model.vocab_size() as u64) as u32).unwrap();
+        }
+        let trace = recorder.trace().unwrap();
+        assert_eq!(trace.tokens(), 300);
+        let opts = ReplayOptions { slots: vec![93], policies: vec![Policy::Lru], ..Default::default() };
+        replay(&trace, &opts).unwrap().results[0].hit_rate
+    };
+    let real = lru_93(RouteOptions::REAL, "route-real.gguf");
+    assert!((0.37..0.50).contains(&real), "{real}");
+    let uniform = lru_93(RouteOptions::default(), "route-uniform.gguf");
+    assert!((0.15..0.21).contains(&uniform), "{uniform}");
+}
+
 #[test]
 fn small_file_has_the_planned_types_and_every_tensor_llama_cpp_expects() {
     let opts = SynthOptions {
@@ -188,6 +248,7 @@ fn real_shape_profiles_have_the_published_sizes() {
             ple_rows: 1 << 21,
             seed: 0,
             dims: Dims::Real,
+            ..Default::default()
         })
         .unwrap()
     };

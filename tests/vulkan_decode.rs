@@ -168,6 +168,7 @@ fn synthetic(preset: Preset, tokens: u32) -> Option<(Vec<GgmlType>, f32)> {
         ple_rows: 1 << 14,
         seed: 3,
         dims: Dims::Small,
+        ..Default::default()
     };
     synthesize(&path, &opts, &|_| {}).unwrap();
     let mut types: Vec<GgmlType> = GgufFile::open(&path).unwrap().tensors.iter().map(|t| t.ty).collect();

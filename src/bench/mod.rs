@@ -13,8 +13,13 @@
 //! Figures only a backend can know (GPU stage times, submits and dispatches
 //! per token, VRAM, expert-cache hits) come through [`BackendStats`], a
 //! struct of options the backend fills; absent ones print as "n/a".
+//!
+//! A run can also record its routing ([`trace`]) for offline replays
+//! through expert-cache policies ([`replay`]).
 
 pub mod host_moe;
+pub mod replay;
+pub mod trace;
 mod weights;
 
 pub use crate::cpu::host::{measure_read_bandwidth, peak_rss_bytes, Machine};
@@ -57,6 +62,10 @@ pub struct BenchOptions {
     pub save_profile: Option<PathBuf>,
     /// Which tokens the decode feeds back.
     pub tokens: GenTokens,
+    /// Where to save the routing of every decoded token (prompt, warm-up
+    /// and timed; see [`trace`]), if anywhere: needs a backend that reports
+    /// routing (the CPU; Vulkan with an expert cache).
+    pub save_trace: Option<PathBuf>,
 }
 
 /// The tokens a benchmark decodes after the prompt.
@@ -93,6 +102,7 @@ impl BenchOptions {
             routing_profile: None,
             save_profile: None,
             tokens: GenTokens::Greedy,
+            save_trace: None,
         }
     }
 }
@@ -299,6 +309,10 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
     let load_seconds = t0.elapsed().as_secs_f64();
     let bytes = weight_bytes_per_token(&opts.model, &model)?;
 
+    let recorder = opts.save_trace.as_ref().map(|_| trace::TraceRecorder::new(&model)).transpose()?;
+    if let Some(r) = &recorder {
+        model.observe_routing(Some(r.observer()));
+    }
     let prompt = prompt_tokens(&model, &opts.prompt)?;
     let mut state = State::new(model.clone())?;
     let t1 = Instant::now();
@@ -326,6 +340,17 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
         if i >= opts.warmup {
             per_token.push(t.elapsed().as_secs_f64());
         }
+    }
+    if let (Some(path), Some(r)) = (&opts.save_trace, &recorder) {
+        model.observe_routing(None);
+        let routing = r.trace()?;
+        if routing.tokens() == 0 {
+            return Err(Error::model(format!(
+                "--save-trace: the {} backend reported no routing (Vulkan keeps it on the GPU when every expert is resident)",
+                model.backend_kind().name()
+            )));
+        }
+        routing.save(path)?;
     }
     let cache_stats = backend_stats(&model, &state, opts).expert_cache;
     if let (Some(path), Some(profile)) = (&opts.save_profile, model.routing_profile()) {

@@ -11,6 +11,7 @@
 
 pub mod backend;
 pub mod config;
+pub(crate) mod expert_policy;
 pub mod forward;
 pub mod ple;
 pub mod profile;

@@ -54,7 +54,7 @@ impl Rng {
     }
 
     /// Standard normal (Box-Muller).
-    fn gauss(&mut self) -> f32 {
+    pub(crate) fn gauss(&mut self) -> f32 {
         let u = 1.0 - self.unit();
         let v = self.unit();
         (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
@@ -105,6 +105,24 @@ impl Pools {
         };
         let p = &self.pools[i];
         Ok((&p.2, &p.3))
+    }
+
+    /// The unit-variance pool of `ty` for rows of `ne0` with `shift` (a
+    /// pattern whose length divides a unit) added to every unit's values:
+    /// (encoded units, bytes per unit).
+    pub(crate) fn shifted(&mut self, ty: GgmlType, ne0: usize, shift: &[f32]) -> Result<(Vec<u8>, usize)> {
+        let unit = unit_elems(ty, ne0);
+        if !unit.is_multiple_of(shift.len()) {
+            return Err(Error::arg(format!("{ty}: a shift of {} values does not tile a unit of {unit}", shift.len())));
+        }
+        let ub = ty.row_bytes(unit).expect("a unit is whole blocks");
+        let (values, _) = self.get(ty, unit)?;
+        let shifted: Vec<f32> = values.iter().enumerate().map(|(i, v)| v + shift[i % shift.len()]).collect();
+        let mut out = vec![0u8; POOL_UNITS * ub];
+        for (src, dst) in shifted.chunks_exact(unit).zip(out.chunks_exact_mut(ub)) {
+            quantize(ty, src, dst)?;
+        }
+        Ok((out, ub))
     }
 
     /// The pool of `ty` for a tensor with rows of `ne0` and standard deviation `std`:
@@ -188,7 +206,8 @@ pub(crate) fn write_pooled(
     Ok(())
 }
 
-/// `n` values of a small tensor drawn per `init` (not `Gauss`, which is pooled).
+/// `n` values of a small tensor drawn per `init` (not `Gauss`, which is
+/// pooled, nor `Route`, which `synth::routing` draws).
 pub(crate) fn small_values(init: Init, n: usize, seed: u64) -> Vec<f32> {
     let mut rng = Rng::new(seed);
     (0..n)
@@ -201,6 +220,7 @@ pub(crate) fn small_values(init: Init, n: usize, seed: u64) -> Vec<f32> {
                 dt + (-(-dt).exp_m1()).ln()
             }
             Init::Conv => rng.unit() - 0.5,
+            Init::Route(_) => unreachable!("routing tensors are drawn by synth::routing"),
         })
         .collect()
 }
@@ -214,9 +234,8 @@ pub(crate) fn write_values(
 ) -> Result<()> {
     let rb = ty.row_bytes(ne0).expect("row length checked by the writer");
     let mut out = vec![0u8; values.len() / ne0 * rb];
-    for (src, dst) in values.chunks_exact(ne0).zip(out.chunks_exact_mut(rb)) {
-        quantize(ty, src, dst)?;
-    }
+    // Row by row, in parallel: the bytes do not depend on the thread count.
+    values.par_chunks_exact(ne0).zip(out.par_chunks_exact_mut(rb)).try_for_each(|(src, dst)| quantize(ty, src, dst))?;
     w.write_all(&out)
         .map_err(|e| Error::io("writing the synthetic model", e))
 }

@@ -13,14 +13,22 @@
 //! transformers' rules and constants, with the per-head vocabularies taken
 //! just below `ple_rows / 16` instead of 20 000 000.
 //!
+//! With [`RouteOptions`] (`--route-preset real`, `--route-skew`,
+//! `--route-locality`, `--route-memory`) the weights are drawn so that the
+//! model's own routing is skewed and local across tokens like the real
+//! model's, for expert-cache benchmarks ([`routing`] has the mechanism);
+//! without them every byte is as before (uniform routing, the worst case).
+//!
 //! Writing goes through the streaming [`GgufWriter`]; large tensors are filled
 //! from pre-quantized block pools at memory speed (see [`fill`]), so a 50 GB
 //! file takes about as long as the disk needs to take it.
 
 mod fill;
+pub mod routing;
 pub mod shapes;
 mod vocab;
 
+pub use routing::RouteOptions;
 pub use shapes::Dims;
 
 use crate::convert::{policy_types, storage_type, HfConfig, OutType};
@@ -49,6 +57,9 @@ pub struct SynthOptions {
     pub ple_rows: u64,
     pub seed: u64,
     pub dims: Dims,
+    /// Skew and locality of the routing the weights are drawn to produce
+    /// (see [`routing`]); the default draws every weight as before: uniform routing.
+    pub routing: RouteOptions,
 }
 
 impl Default for SynthOptions {
@@ -60,6 +71,7 @@ impl Default for SynthOptions {
             ple_rows: DEFAULT_PLE_ROWS,
             seed: 0,
             dims: Dims::Real,
+            routing: RouteOptions::default(),
         }
     }
 }
@@ -115,6 +127,12 @@ fn metadata(cfg: &HfConfig, opts: &SynthOptions, ple: Option<&PleHash>) -> Vec<(
         kv.push(("qwen4exp.ple.head_offsets".into(), arr(&p.head_offsets)));
         kv.push(("qwen4exp.ple.head_vocab_sizes".into(), arr(&p.head_vocab)));
     }
+    if !opts.routing.is_uniform() {
+        let r = &opts.routing;
+        kv.push(("flashnext.synth.route_skew".into(), Value::F32(r.skew)));
+        kv.push(("flashnext.synth.route_locality".into(), Value::F32(r.locality)));
+        kv.push(("flashnext.synth.route_memory".into(), Value::F32(r.memory)));
+    }
     let first_special = cfg.vocab_size.saturating_sub(shapes::SPECIAL_FROM_END);
     kv.extend(vocab::tokenizer_keys(
         cfg.vocab_size,
@@ -140,7 +158,8 @@ impl SynthPlan {
         let json = shapes::config_json(opts.dims, opts.layers)?;
         let config = HfConfig::from_json(&json)?;
         let ple = PleHash::for_config(&config, &json, opts.ple_rows);
-        let plans = shapes::inventory(&config, ple.as_ref().map(|p| p.rows));
+        let mut plans = shapes::inventory(&config, ple.as_ref().map(|p| p.rows));
+        routing::apply(&mut plans, &config, &opts.routing)?;
         let base: Vec<(&str, &[usize], GgmlType)> = plans
             .iter()
             .map(|t| {
@@ -217,12 +236,13 @@ pub fn synthesize(
         w.add(&k, v);
     }
     for (t, ty) in &plan.tensors {
-        let (t, ty, pools, report, seed) = (
+        let (t, ty, pools, report, seed, cfg) = (
             t,
             *ty,
             &pools,
             &report,
             fill::tensor_seed(opts.seed, &t.name),
+            &plan.config,
         );
         w.add_tensor(
             &t.name,
@@ -235,6 +255,18 @@ pub fn synthesize(
                         let (pool, ub) = pools.borrow_mut().scaled(ty, t.dims[0], std)?;
                         let n_units = tensor_bytes(ty, &t.dims)? as usize / ub;
                         fill::write_pooled(out, &pool, ub, n_units, seed, report)
+                    }
+                    Init::Route(routing::RouteTensor::Embedding) => {
+                        let shift = routing::embedding_shift(opts.seed);
+                        let (pool, ub) = pools.borrow_mut().shifted(ty, t.dims[0], &shift)?;
+                        let n_units = tensor_bytes(ty, &t.dims)? as usize / ub;
+                        fill::write_pooled(out, &pool, ub, n_units, seed, report)
+                    }
+                    Init::Route(rt) => {
+                        let values = routing::values(rt, &t.dims, cfg, &opts.routing, opts.seed, seed);
+                        fill::write_values(out, ty, t.dims[0], &values)?;
+                        report(tensor_bytes(ty, &t.dims)?);
+                        Ok(())
                     }
                     init => {
                         fill::write_values(out, ty, t.dims[0], &fill::small_values(init, n, seed))?;

@@ -39,6 +39,10 @@ pub enum Dims {
     /// 4096, an expert width of 128 that is not a multiple of 256 like the
     /// real 640): for tests that must load and decode in seconds.
     Small,
+    /// The small dimensions with the real router: 512 experts, top 10
+    /// (of width 64): routing studies on a model that decodes hundreds of
+    /// tokens a second on a laptop.
+    Narrow,
 }
 
 impl std::str::FromStr for Dims {
@@ -47,8 +51,9 @@ impl std::str::FromStr for Dims {
         match s {
             "real" => Ok(Dims::Real),
             "small" => Ok(Dims::Small),
+            "narrow" => Ok(Dims::Narrow),
             _ => Err(Error::arg(format!(
-                "unknown dims {s:?}: expected real or small"
+                "unknown dims {s:?}: expected real, small or narrow"
             ))),
         }
     }
@@ -68,6 +73,14 @@ fn small_overrides() -> Json {
     })
 }
 
+/// What `narrow` changes on top of `small`: the real router's shape.
+fn narrow_overrides() -> Json {
+    json!({
+        "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64
+    })
+}
+
 /// Distance of the first special token (`<|endoftext|>`) from the end of the
 /// vocabulary: 248 320 - 248 044 in the real model.
 pub const SPECIAL_FROM_END: usize = 276;
@@ -81,8 +94,13 @@ pub fn config_json(dims: Dims, layers: Option<usize>) -> Result<Json> {
     let obj = cfg
         .as_object_mut()
         .expect("the embedded configuration is an object");
-    if dims == Dims::Small {
-        for (k, v) in small_overrides().as_object().expect("object") {
+    let overrides = match dims {
+        Dims::Real => vec![],
+        Dims::Small => vec![small_overrides()],
+        Dims::Narrow => vec![small_overrides(), narrow_overrides()],
+    };
+    for o in overrides {
+        for (k, v) in o.as_object().expect("object") {
             obj.insert(k.clone(), v.clone());
         }
     }
@@ -212,6 +230,8 @@ pub enum Init {
     DtBias,
     /// U(-0.5, 0.5): depthwise conv kernels.
     Conv,
+    /// Drawn by [`super::routing`] for a model with routing options.
+    Route(super::routing::RouteTensor),
 }
 
 /// One tensor of the synthetic file.

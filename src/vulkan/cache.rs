@@ -13,11 +13,13 @@
 //! * **Admission.** An upload sits on the token's critical path (the host
 //!   repacks the expert before the GPU can run it), so it pays only when the
 //!   expert comes back often: each expert's misses are counted with a decay
-//!   (half-life [`HALF_LIFE`] tokens), and a miss is admitted when that count,
+//!   (half-life [`HALF_LIFE`](crate::model::expert_policy::HALF_LIFE) tokens), and a miss is admitted when that count,
 //!   rounded, reaches the host-to-upload speed ratio measured at load ([`Split`]; at
 //!   least 2: a first sighting never churns the cache: routing is flat), at
-//!   most [`MAX_UPLOADS`] per layer and token. An admitted expert evicts the
+//!   most [`MAX_UPLOADS`](crate::model::expert_policy::MAX_UPLOADS) per layer and token. An admitted expert evicts the
 //!   least recently used slot that this token does not use.
+//! * The placement itself (hits, admission, eviction) is
+//!   [`crate::model::expert_policy`], shared with offline replays.
 //! * Every slot is filled at load (a routing profile's most used experts,
 //!   else the first ones).
 //! * The shared experts, which every token uses, stay resident outside the
@@ -29,153 +31,9 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-/// Tokens after which an expert's miss count has halved.
-pub const HALF_LIFE: f32 = 64.0;
-
-/// Most experts one layer uploads in one token.
-pub const MAX_UPLOADS: usize = 2;
-
-/// Where one chosen expert (index `i` of the token's top-k) runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Place {
-    /// Resident in this layer's local slot.
-    Hit(usize),
-    /// Uploaded into this local slot now, then run on the GPU.
-    Upload(usize),
-    /// Computed on the host.
-    Host,
-}
-
-/// The host's and the bus's measured speeds, for splitting misses.
-#[derive(Clone, Copy, Debug)]
-pub struct Split {
-    /// Bytes of expert weights per second the host's cores compute.
-    pub host_bytes_per_s: f64,
-    /// Bytes per second an upload moves into the arena.
-    pub upload_bytes_per_s: f64,
-}
-
-impl Split {
-    /// The decayed miss count at which an expert is worth uploading: the
-    /// host's speed over the upload's (an upload costs that many host
-    /// computations of it), at least 2; never without upload bandwidth.
-    pub fn admit_at(&self) -> f32 {
-        if self.upload_bytes_per_s <= 0.0 {
-            return f32::INFINITY;
-        }
-        ((self.host_bytes_per_s / self.upload_bytes_per_s) as f32).max(2.0)
-    }
-}
-
-/// Counts since load (or the last [`ExpertCache::reset_stats`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CacheStats {
-    /// Routed expert uses served from the arena.
-    pub hits: u64,
-    /// Routed expert uses not in the arena (computed on the host or uploaded).
-    pub misses: u64,
-    /// Misses computed on the host.
-    pub host_experts: u64,
-    /// Misses uploaded into the arena.
-    pub uploads: u64,
-    pub upload_bytes: u64,
-    /// Decode steps (tokens) that went through the cache.
-    pub tokens: u64,
-    /// Host time computing experts, repacking uploads, and waiting for the
-    /// GPU at the routers (nanoseconds).
-    pub host_ns: u64,
-    pub upload_ns: u64,
-    pub wait_ns: u64,
-    /// With prediction measured (`FNX_MEASURE_PREDICTION=1`): experts of
-    /// layer l+1 that its router, run on layer l's MoE input, put in its
-    /// top-k, and how many were chosen in all.
-    pub predicted: u64,
-    pub predicted_of: u64,
-}
-
-/// One layer's slots.
-struct LayerSlots {
-    /// Expert in each local slot.
-    expert: Vec<Option<u32>>,
-    /// Token of each slot's last use (LRU).
-    used: Vec<u64>,
-    /// Local slot of each expert, when resident.
-    slot_of: Vec<Option<u32>>,
-    /// Each expert's decayed miss count, and the token it was last updated at.
-    score: Vec<f32>,
-    seen: Vec<u64>,
-    /// Times each expert was chosen (the routing profile).
-    chosen: Vec<u32>,
-}
-
-impl LayerSlots {
-    fn new(slots: usize, experts: usize) -> LayerSlots {
-        LayerSlots {
-            expert: vec![None; slots],
-            used: vec![0; slots],
-            slot_of: vec![None; experts],
-            score: vec![0.0; experts],
-            seen: vec![0; experts],
-            chosen: vec![0; experts],
-        }
-    }
-
-    /// Places the token's chosen experts (`ids`, in route order) at token `tick`.
-    fn place(&mut self, tick: u64, ids: &[u32], split: &Split, stats: &mut CacheStats) -> Vec<Place> {
-        for &e in ids {
-            if let Some(c) = self.chosen.get_mut(e as usize) {
-                *c = c.saturating_add(1);
-            }
-        }
-        let mut places: Vec<Place> = ids
-            .iter()
-            .map(|&e| match self.slot_of.get(e as usize).copied().flatten() {
-                Some(s) => {
-                    self.used[s as usize] = tick;
-                    Place::Hit(s as usize)
-                }
-                None => Place::Host,
-            })
-            .collect();
-        let misses: Vec<usize> = (0..ids.len()).filter(|&i| places[i] == Place::Host).collect();
-        stats.hits += (ids.len() - misses.len()) as u64;
-        stats.misses += misses.len() as u64;
-        let (threshold, mut budget) = (split.admit_at(), MAX_UPLOADS);
-        for &i in &misses {
-            let e = ids[i] as usize;
-            let age = tick.saturating_sub(self.seen[e]) as f32;
-            self.score[e] = self.score[e] * (-age / HALF_LIFE).exp2() + 1.0;
-            self.seen[e] = tick;
-            if self.score[e].round() < threshold || budget == 0 || self.expert.is_empty() {
-                continue;
-            }
-            // The emptiest, then least recently used slot this token does not use.
-            let victim = (0..self.expert.len()).filter(|&s| self.used[s] < tick).min_by_key(|&s| (self.expert[s].is_some(), self.used[s]));
-            let Some(s) = victim else { break };
-            if let Some(old) = self.expert[s] {
-                self.slot_of[old as usize] = None;
-            }
-            self.expert[s] = Some(e as u32);
-            self.slot_of[e] = Some(s as u32);
-            self.used[s] = tick;
-            self.score[e] = 0.0;
-            places[i] = Place::Upload(s);
-            budget -= 1;
-        }
-        places
-    }
-
-    /// Marks `experts` resident in the first slots (a warm start).
-    fn fill(&mut self, experts: &[u32]) {
-        for (s, &e) in experts.iter().take(self.expert.len()).enumerate() {
-            if let Some(old) = self.expert[s] {
-                self.slot_of[old as usize] = None;
-            }
-            self.expert[s] = Some(e);
-            self.slot_of[e as usize] = Some(s as u32);
-        }
-    }
-}
+use crate::model::expert_policy::LayerSlots;
+pub(crate) use crate::model::expert_policy::Place;
+pub use crate::model::expert_policy::{CacheStats, Split};
 
 struct Inner {
     /// Decode steps so far (starts at 1: 0 marks "never").
@@ -271,64 +129,5 @@ impl Token<'_> {
     pub fn timed(&mut self, host_ns: u64, wait_ns: u64) {
         self.inner.stats.host_ns += host_ns;
         self.inner.stats.wait_ns += wait_ns;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const NO_UPLOADS: Split = Split { host_bytes_per_s: 1.0, upload_bytes_per_s: 0.0 };
-    /// Uploads as fast as the host: a second sighting admits.
-    const FAST_UPLOADS: Split = Split { host_bytes_per_s: 1e9, upload_bytes_per_s: 1e9 };
-
-    #[test]
-    fn second_sightings_are_admitted_and_lru_evicts() {
-        let mut l = LayerSlots::new(2, 8);
-        let mut st = CacheStats::default();
-        // First sightings run on the host.
-        assert_eq!(l.place(1, &[3, 4], &FAST_UPLOADS, &mut st), [Place::Host, Place::Host]);
-        // Seen again: uploaded into the two empty slots.
-        assert_eq!(l.place(2, &[3, 4], &FAST_UPLOADS, &mut st), [Place::Upload(0), Place::Upload(1)]);
-        assert_eq!(l.place(3, &[4, 3], &FAST_UPLOADS, &mut st), [Place::Hit(1), Place::Hit(0)]);
-        // 5 seen twice while 3 is in use: evicts 4 (not used this token), not 3.
-        l.place(4, &[3, 5], &FAST_UPLOADS, &mut st);
-        assert_eq!(l.place(5, &[3, 5], &FAST_UPLOADS, &mut st), [Place::Hit(0), Place::Upload(1)]);
-        assert_eq!(l.slot_of[4], None);
-        assert_eq!(st, CacheStats { hits: 4, misses: 6, ..Default::default() });
-        // Without upload bandwidth nothing is admitted.
-        let mut l = LayerSlots::new(2, 8);
-        l.place(1, &[3], &NO_UPLOADS, &mut st);
-        assert_eq!(l.place(2, &[3], &NO_UPLOADS, &mut st), [Place::Host]);
-        // Sightings decay: one long ago counts for little.
-        let mut l = LayerSlots::new(2, 8);
-        l.place(1, &[3], &FAST_UPLOADS, &mut st);
-        assert_eq!(l.place(2 + 4 * HALF_LIFE as u64, &[3], &FAST_UPLOADS, &mut st), [Place::Host]);
-        assert_eq!(l.place(3 + 4 * HALF_LIFE as u64, &[3], &FAST_UPLOADS, &mut st), [Place::Upload(0)]);
-    }
-
-    #[test]
-    fn slow_uploads_need_hot_experts() {
-        // Uploads ten times slower than the host: ten recent misses admit.
-        let slow = Split { host_bytes_per_s: 10e9, upload_bytes_per_s: 1e9 };
-        assert_eq!(slow.admit_at(), 10.0);
-        let mut l = LayerSlots::new(1, 8);
-        let mut st = CacheStats::default();
-        let places: Vec<Place> = (1..=10).map(|t| l.place(t, &[6], &slow, &mut st)[0]).collect();
-        assert!(places[..9].iter().all(|p| *p == Place::Host), "{places:?}");
-        assert_eq!(places[9], Place::Upload(0));
-        // An expert seen once every few hundred tokens never is.
-        let mut l = LayerSlots::new(1, 8);
-        assert!((1..=20).all(|i| l.place(i * 300, &[2], &slow, &mut st)[0] == Place::Host));
-    }
-
-    #[test]
-    fn a_full_token_never_evicts_its_own_experts() {
-        let mut l = LayerSlots::new(1, 8);
-        let mut st = CacheStats::default();
-        l.place(1, &[1, 2], &FAST_UPLOADS, &mut st);
-        assert_eq!(l.place(2, &[1, 2], &FAST_UPLOADS, &mut st), [Place::Upload(0), Place::Host]);
-        assert_eq!(l.place(3, &[2, 1], &FAST_UPLOADS, &mut st), [Place::Host, Place::Hit(0)]);
-        assert_eq!(MAX_UPLOADS, 2);
     }
 }
