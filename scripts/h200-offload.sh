@@ -5,12 +5,14 @@
 # file), next to a baseline binary of an earlier commit on the same file.
 #
 # Usage (repository root; binaries carried, see the device notes):
-#   OUT=/dir scripts/h200-offload.sh synth|resident|budgets|hostmoe|hoststore|ab|hostmoe-ab|all
+#   OUT=/dir scripts/h200-offload.sh synth|resident|budgets|hostmoe|hoststore|ab|hostmoe-ab|cpuprefetch|all
 # Environment: NEW (the binary under test, default target/carry/flashnext),
 # OLD (a baseline binary; skipped when absent), WORK (where the model is
 # written; default target/bench-models, kept between calls on a warm
 # machine), GEN, WARMUP, BUDGETS (MiB list), TOKENS (random|greedy for the
-# budget runs), ROUNDS (of the A/B), STEP_TIMEOUT.
+# budget runs), ROUNDS (of the A/B), STEP_TIMEOUT, ROUTE (a `synth
+# --route-preset`, e.g. real: a model whose routing looks like the real
+# model's; its own file, and the other q2_k files are deleted for the disk).
 set -u -o pipefail
 
 which=${1:-all}
@@ -23,7 +25,8 @@ warmup=${WARMUP:-3}
 budgets=${BUDGETS:-"4096 11264 19456 27648"}
 tokens=${TOKENS:-random}
 step_timeout=${STEP_TIMEOUT:-300}
-model=$work/q2_k-48L.gguf
+route=${ROUTE:-}
+model=$work/q2_k-48L${route:+-$route}.gguf
 prompt="The quick brown fox"
 
 mkdir -p "$out" "$work"
@@ -61,7 +64,8 @@ synth() {
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
     } | tee -a "$log"
     local t0=$SECONDS
-    timeout 600 "$new" synth -o "$model" --type q2_k -q 2>&1 | tail -n 3 | tee -a "$log"
+    find "$work" -maxdepth 1 -name 'q2_k-48L*.gguf' -delete
+    timeout 600 "$new" synth -o "$model" --type q2_k ${route:+--route-preset "$route"} -q 2>&1 | tail -n 3 | tee -a "$log"
     say "synth: $(stat -c %s "$model" 2>/dev/null) bytes in $((SECONDS - t0)) s"
 }
 
@@ -104,6 +108,13 @@ hoststore() {
     grep -i hugepages /proc/meminfo | tee -a "$log"
 }
 
+# CPU decode with and without the kernels' software prefetch.
+cpuprefetch() {
+    for ahead in 0 4096; do
+        FNX_PREFETCH_BYTES=$ahead bench "new-cpu-prefetch-$ahead" "$new" 8 1 --backend cpu
+    done
+}
+
 budgets() {
     for b in $budgets; do
         bench "new-vulkan-budget-$b-$tokens" "$new" "$gen" "$warmup" --backend vulkan --vram-budget-mb "$b" --tokens "$tokens"
@@ -118,7 +129,8 @@ case $which in
     hoststore) synth; hoststore ;;
     ab) synth; ab ;;
     hostmoe-ab) synth; hostmoe; ab ;;
+    cpuprefetch) synth; cpuprefetch ;;
     all) synth; budgets; resident ;;
-    *) echo "usage: $0 synth|resident|budgets|hostmoe|hoststore|ab|hostmoe-ab|all" >&2; exit 2 ;;
+    *) echo "usage: $0 synth|resident|budgets|hostmoe|hoststore|ab|hostmoe-ab|cpuprefetch|all" >&2; exit 2 ;;
 esac
 say "done"

@@ -34,6 +34,7 @@ use crate::error::Result;
 use crate::model::backend::{Blocks, Site};
 use crate::model::{Config, GateActivation, LayerKind, Model};
 use ash::vk;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The residual streams, at `residual` of the scratch buffer.
 pub(crate) struct Streams;
@@ -76,6 +77,9 @@ pub(crate) struct VkPass<'a> {
     /// Whether to measure how well a layer's MoE input predicts the next
     /// layer's experts (`FNX_MEASURE_PREDICTION=1`; costs a router on the host).
     measure_prediction: bool,
+    /// Whether the model's threads spin while the host waits for the GPU at
+    /// a router (`FNX_SPIN_WAIT=1`; see [`VkPass::sync_hot`]).
+    spin_wait: bool,
 }
 
 /// The host's cos/sin table of position `pos`: `(1.., 0..)` rotated, i.e.
@@ -130,8 +134,9 @@ impl<'a> VkPass<'a> {
             }
         }
         state.write_upload(0, &inputs);
-        let measure_prediction = cache.is_some() && std::env::var("FNX_MEASURE_PREDICTION").is_ok_and(|v| v == "1");
-        VkPass { state, gpu, model, cfg, rec, pos, attn_index, cache, submits: 0, measure_prediction }
+        let flag = |name: &str| cache.is_some() && std::env::var(name).is_ok_and(|v| v == "1");
+        let (measure_prediction, spin_wait) = (flag("FNX_MEASURE_PREDICTION"), flag("FNX_SPIN_WAIT"));
+        VkPass { state, gpu, model, cfg, rec, pos, attn_index, cache, submits: 0, measure_prediction, spin_wait }
     }
 
     /// The token's counts (segments submitted included) and the pipelines it timed.
@@ -207,6 +212,40 @@ impl<'a> VkPass<'a> {
     fn sync(&mut self) -> Result<()> {
         self.state.cmds.submit()?;
         self.submits += 1;
+        self.state.cmds.begin()?;
+        self.rec.cmd = self.state.cmds.cmd;
+        Ok(())
+    }
+
+    /// [`VkPass::sync`] with the model's threads kept busy meanwhile: one
+    /// polls the fence, the others spin until it is signalled, so none has
+    /// to be woken for the host's share of the MoE that follows (tens of
+    /// microseconds per layer and thread otherwise). It burns every core the
+    /// model has while the GPU works, hence opt-in.
+    fn sync_hot(&mut self) -> Result<()> {
+        self.state.cmds.submit_async()?;
+        self.submits += 1;
+        let cmds = &self.state.cmds;
+        let done = AtomicBool::new(false);
+        let polled = self.model.install(|| {
+            rayon::broadcast(|ctx| {
+                if ctx.index() != 0 {
+                    while !done.load(Ordering::Acquire) {
+                        std::hint::spin_loop();
+                    }
+                    return None;
+                }
+                let r = loop {
+                    match cmds.done() {
+                        Ok(false) => (0..64).for_each(|_| std::hint::spin_loop()),
+                        other => break other.map(|_| ()),
+                    }
+                };
+                done.store(true, Ordering::Release);
+                Some(r)
+            })
+        });
+        polled.into_iter().flatten().next().expect("thread 0 polled the fence")?;
         self.state.cmds.begin()?;
         self.rec.cmd = self.state.cmds.cmd;
         Ok(())
@@ -472,7 +511,11 @@ impl Blocks for VkPass<'_> {
         self.copy(cmd, scratch, l.weights, &o.down, k as u32, k);
         self.copy(cmd, scratch, l.input, &o.down, 2 * k as u32, h);
         let waited = std::time::Instant::now();
-        self.sync()?;
+        if self.spin_wait {
+            self.sync_hot()?;
+        } else {
+            self.sync()?;
+        }
         let wait_ns = waited.elapsed().as_nanos() as u64;
         if let Some(t) = self.cache.as_mut() {
             t.timed(0, wait_ns);

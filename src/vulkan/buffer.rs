@@ -132,6 +132,11 @@ impl Commands {
         self.ctx.wait(self.fence)
     }
 
+    /// Whether the last submission has completed.
+    pub fn done(&self) -> Result<bool> {
+        self.ctx.signalled(self.fence)
+    }
+
     /// Copies `bytes` into `dst` at `offset` through a host-visible staging buffer.
     pub fn upload(&self, dst: &Buffer, offset: u64, bytes: &[u8]) -> Result<()> {
         const STAGE: usize = 64 << 20;

@@ -329,6 +329,12 @@ impl Context {
         }
     }
 
+    /// Whether `fence` is signalled (without waiting).
+    pub fn signalled(&self, fence: vk::Fence) -> Result<bool> {
+        // SAFETY: a fence of this device.
+        unsafe { self.device.get_fence_status(fence) }.map_err(err("reading a fence"))
+    }
+
     /// Waits until `fence` is signalled.
     pub fn wait(&self, fence: vk::Fence) -> Result<()> {
         // SAFETY: a fence of this device, submitted with work.
