@@ -12,7 +12,8 @@
 # machine), GEN, WARMUP, BUDGETS (MiB list), TOKENS (random|greedy for the
 # budget runs), ROUNDS (of the A/B), STEP_TIMEOUT, ROUTE (a `synth
 # --route-preset`, e.g. real: a model whose routing looks like the real
-# model's; its own file, and the other q2_k files are deleted for the disk).
+# model's; its own file, and the other q2_k files are deleted for the disk),
+# TAG (a suffix for the budget runs' report names).
 set -u -o pipefail
 
 which=${1:-all}
@@ -117,7 +118,7 @@ cpuprefetch() {
 
 budgets() {
     for b in $budgets; do
-        bench "new-vulkan-budget-$b-$tokens" "$new" "$gen" "$warmup" --backend vulkan --vram-budget-mb "$b" --tokens "$tokens"
+        bench "new-vulkan-budget-$b-$tokens${route:+-$route}${TAG:+-$TAG}" "$new" "$gen" "$warmup" --backend vulkan --vram-budget-mb "$b" --tokens "$tokens"
     done
 }
 

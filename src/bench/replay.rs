@@ -555,7 +555,7 @@ mod tests {
         let t = trace(&[[0, 4], [4, 5], [4, 5], [1, 5]]);
         // Slots {0, 1}: 0 hits, 4 misses | 4 admitted at its second miss (evicting 1, the least
         // recently used), 5 misses | 4 hits, 5 admitted (evicting 0) | 1 misses, 5 hits.
-        assert_eq!(hits(&t, "engine", 2), 1 + 0 + 1 + 1);
+        assert_eq!(hits(&t, "engine", 2), 1 + 1 + 1); // per token: 1, 0, 1, 1
         // A profile of the trace warms the cache with 4 and 5 (chosen three times each).
         assert_eq!(hits(&t, "engine-profile", 2), 1 + 2 + 2 + 1);
         // An admission threshold that is never reached keeps the first experts.

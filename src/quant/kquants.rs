@@ -66,14 +66,14 @@ pub fn quantize_q2_k(x: &[f32], out: &mut [u8]) {
     put_f16(out, 80, d);
     put_f16(out, 82, dmin);
     let (d, dmin) = (round_f16(d), round_f16(dmin));
-    for j in 0..16 {
-        let dl = d * (out[j] & 0xF) as f32;
+    for ((&sc, group), xs) in out[..16].iter().zip(levels.chunks_exact_mut(16)).zip(x.chunks_exact(16)) {
+        let dl = d * (sc & 0xF) as f32;
         if dl == 0.0 {
             continue;
         }
-        let ml = dmin * (out[j] >> 4) as f32;
-        for i in 16 * j..16 * j + 16 {
-            levels[i] = nearest_int((x[i] + ml) / dl).clamp(0, 3) as u8;
+        let ml = dmin * (sc >> 4) as f32;
+        for (l, &v) in group.iter_mut().zip(xs) {
+            *l = nearest_int((v + ml) / dl).clamp(0, 3) as u8;
         }
     }
     pack2(&levels, &mut out[16..80]);

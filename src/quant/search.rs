@@ -94,7 +94,8 @@ pub fn make_q3_quants(nmax: i32, x: &[f32], levels: &mut [i8]) -> f32 {
             let w = v * v;
             let cur = *q as f32;
             let mut slx = sumlx - w * v * cur;
-            if !(slx > 0.0) {
+            // Not positive, or NaN.
+            if slx.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
                 continue;
             }
             let mut sl2 = suml2 - w * cur * cur;

@@ -169,7 +169,7 @@ pub(crate) fn apply(inv: &mut [TensorPlan], cfg: &HfConfig, r: &RouteOptions) ->
     if r.is_uniform() {
         return Ok(());
     }
-    if cfg.output_gate != "sigmoid" || cfg.lin_v_dim % 2 != 0 || !cfg.is_linear.first().copied().unwrap_or(false) {
+    if cfg.output_gate != "sigmoid" || !cfg.lin_v_dim.is_multiple_of(2) || !cfg.is_linear.first().copied().unwrap_or(false) {
         return Err(Error::arg(
             "routing options need layer 0 to be a Gated DeltaNet with a sigmoid gate and even head width",
         ));
