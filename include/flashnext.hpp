@@ -139,6 +139,7 @@ struct LoadOptions {
     int32_t expert_cache_slots = -1;   // -1: as the budget allows
     uint32_t rewind_window = 0;        // 0: the default (4)
     std::optional<std::string> routing_profile;
+    int32_t spin_wait = -1;            // -1: spin through GPU waits unless the device is a CPU
     // Called with 0..1 as the load advances; return false to cancel.
     std::function<bool(float)> progress;
 };
@@ -176,6 +177,7 @@ public:
         params.expert_cache_slots = options.expert_cache_slots;
         params.rewind_window = options.rewind_window;
         params.routing_profile = options.routing_profile ? options.routing_profile->c_str() : nullptr;
+        params.spin_wait = options.spin_wait;
         struct Progress {
             const std::function<bool(float)> *fn;
             detail::Pending pending;

@@ -66,6 +66,12 @@ pub struct LoadOptions {
     /// DeltaNet layer's recurrent state (3.1 MB per layer at the real
     /// model's size) and one more row of each conv history.
     pub rewind_window: usize,
+    /// Whether the model's threads spin, rather than sleep, while an
+    /// offloaded decode (an expert cache) waits for the GPU at each layer's
+    /// router, so that none has to be woken for the host's share of the
+    /// layer; `None` = yes, unless the Vulkan device is the host's CPU
+    /// (lavapipe, whose work those cores do). `FNX_SPIN_WAIT=0|1` wins.
+    pub spin_wait: Option<bool>,
 }
 
 /// Positions a state can step back by default: a speculative draft of
@@ -87,6 +93,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("routing_profile", &self.routing_profile)
             .field("cpu_kernels", &self.cpu_kernels)
             .field("rewind_window", &self.rewind_window)
+            .field("spin_wait", &self.spin_wait)
             .field("progress", &self.progress.as_ref().map(|_| "Fn(f32) -> bool"))
             .finish()
     }
@@ -124,6 +131,13 @@ impl LoadOptions {
         }
         if let Some(v) = env_value("FNX_REWIND_WINDOW") {
             o.rewind_window = v.parse().map_err(|_| Error::arg(format!("FNX_REWIND_WINDOW={v:?}: expected a number of positions")))?;
+        }
+        if let Some(v) = env_value("FNX_SPIN_WAIT") {
+            o.spin_wait = Some(match v.as_str() {
+                "0" => false,
+                "1" => true,
+                other => return Err(Error::arg(format!("FNX_SPIN_WAIT={other:?}: expected 0 or 1"))),
+            });
         }
         if o.rewind_window > MAX_REWIND_WINDOW {
             return Err(Error::arg(format!("rewind window {}: at most {MAX_REWIND_WINDOW} positions", o.rewind_window)));
@@ -172,6 +186,7 @@ fn choose_backend(
         state_positions: n_ctx.min(crate::vulkan::INITIAL_CAPACITY),
         window: rewind_window(opts),
         warm,
+        spin_wait: opts.spin_wait,
     };
     let vulkan = |index| crate::vulkan::VulkanBackend::load(config, weights, &choice(index), &placement, host);
     let cpu = || Box::new(CpuBackend);

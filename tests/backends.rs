@@ -327,6 +327,33 @@ fn vulkan_expert_cache_two_states_on_two_threads() {
     assert!(close(&got_a, &want_a) && close(&got_b, &want_b));
 }
 
+/// The model's threads spinning through the waits for the GPU (rather than
+/// sleeping) change nothing in the results. (Each load measures the host's
+/// and the bus's speeds, which set when a miss is uploaded, so the two loads
+/// may place experts differently: the logits agree to the GPU's rounding.)
+#[test]
+fn vulkan_expert_cache_spinning_threads_change_nothing() {
+    let path = converted("tiny_native", OutType::F32);
+    let toks = tokens(24, 8);
+    let run = |spin| {
+        let opts = LoadOptions { expert_cache_slots: Some(1), spin_wait: Some(spin), n_threads: 2, ..Default::default() };
+        let model = On::Vulkan.load(&path, opts)?;
+        let mut s = State::new(model.clone()).unwrap();
+        let logits = one_by_one(&mut s, &toks);
+        let c = model.expert_cache().unwrap();
+        assert!(c.host_experts > 0, "misses ran on the host while the threads waited");
+        Some(logits)
+    };
+    let Some(sleeping) = run(false) else { return };
+    let spinning = run(true).unwrap();
+    for (pos, (p, q)) in spinning.iter().zip(&sleeping).enumerate() {
+        let (p, q): (Vec<f32>, Vec<f32>) = (p.iter().map(|b| f32::from_bits(*b)).collect(), q.iter().map(|b| f32::from_bits(*b)).collect());
+        let scale = q.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let err = p.iter().zip(&q).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+        assert!(err <= 1e-5, "position {pos}: rel err {err:.3e}");
+    }
+}
+
 /// A routing profile saved from one session fills the next load's cache:
 /// its first token already hits, and the logits are those of a cold cache.
 #[test]
@@ -396,9 +423,18 @@ fn c_rewind_and_load_parameters() {
         p.struct_size = std::mem::offset_of!(fnx_load_params, expert_cache_slots) as u32;
         assert_eq!(fnx_load(path.as_ptr(), &p, &mut m), FNX_OK);
         fnx_free_model(m);
-        // A negative slot count other than -1 is refused.
+        // A caller built before spin_wait: accepted.
+        p.struct_size = std::mem::offset_of!(fnx_load_params, spin_wait) as u32;
+        assert_eq!(fnx_load(path.as_ptr(), &p, &mut m), FNX_OK);
+        fnx_free_model(m);
+        // A negative slot count other than -1 is refused, and so is a spin_wait that is not -1, 0 or 1.
         let mut q = fnx_load_params_default();
         q.expert_cache_slots = -2;
         assert_eq!(fnx_load(path.as_ptr(), &q, &mut m), FNX_ERR_INVALID_ARGUMENT);
+        let mut q = fnx_load_params_default();
+        q.spin_wait = 2;
+        assert_eq!(fnx_load(path.as_ptr(), &q, &mut m), FNX_ERR_INVALID_ARGUMENT);
+        let message = std::ffi::CStr::from_ptr(fnx_last_error()).to_string_lossy().into_owned();
+        assert!(message.contains("spin_wait 2"), "{message}");
     }
 }

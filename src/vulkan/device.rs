@@ -145,6 +145,9 @@ pub(crate) struct Context {
     used: AtomicU64,
     /// Size of the largest device-local heap.
     pub device_local_bytes: u64,
+    /// Whether the device is the host's own cores (lavapipe): work the
+    /// host does beside it competes with the "GPU".
+    pub on_cpu: bool,
 }
 
 pub(crate) fn err(what: &str) -> impl Fn(vk::Result) -> Error + '_ {
@@ -196,8 +199,9 @@ impl Context {
                 None
             };
             match Self::open_device(instance.clone(), choice) {
-                Ok(((limits, subgroup_size, device_local_bytes), name, device, queue_family, queue, allocator)) => Ok(Context {
+                Ok(((limits, subgroup_size, device_local_bytes, on_cpu), name, device, queue_family, queue, allocator)) => Ok(Context {
                     device_local_bytes,
+                    on_cpu,
                     instance,
                     debug,
                     limits,
@@ -225,7 +229,7 @@ impl Context {
     unsafe fn open_device(
         instance: ash::Instance,
         choice: &DeviceChoice,
-    ) -> Result<((vk::PhysicalDeviceLimits, u32, u64), String, ash::Device, u32, vk::Queue, Allocator)> {
+    ) -> Result<((vk::PhysicalDeviceLimits, u32, u64, bool), String, ash::Device, u32, vk::Queue, Allocator)> {
         // SAFETY (whole body): valid instance; create infos outlive the calls.
         let devices = unsafe { instance.enumerate_physical_devices() }.map_err(err("listing devices"))?;
         if devices.is_empty() {
@@ -280,7 +284,8 @@ impl Context {
             .map(|h| h.size)
             .max()
             .unwrap_or(0);
-        Ok(((props.limits, subgroup.subgroup_size, heap), name, device, queue_family, queue, allocator))
+        let on_cpu = props.device_type == vk::PhysicalDeviceType::CPU;
+        Ok(((props.limits, subgroup.subgroup_size, heap, on_cpu), name, device, queue_family, queue, allocator))
     }
 
     /// Counts `bytes` of device memory against the budget.

@@ -123,6 +123,9 @@ pub struct GpuModel {
     pub(crate) ctx: Arc<Context>,
     /// How the load went (for reports).
     pub(crate) report: LoadReport,
+    /// Whether the model's threads spin through the waits for the GPU of an
+    /// offloaded decode (see `ExpertPlacement::spin_wait`).
+    pub(crate) spin_wait: bool,
 }
 
 /// What a load measured.
@@ -150,6 +153,10 @@ pub struct ExpertPlacement {
     pub window: usize,
     /// Fills the expert cache with each layer's most used experts at load.
     pub warm: Option<RoutingProfile>,
+    /// Whether the model's threads spin, rather than sleep, while an
+    /// offloaded decode waits for the GPU at each layer's router; `None` =
+    /// yes, unless the device is the host's CPU (lavapipe).
+    pub spin_wait: Option<bool>,
 }
 
 impl std::fmt::Debug for GpuModel {
@@ -302,7 +309,8 @@ impl GpuModel {
             Some(cache)
         };
         report.upload_seconds = started.elapsed().as_secs_f64();
-        Ok(GpuModel { layers, output_hc, output, arena, cache, params, pipes, ctx, report })
+        let spin_wait = placement.spin_wait.unwrap_or(!ctx.on_cpu);
+        Ok(GpuModel { layers, output_hc, output, arena, cache, params, pipes, ctx, report, spin_wait })
     }
 
     #[allow(clippy::type_complexity)]

@@ -191,6 +191,7 @@ class fnx_load_params(Structure):
         ("expert_cache_slots", c_int32),
         ("rewind_window", c_uint32),
         ("routing_profile", c_char_p),
+        ("spin_wait", c_int32),
     ]
 
 
@@ -495,6 +496,7 @@ class Model:
         expert_cache_slots=-1,
         rewind_window=0,
         routing_profile=None,
+        spin_wait=-1,
         progress=None,
     ):
         self._h = None
@@ -508,6 +510,7 @@ class Model:
         params.rewind_window = rewind_window
         profile = None if routing_profile is None else os.fsencode(routing_profile)
         params.routing_profile = profile
+        params.spin_wait = spin_wait
         raised = []
         if progress is not None:
 
