@@ -72,6 +72,11 @@ pub struct LoadOptions {
     /// layer; `None` = yes, unless the Vulkan device is the host's CPU
     /// (lavapipe, whose work those cores do). `FNX_SPIN_WAIT=0|1` wins.
     pub spin_wait: Option<bool>,
+    /// The decayed miss count at which the expert cache uploads a missed
+    /// expert (at least 2: a first sighting is never uploaded); `None` = measured at load: the host's speed
+    /// computing experts over the upload path's, at least 2 (see
+    /// `model::expert_policy`). `FNX_EXPERT_ADMISSION=N` wins.
+    pub expert_admission: Option<f32>,
 }
 
 /// Positions a state can step back by default: a speculative draft of
@@ -94,6 +99,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("cpu_kernels", &self.cpu_kernels)
             .field("rewind_window", &self.rewind_window)
             .field("spin_wait", &self.spin_wait)
+            .field("expert_admission", &self.expert_admission)
             .field("progress", &self.progress.as_ref().map(|_| "Fn(f32) -> bool"))
             .finish()
     }
@@ -138,6 +144,13 @@ impl LoadOptions {
                 "1" => true,
                 other => return Err(Error::arg(format!("FNX_SPIN_WAIT={other:?}: expected 0 or 1"))),
             });
+        }
+        if let Some(v) = env_value("FNX_EXPERT_ADMISSION") {
+            o.expert_admission =
+                Some(v.parse().map_err(|_| Error::arg(format!("FNX_EXPERT_ADMISSION={v:?}: expected a miss count")))?);
+        }
+        if let Some(a) = o.expert_admission.filter(|a| a.partial_cmp(&2.0) == Some(std::cmp::Ordering::Less) || a.is_nan()) {
+            return Err(Error::arg(format!("expert admission {a}: expected a miss count of at least 2")));
         }
         if o.rewind_window > MAX_REWIND_WINDOW {
             return Err(Error::arg(format!("rewind window {}: at most {MAX_REWIND_WINDOW} positions", o.rewind_window)));
@@ -187,6 +200,7 @@ fn choose_backend(
         window: rewind_window(opts),
         warm,
         spin_wait: opts.spin_wait,
+        admission: opts.expert_admission,
     };
     let vulkan = |index| crate::vulkan::VulkanBackend::load(config, weights, &choice(index), &placement, host);
     let cpu = || Box::new(CpuBackend);

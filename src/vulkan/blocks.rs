@@ -578,9 +578,11 @@ impl Blocks for VkPass<'_> {
         // Experts admitted now: repacked into staging, copied into their slots.
         let repacked = std::time::Instant::now();
         let staging = o.staging.mapped();
-        for (j, &(_, e)) in uploads.iter().enumerate() {
-            gpu.arena.repack_into(layer, &expert_bytes(moe, cfg, e), &mut staging[j * slot_bytes..(j + 1) * slot_bytes]);
-        }
+        self.model.install(|| {
+            for (j, &(_, e)) in uploads.iter().enumerate() {
+                gpu.arena.repack_into(layer, &expert_bytes(moe, cfg, e), &mut staging[j * slot_bytes..(j + 1) * slot_bytes]);
+            }
+        });
         if let Some(t) = self.cache.as_mut() {
             t.uploaded((uploads.len() * slot_bytes) as u64, repacked.elapsed().as_nanos() as u64);
         }

@@ -157,6 +157,9 @@ pub struct ExpertPlacement {
     /// offloaded decode waits for the GPU at each layer's router; `None` =
     /// yes, unless the device is the host's CPU (lavapipe).
     pub spin_wait: Option<bool>,
+    /// The expert cache's admission count, forced (`None` = from the
+    /// speeds measured at load).
+    pub admission: Option<f32>,
 }
 
 impl std::fmt::Debug for GpuModel {
@@ -287,8 +290,13 @@ impl GpuModel {
         let cache = if report.resident {
             None
         } else {
-            let split = measure_split(cfg, w, &ctx, &arena, host)?;
-            report.split = Some(split);
+            let measured = measure_split(cfg, w, &ctx, &arena, host)?;
+            report.split = Some(measured);
+            // A forced admission count as a split whose ratio is that count.
+            let split = match placement.admission {
+                Some(n) => Split { host_bytes_per_s: n as f64, upload_bytes_per_s: 1.0 },
+                None => measured,
+            };
             let cache = ExpertCache::new(cfg.n_layers, arena.per_layer, cfg.n_experts, split);
             // Every slot filled at load: each layer's most used experts by
             // the routing profile when there is one, else the first ones

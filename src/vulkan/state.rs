@@ -91,7 +91,7 @@ impl GpuState {
                     pending: false,
                     down: Buffer::new(ctx, "expert routing readback", f(2 * k + h), MemoryLocation::GpuToCpu)?,
                     up: Buffer::new(ctx, "expert placement upload", f(2 * k + h), MemoryLocation::CpuToGpu)?,
-                    staging: Buffer::new(ctx, "expert upload staging", (k * gpu.arena.slot_bytes) as u64, MemoryLocation::CpuToGpu)?,
+                    staging: Buffer::new(ctx, "expert upload staging", (k * gpu.arena.slot_bytes) as u64, super::buffer::STAGING)?,
                 })
             }
         };
