@@ -76,11 +76,20 @@ struct Work {
 }
 
 // SAFETY: the leases hold the state and the sampler exclusively (any other
-// use is refused as busy until they are dropped), and a state or sampler may
-// be used from any thread, one at a time (the C API's contract). The abort
-// callback's user data is the caller's, documented to be called on the job's
-// thread.
+// use is refused as busy until they are dropped), and what they hold is Send
+// (checked below) but for the raw pointers: the leases' own and the abort
+// callback's user data, which is the caller's, documented to be called on the
+// job's thread.
 unsafe impl Send for Work {}
+
+/// What a job moves to its thread, besides raw pointers, must stay `Send`.
+const _: fn() = || {
+    fn send<T: Send>() {}
+    send::<crate::model::State>();
+    send::<crate::sampling::Sampler>();
+    send::<crate::tokenizer::SharedTokenizer>();
+    send::<crate::generate::GenerateOptions>();
+};
 
 /// The job's thread: runs the request, lets go of the state and sampler, then
 /// publishes the outcome.
