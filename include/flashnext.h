@@ -476,8 +476,8 @@ fnx_status fnx_generate(struct fnx_state *state,
 // Every argument is checked, and everything `params` points to is copied,
 // before this returns: the same failures as `fnx_generate`'s, and nothing
 // starts. While the job runs it holds `state` and `params->sampler`: other
-// calls on them get `FNX_ERR_BUSY` (and `fnx_free_state` leaves the state
-// alone). The state's abort callback, if set, is polled on the job's thread.
+// calls on them get `FNX_ERR_BUSY` (`fnx_state_position` answers 0, and
+// `fnx_free_state` and `fnx_sampler_free` leave them alone). The state's abort callback, if set, is polled on the job's thread.
 //
 // # Safety
 // `state` NULL or a live handle; `prompt` NULL or `n_prompt` readable ids;
@@ -512,7 +512,9 @@ fnx_status fnx_job_start_text(struct fnx_state *state,
 // generated so far. `*out_finished` (may be NULL): true once the job has
 // ended and all its text has been taken; `fnx_job_wait` then returns its
 // outcome at once. `out` may be NULL when `capacity` is 0 (a poll for
-// progress only). Special tokens (e.g. `<|im_end|>`) give no text. Polling a
+// progress only). When the next character is longer than a non-zero
+// `capacity`: `FNX_ERR_BUFFER_TOO_SMALL` with its length in `*out_len`
+// (room for 4 bytes always suffices). Special tokens (e.g. `<|im_end|>`) give no text. Polling a
 // finished job gives nothing new and stays finished.
 //
 // # Safety

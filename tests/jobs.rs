@@ -330,6 +330,37 @@ fn polling_after_completion_and_in_small_pieces() {
         assert!(!r.text.is_empty(), "an unfinished poll of a finished job gave nothing");
     }
     assert_eq!(text, want);
+    // With room for one byte, a longer character is refused with its length, and nothing is taken.
+    let other = new_state(m);
+    let again = start(other, &PROMPT, &p);
+    assert_eq!(wait(again), Ok(n_want));
+    let mut text = Vec::new();
+    let mut refused = 0;
+    loop {
+        let mut buf = [0u8; 4];
+        let (mut n, mut fin) = (0usize, false);
+        // SAFETY: live job, room for 1 byte.
+        match unsafe { fnx_job_poll(again, buf.as_mut_ptr().cast(), 1, &mut n, null_mut(), &mut fin) } {
+            FNX_OK => text.extend_from_slice(&buf[..n]),
+            FNX_ERR_BUFFER_TOO_SMALL => {
+                assert!((2..=4).contains(&n), "{n}");
+                refused += 1;
+                // SAFETY: as above, with the room asked for.
+                assert_eq!(unsafe { fnx_job_poll(again, buf.as_mut_ptr().cast(), n, &mut n, null_mut(), &mut fin) }, FNX_OK);
+                text.extend_from_slice(&buf[..n]);
+            }
+            st => panic!("{st}: {}", last_error()),
+        }
+        if fin {
+            break;
+        }
+    }
+    assert_eq!(text, want);
+    eprintln!("{refused} characters longer than one byte in {} bytes", want.len());
+    unsafe {
+        fnx_job_free(again);
+        fnx_free_state(other);
+    }
     for _ in 0..3 {
         let r = poll(job, 64);
         assert!(r.finished && r.text.is_empty() && r.n_tokens == n_want);

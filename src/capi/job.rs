@@ -16,8 +16,8 @@ use super::handle::{lease, Lease};
 use super::state::{check, poison};
 use super::text::{bytes_arg, utf8};
 use super::{
-    fail, fnx_generate_params, fnx_state, fnx_status, guard, non_null, panic_message, Failure, FNX_ERR_CANCELLED,
-    FNX_ERR_INTERNAL, FNX_ERR_OUT_OF_MEMORY, FNX_OK,
+    fail, fnx_generate_params, fnx_state, fnx_status, guard, non_null, panic_message, Failure, FNX_ERR_BUFFER_TOO_SMALL,
+    FNX_ERR_CANCELLED, FNX_ERR_INTERNAL, FNX_ERR_OUT_OF_MEMORY, FNX_OK,
 };
 use crate::error::Error;
 use std::ffi::c_char;
@@ -158,8 +158,8 @@ fn spawn(state: *mut fnx_state, lease: Lease<fnx_state>, req: Request, out_job: 
 /// Every argument is checked, and everything `params` points to is copied,
 /// before this returns: the same failures as `fnx_generate`'s, and nothing
 /// starts. While the job runs it holds `state` and `params->sampler`: other
-/// calls on them get `FNX_ERR_BUSY` (and `fnx_free_state` leaves the state
-/// alone). The state's abort callback, if set, is polled on the job's thread.
+/// calls on them get `FNX_ERR_BUSY` (`fnx_state_position` answers 0, and
+/// `fnx_free_state` and `fnx_sampler_free` leave them alone). The state's abort callback, if set, is polled on the job's thread.
 ///
 /// # Safety
 /// `state` NULL or a live handle; `prompt` NULL or `n_prompt` readable ids;
@@ -244,7 +244,9 @@ fn job_core(job: *mut fnx_job, func: &str) -> Result<Arc<Core>, Failure> {
 /// generated so far. `*out_finished` (may be NULL): true once the job has
 /// ended and all its text has been taken; `fnx_job_wait` then returns its
 /// outcome at once. `out` may be NULL when `capacity` is 0 (a poll for
-/// progress only). Special tokens (e.g. `<|im_end|>`) give no text. Polling a
+/// progress only). When the next character is longer than a non-zero
+/// `capacity`: `FNX_ERR_BUFFER_TOO_SMALL` with its length in `*out_len`
+/// (room for 4 bytes always suffices). Special tokens (e.g. `<|im_end|>`) give no text. Polling a
 /// finished job gives nothing new and stays finished.
 ///
 /// # Safety
@@ -271,6 +273,16 @@ pub unsafe extern "C" fn fnx_job_poll(
             // Back to the start of a character (continuation bytes are 10xxxxxx).
             while n < sh.text.len() && n > 0 && sh.text[n] & 0xC0 == 0x80 {
                 n -= 1;
+            }
+            if n == 0 && capacity > 0 && !sh.text.is_empty() {
+                // The next character is longer than the buffer: say how long.
+                let need = 1 + sh.text[1..].iter().take_while(|&&b| b & 0xC0 == 0x80).count();
+                // SAFETY: checked non-NULL; the size-query exception.
+                unsafe { *out_len = need };
+                return Err(fail(
+                    FNX_ERR_BUFFER_TOO_SMALL,
+                    format!("{F}: the next character takes {need} bytes, the buffer holds {capacity}"),
+                ));
             }
             if n > 0 {
                 // SAFETY: `out` holds `capacity >= n` bytes per the contract.
