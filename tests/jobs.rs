@@ -455,3 +455,49 @@ fn misuse_is_refused_and_the_state_is_busy_while_a_job_runs() {
         fnx_free_model(m);
     }
 }
+
+#[test]
+fn wait_lets_other_threads_poll_cancel_and_free() {
+    let m = model();
+    let s = new_state(m);
+    let mut woken_by_free = 0;
+    for round in 0..6 {
+        let free = round % 2 == 1;
+        let job = start(s, &PROMPT, &params(0));
+        let handle = job as usize;
+        let waiter = std::thread::spawn(move || wait(handle as *mut fnx_job));
+        // The waiter does not hold the job: this thread polls it meanwhile.
+        let mut seen = 0;
+        while seen < 3 {
+            seen = poll(job, 64).n_tokens;
+            std::thread::yield_now();
+        }
+        // Give the waiter time to block (it must be waiting before the job is freed).
+        std::thread::sleep(Duration::from_millis(20));
+        unsafe {
+            if free {
+                fnx_job_free(job);
+            } else {
+                assert_eq!(fnx_job_cancel(job), FNX_OK);
+            }
+        }
+        match waiter.join().unwrap() {
+            Err((FNX_ERR_CANCELLED, _)) => woken_by_free += free as usize,
+            // A waiter that had not started before the free finds the handle gone.
+            Err((FNX_ERR_INVALID_HANDLE, _)) if free => {}
+            other => panic!("round {round}: {other:?}"),
+        }
+        unsafe {
+            if !free {
+                fnx_job_free(job);
+            }
+            assert_eq!(fnx_state_position(s), 0);
+        }
+    }
+    // Freeing the job woke a waiter blocked in fnx_job_wait, with the cancelled outcome.
+    assert!(woken_by_free > 0, "no waiter was blocked when its job was freed");
+    unsafe {
+        fnx_free_state(s);
+        fnx_free_model(m);
+    }
+}
