@@ -1,7 +1,8 @@
 //! Generation jobs (`fnx_job_*`): a job gives what `fnx_generate` gives, polling
 //! never blocks, cancelling takes effect before the next token (prompt tokens
 //! included), freeing a running job cancels and joins it, many jobs run at
-//! once on one model, and misuse is refused with the state left alone. On the
+//! once on one model, misuse is refused with the state left alone, and jobs
+//! and reply parsers leak nothing (counted in a child process). On the
 //! repository's default model (`models/default.gguf`).
 
 mod util;
@@ -9,8 +10,10 @@ mod util;
 use flashnext::capi::*;
 use std::ffi::{c_char, c_void, CString};
 use std::path::Path;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::process::Command;
 use std::ptr::{null, null_mut};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use util::{last_error, new_state};
 
@@ -500,4 +503,131 @@ fn wait_lets_other_threads_poll_cancel_and_free() {
         fnx_free_state(s);
         fnx_free_model(m);
     }
+}
+
+// ---------------------------------------------------------------------------
+// Leak check (child process)
+
+struct Counting;
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+// SAFETY: forwards to the system allocator; only counts bytes.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(l) };
+        if !p.is_null() {
+            LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc_zeroed(l) };
+        if !p.is_null() {
+            LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        unsafe { System.dealloc(p, l) };
+        LIVE.fetch_sub(l.size() as isize, Ordering::Relaxed);
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        let q = unsafe { System.realloc(p, l, new) };
+        if !q.is_null() {
+            LIVE.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
+        }
+        q
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+/// Bytes still allocated after `n` runs of `op` (after one run to warm caches up).
+fn growth(n: usize, mut op: impl FnMut()) -> isize {
+    op();
+    let before = LIVE.load(Ordering::SeqCst);
+    for _ in 0..n {
+        op();
+    }
+    LIVE.load(Ordering::SeqCst) - before
+}
+
+#[test]
+fn jobs_and_parsers_leak_nothing() {
+    if std::env::var_os("FNX_LEAK_CHILD").is_none() {
+        // Alone in a process, so no other test's allocations are counted.
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "jobs_and_parsers_leak_nothing", "--test-threads=1", "--nocapture"])
+            .env("FNX_LEAK_CHILD", "1")
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && text.contains("1 passed"), "leak check failed:\n{text}");
+        return;
+    }
+    // The counter sees leaks at all.
+    assert!(growth(3, || {
+        std::hint::black_box(Box::leak(std::hint::black_box(Box::new([0u8; 100]))));
+    }) >= 300);
+    let m = model();
+    for how in ["finish", "cancel", "free", "error"] {
+        let g = growth(4, || unsafe {
+            let s = new_state(m);
+            let job = start(s, &PROMPT, &params(if how == "finish" { 6 } else { 0 }));
+            while poll(job, 0).n_tokens < 2 {
+                std::thread::yield_now();
+            }
+            match how {
+                "finish" => assert_eq!(wait(job), Ok(6)),
+                "cancel" => {
+                    assert_eq!(fnx_job_cancel(job), FNX_OK);
+                    assert_eq!(wait(job).unwrap_err().0, FNX_ERR_CANCELLED);
+                }
+                "error" => assert_eq!(fnx_decode_token(s, 1), FNX_ERR_BUSY),
+                _ => {}
+            }
+            fnx_job_free(job);
+            fnx_free_state(s);
+        });
+        assert_eq!(g, 0, "a job ({how}) leaked {g} bytes");
+    }
+    let reply = "a\n</think>\n\nb<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call><tool_call>\nbad";
+    let g = growth(4, || {
+        parse(reply, false, None).unwrap();
+        let mut p = null_mut();
+        unsafe {
+            assert_eq!(fnx_chat_parser_new(true, &mut p), FNX_OK);
+            assert_eq!(fnx_chat_parser_push(p, reply.as_ptr().cast(), reply.len()), FNX_OK);
+            assert_eq!(fnx_chat_parser_finish(p), FNX_OK);
+            let (mut kind, mut n) = (0, 0usize);
+            let mut buf = [0u8; 64];
+            while fnx_chat_parser_next(p, &mut kind, buf.as_mut_ptr().cast(), buf.len(), &mut n) == FNX_OK && kind != 0 {}
+            // Pending segments are dropped with the parser.
+            assert_eq!(fnx_chat_parser_push(p, null(), 0), FNX_ERR_INVALID_ARGUMENT);
+            fnx_chat_parser_free(p);
+            let mut q = null_mut();
+            assert_eq!(fnx_chat_parser_new(false, &mut q), FNX_OK);
+            assert_eq!(fnx_chat_parser_push(q, reply.as_ptr().cast(), reply.len()), FNX_OK);
+            fnx_chat_parser_free(q);
+        }
+    });
+    assert_eq!(g, 0, "reply parsing leaked {g} bytes");
+    unsafe { fnx_free_model(m) };
+}
+
+/// `fnx_chat_parse` with a buffer large enough.
+fn parse(text: &str, in_reasoning: bool, tools: Option<&CString>) -> Result<String, fnx_status> {
+    let mut buf = vec![0u8; 4096];
+    let mut n = 0usize;
+    let tools = tools.map_or(null(), |t| t.as_ptr());
+    // SAFETY: valid text; a buffer of 4096 bytes.
+    let st = unsafe {
+        fnx_chat_parse(text.as_ptr().cast(), text.len(), in_reasoning, tools, buf.as_mut_ptr().cast(), buf.len(), &mut n)
+    };
+    if st != FNX_OK {
+        return Err(st);
+    }
+    buf.truncate(n);
+    Ok(String::from_utf8(buf).unwrap())
 }
