@@ -157,6 +157,29 @@ int main(int argc, char **argv) {
             bool same = polled == streamed && job_n == n;
             std::cout << "job: " << (same ? "matches generate" : "DIFFERENT") << " (" << frames << " frames)\n";
             if (!same) return 1;
+
+            // A job without a limit, cancelled once it has made a few tokens:
+            // meanwhile the state is the job's; afterwards it is as before.
+            flashnext::GenerateOptions endless;
+            endless.ignore_eos = true;
+            flashnext::State fresh(model);
+            flashnext::Job running(fresh, prompt, endless);
+            std::string busy = "not busy";
+            try {
+                fresh.decode(prompt[0]);
+            } catch (const flashnext::Error &e) {
+                busy = e.status_name();
+            }
+            while (running.n_tokens() < 3 && !running.finished()) running.poll();
+            running.cancel();
+            try {
+                running.wait();
+                std::cout << "job cancel: not cancelled\n";
+                return 1;
+            } catch (const flashnext::Error &e) {
+                std::cout << "job cancel: " << e.status_name() << " (state " << busy << " meanwhile, position "
+                          << fresh.position() << " after)\n";
+            }
         }
 
         // The reply split into visible text, reasoning and tool calls, whole

@@ -139,6 +139,11 @@ fn cpp_example_builds_and_runs() {
     assert!(stdout.contains("detokenizer: consistent"), "{}", show(&out));
     assert!(stdout.contains("stream: matches detokenize"), "{}", show(&out));
     assert!(stdout.contains("job: matches generate"), "{}", show(&out));
+    assert!(
+        stdout.contains("job cancel: FNX_ERR_CANCELLED (state FNX_ERR_BUSY meanwhile, position 0 after)"),
+        "{}",
+        show(&out)
+    );
     assert!(stdout.contains("parser: consistent"), "{}", show(&out));
     assert!(stdout.contains("snapshot replay: identical"), "{}", show(&out));
     assert!(stdout.contains("abort callback: FNX_ERR_ABORTED"), "{}", show(&out));
