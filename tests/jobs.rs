@@ -631,3 +631,45 @@ fn parse(text: &str, in_reasoning: bool, tools: Option<&CString>) -> Result<Stri
     buf.truncate(n);
     Ok(String::from_utf8(buf).unwrap())
 }
+
+#[test]
+fn a_job_on_every_backend() {
+    // The job moves the state to its own thread: that must hold on the GPU too.
+    std::env::set_var("FNX_VULKAN_VALIDATION", "1");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/default.gguf");
+    for backend in [FNX_BACKEND_CPU, FNX_BACKEND_VULKAN] {
+        let mut lp = fnx_load_params_default();
+        lp.backend = backend;
+        let m = match util::load(&path, Some(&lp)) {
+            Ok(m) => m,
+            Err((FNX_ERR_BACKEND_UNAVAILABLE, why)) if std::env::var("FNX_REQUIRE_VULKAN").as_deref() != Ok("1") => {
+                println!("SKIPPED the Vulkan job: {why}; set FNX_REQUIRE_VULKAN=1 to make this a failure");
+                continue;
+            }
+            Err(e) => panic!("loading for backend {backend}: {e:?}"),
+        };
+        let (a, b) = (new_state(m), new_state(m));
+        let p = params(20);
+        let (want, n_want) = generate(a, &PROMPT, &p);
+        let job = start(b, &PROMPT, &p);
+        assert_eq!(drain(job), want, "backend {backend}");
+        assert_eq!(wait(job), Ok(n_want));
+        unsafe {
+            assert_eq!(logits(m, b), logits(m, a), "backend {backend}");
+            fnx_job_free(job);
+            // Cancelled part way: the state is as it was, and decodes on as the other.
+            let job = start(b, &PROMPT, &params(0));
+            while poll(job, 0).n_tokens < 2 {
+                std::thread::yield_now();
+            }
+            fnx_job_free(job);
+            assert_eq!(fnx_state_position(b), PROMPT.len() + n_want);
+            assert_eq!(fnx_decode_token(a, 7), FNX_OK);
+            assert_eq!(fnx_decode_token(b, 7), FNX_OK);
+            assert_eq!(logits(m, b), logits(m, a), "backend {backend}");
+            fnx_free_state(a);
+            fnx_free_state(b);
+            fnx_free_model(m);
+        }
+    }
+}
