@@ -11,6 +11,11 @@
 //   state.generate(model.tokenize(prompt, false, true), opts,
 //                  [](int32_t, std::string_view piece) { std::cout << piece; return true; });
 //
+//   // Or without blocking, from a frame loop:
+//   flashnext::Job job(state, prompt_text, opts);
+//   while (!job.finished()) { draw(job.poll()); /* ... the rest of the frame ... */ }
+//   std::string json = flashnext::chat_parse(reply);  // content, reasoning, tool calls
+//
 // Handles are move-only and freed by their destructors. Every failure throws
 // flashnext::Error, carrying the status code and fnx_last_error()'s message.
 // Exceptions thrown by callbacks are caught before they reach the C library
