@@ -12,8 +12,9 @@
 //                  [](int32_t, std::string_view piece) { std::cout << piece; return true; });
 //
 //   // Or without blocking, from a frame loop:
-//   flashnext::Job job(state, prompt_text, opts);
-//   while (!job.finished()) { draw(job.poll()); /* ... the rest of the frame ... */ }
+//   flashnext::Job job(state, prompt, opts);  // another state, or this one after the call above
+//   std::string reply;
+//   while (!job.finished()) { reply += job.poll(); /* ... draw the frame ... */ }
 //   std::string json = flashnext::chat_parse(reply);  // content, reasoning, tool calls
 //
 // Handles are move-only and freed by their destructors. Every failure throws
