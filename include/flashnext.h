@@ -551,7 +551,9 @@ fnx_status fnx_job_wait(struct fnx_job *job, size_t *out_n_generated);
 
 // Frees a job (NULL is ignored): a job still running is cancelled and
 // waited for (it stops before its next token), so the state is free again
-// when this returns. Text not yet polled is dropped.
+// when this returns. Text not yet polled is dropped. Called from the job's
+// own thread (the state's abort callback), it cannot wait: the job then
+// ends by itself, cancelled, right after the callback returns.
 //
 // # Safety
 // `job` must be NULL or a handle from `fnx_job_start` / `fnx_job_start_text` not yet freed.

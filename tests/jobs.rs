@@ -673,3 +673,45 @@ fn a_job_on_every_backend() {
         }
     }
 }
+
+/// Frees the job whose address `user` holds, from the job's own thread; aborts nothing.
+unsafe extern "C" fn free_own_job(user: *mut c_void) -> bool {
+    // SAFETY: `user` is the test's AtomicUsize holding the job handle (0 until it is known).
+    let job = unsafe { &*(user as *const AtomicUsize) }.swap(0, Ordering::SeqCst);
+    if job != 0 {
+        // SAFETY: a live job handle, freed once.
+        unsafe { fnx_job_free(job as *mut fnx_job) };
+    }
+    false
+}
+
+#[test]
+fn a_job_freed_from_its_own_abort_callback_ends() {
+    let m = model();
+    let s = new_state(m);
+    let slot = AtomicUsize::new(0);
+    unsafe {
+        assert_eq!(fnx_state_set_abort_callback(s, Some(free_own_job), (&slot as *const AtomicUsize).cast_mut().cast()), FNX_OK);
+    }
+    let job = start(s, &PROMPT, &params(0));
+    slot.store(job as usize, Ordering::SeqCst);
+    // The callback frees the job at its next poll; the job then stops, cancelled, and lets go of the state.
+    let t = Instant::now();
+    loop {
+        // SAFETY: live state.
+        let st = unsafe { fnx_state_set_abort_callback(s, None, null_mut()) };
+        if st == FNX_OK {
+            break;
+        }
+        assert_eq!(st, FNX_ERR_BUSY);
+        assert!(t.elapsed() < Duration::from_secs(10), "the job never ended");
+        std::thread::yield_now();
+    }
+    assert_eq!(slot.load(Ordering::SeqCst), 0);
+    unsafe {
+        assert_eq!(fnx_job_cancel(job), FNX_ERR_INVALID_HANDLE);
+        assert_eq!(fnx_state_position(s), 0);
+        fnx_free_state(s);
+        fnx_free_model(m);
+    }
+}

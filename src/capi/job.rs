@@ -63,8 +63,12 @@ impl Drop for fnx_job {
     fn drop(&mut self) {
         self.core.cancel.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
-            // The thread catches its own panics; a join error cannot carry anything new.
-            let _ = t.join();
+            // Freed from the job's own thread (the state's abort callback): the
+            // thread ends by itself, cancelled, and cannot wait for itself.
+            if t.thread().id() != std::thread::current().id() {
+                // The thread catches its own panics; a join error cannot carry anything new.
+                let _ = t.join();
+            }
         }
     }
 }
@@ -363,7 +367,9 @@ pub unsafe extern "C" fn fnx_job_wait(job: *mut fnx_job, out_n_generated: *mut u
 
 /// Frees a job (NULL is ignored): a job still running is cancelled and
 /// waited for (it stops before its next token), so the state is free again
-/// when this returns. Text not yet polled is dropped.
+/// when this returns. Text not yet polled is dropped. Called from the job's
+/// own thread (the state's abort callback), it cannot wait: the job then
+/// ends by itself, cancelled, right after the callback returns.
 ///
 /// # Safety
 /// `job` must be NULL or a handle from `fnx_job_start` / `fnx_job_start_text` not yet freed.
