@@ -543,7 +543,9 @@ fnx_status fnx_job_cancel(struct fnx_job *job);
 // its message in `fnx_last_error()`. Returns at once, with the same outcome,
 // once the job has ended. Text not yet polled stays for `fnx_job_poll`. It
 // does not hold the job while it waits: another thread may poll, cancel or
-// free it meanwhile (freeing it wakes this call).
+// free it meanwhile (freeing it wakes this call). Called from the job's own
+// thread (the state's abort callback) it would wait for itself:
+// `FNX_ERR_BUSY`.
 //
 // # Safety
 // `job` NULL or a live handle; `out_n_generated` NULL or writable.

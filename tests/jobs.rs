@@ -679,6 +679,9 @@ unsafe extern "C" fn free_own_job(user: *mut c_void) -> bool {
     // SAFETY: `user` is the test's AtomicUsize holding the job handle (0 until it is known).
     let job = unsafe { &*(user as *const AtomicUsize) }.swap(0, Ordering::SeqCst);
     if job != 0 {
+        // Waiting for itself is refused, not a deadlock.
+        // SAFETY: a live job handle.
+        assert_eq!(unsafe { fnx_job_wait(job as *mut fnx_job, null_mut()) }, FNX_ERR_BUSY);
         // SAFETY: a live job handle, freed once.
         unsafe { fnx_job_free(job as *mut fnx_job) };
     }

@@ -17,7 +17,7 @@ use super::state::{check, poison};
 use super::text::{bytes_arg, utf8};
 use super::{
     fail, fnx_generate_params, fnx_state, fnx_status, guard, non_null, panic_message, Failure, FNX_ERR_BUFFER_TOO_SMALL,
-    FNX_ERR_CANCELLED, FNX_ERR_INTERNAL, FNX_ERR_OUT_OF_MEMORY, FNX_OK,
+    FNX_ERR_BUSY, FNX_ERR_CANCELLED, FNX_ERR_INTERNAL, FNX_ERR_OUT_OF_MEMORY, FNX_OK,
 };
 use crate::error::Error;
 use std::ffi::c_char;
@@ -335,7 +335,9 @@ pub unsafe extern "C" fn fnx_job_cancel(job: *mut fnx_job) -> fnx_status {
 /// its message in `fnx_last_error()`. Returns at once, with the same outcome,
 /// once the job has ended. Text not yet polled stays for `fnx_job_poll`. It
 /// does not hold the job while it waits: another thread may poll, cancel or
-/// free it meanwhile (freeing it wakes this call).
+/// free it meanwhile (freeing it wakes this call). Called from the job's own
+/// thread (the state's abort callback) it would wait for itself:
+/// `FNX_ERR_BUSY`.
 ///
 /// # Safety
 /// `job` NULL or a live handle; `out_n_generated` NULL or writable.
@@ -344,7 +346,18 @@ pub unsafe extern "C" fn fnx_job_wait(job: *mut fnx_job, out_n_generated: *mut u
     guard(
         || {
             non_null!(job, "fnx_job_wait", "job");
-            let core = job_core(job, "fnx_job_wait")?;
+            let (core, on_its_thread) = {
+                let j = lease(job, "fnx_job_wait")?;
+                let own = j.thread.as_ref().is_some_and(|t| t.thread().id() == std::thread::current().id());
+                (j.core.clone(), own)
+            };
+            if on_its_thread {
+                return Err(fail(
+                    FNX_ERR_BUSY,
+                    "fnx_job_wait: called on the job's own thread (from the state's abort callback): it would wait \
+                     for itself; nothing was done",
+                ));
+            }
             let mut sh = core.lock();
             while sh.outcome.is_none() {
                 sh = core.finished.wait(sh).unwrap_or_else(|e| e.into_inner());
