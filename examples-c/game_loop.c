@@ -1,7 +1,7 @@
 /*
  * game_loop: text streams in while a frame loop keeps running.
  *
- *   game_loop MODEL [PROMPT] [--max-tokens N] [--seed S] [--cancel-at-frame F]
+ *   game_loop MODEL [PROMPT] [--max-tokens N] [--seed S] [--ignore-eos] [--cancel-at-frame F]
  *
  * A game cannot stop drawing while a reply is generated. This program starts
  * the reply as a job (fnx_job_start_text: flashnext generates on a thread of
@@ -65,11 +65,14 @@ int main(int argc, char **argv) {
     unsigned max_tokens = 48;
     unsigned long long seed = 42;
     long cancel_at = -1;
+    bool ignore_eos = false;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--max-tokens") == 0 && i + 1 < argc) {
             max_tokens = (unsigned)strtoul(argv[++i], NULL, 10);
         } else if (strcmp(argv[i], "--seed") == 0 && i + 1 < argc) {
             seed = strtoull(argv[++i], NULL, 10);
+        } else if (strcmp(argv[i], "--ignore-eos") == 0) {
+            ignore_eos = true;
         } else if (strcmp(argv[i], "--cancel-at-frame") == 0 && i + 1 < argc) {
             cancel_at = strtol(argv[++i], NULL, 10);
         } else if (!model_path) {
@@ -79,7 +82,7 @@ int main(int argc, char **argv) {
         }
     }
     if (!model_path) {
-        fprintf(stderr, "usage: game_loop MODEL [PROMPT] [--max-tokens N] [--seed S] [--cancel-at-frame F]\n");
+        fprintf(stderr, "usage: game_loop MODEL [PROMPT] [--max-tokens N] [--seed S] [--ignore-eos] [--cancel-at-frame F]\n");
         return 2;
     }
 
@@ -131,6 +134,7 @@ int main(int argc, char **argv) {
     fnx_generate_params params = fnx_generate_params_default();
     params.max_tokens = max_tokens;
     params.sampler = sampler;
+    params.ignore_eos = ignore_eos;
     if ((st = fnx_job_start_text(state, chat, chat_len, true, &params, &job)) != FNX_OK) {
         fail("fnx_job_start_text", st);
         goto done;

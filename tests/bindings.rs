@@ -264,8 +264,10 @@ fn c_game_loop_example_streams_while_frames_run() {
         assert!(content + reasoning <= bytes, "{}", show(&out));
         assert!(String::from_utf8_lossy(&out.stderr).contains("[frame 0] "), "{}", show(&out));
 
-        // Cancelled at the third frame: no limit otherwise, so only the cancel ends it.
-        let out = run(sanitizer_env(Command::new(exe).arg(model()).args(["--max-tokens", "0", "--cancel-at-frame", "2"])));
+        // Cancelled at the third frame: no limit and no end-of-turn stop, so only the cancel (or, far later, a
+        // full context) ends it.
+        let args = ["--max-tokens", "0", "--ignore-eos", "--cancel-at-frame", "2"];
+        let out = run(sanitizer_env(Command::new(exe).arg(model()).args(args)));
         let (n, status) = game_loop_summary(&out);
         assert_eq!(status, "FNX_ERR_CANCELLED", "{}", show(&out));
         assert!(n[0] >= 3, "{}", show(&out));

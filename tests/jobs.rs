@@ -476,7 +476,7 @@ fn wait_lets_other_threads_poll_cancel_and_free() {
             std::thread::yield_now();
         }
         // Give the waiter time to block (it must be waiting before the job is freed).
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(5));
         unsafe {
             if free {
                 fnx_job_free(job);
