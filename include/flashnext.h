@@ -85,8 +85,10 @@ typedef struct fnx_chat_parser fnx_chat_parser;
 // thread at a time; free with `fnx_detokenizer_free`.
 typedef struct fnx_detokenizer fnx_detokenizer;
 
-// A generation running on its own thread (opaque). Free it with
-// `fnx_job_free`, which cancels it if it still runs.
+// A generation running on its own thread (opaque). Unlike other handles it
+// may be polled, cancelled and waited for from several threads at once.
+// Free it with `fnx_job_free` (which cancels it if it still runs) once no
+// other thread is about to use it.
 typedef struct fnx_job fnx_job;
 
 // A loaded model (opaque). Share it between threads freely.

@@ -176,6 +176,21 @@ pub(crate) fn lease<T: Handle>(h: *const T, func: &str) -> Result<Lease<T>, Fail
     Ok(Lease { handle: h as usize, object })
 }
 
+/// Runs `f` on the object behind `h` with the registry locked, without
+/// marking it busy: for handles whose calls only take shared parts out of
+/// the object (a job's core), so that calls from several threads at once
+/// never see each other as busy, and a concurrent `remove` waits for `f`.
+/// `f` must be short and must not use the registry.
+pub(crate) fn with<T: Handle, R>(h: *const T, func: &str, f: impl FnOnce(&T) -> R) -> Result<R, Failure> {
+    let map = live();
+    let e = map.get(&(h as usize)).filter(|e| e.kind == TypeId::of::<T>()).ok_or_else(|| not_live::<T>(func))?;
+    if e.busy != Busy::Free {
+        return Err(busy::<T>(func, e.busy));
+    }
+    // SAFETY: a registered object stays allocated until `remove`, which takes the lock held here.
+    Ok(f(unsafe { &*(e.object as *const T) }))
+}
+
 /// Unregisters `h` and gives its object back, to be dropped. Refused for a
 /// handle that is not a live `T` or that is busy: nothing is freed then.
 pub(crate) fn remove<T: Handle>(h: *const T, func: &str) -> Result<Box<T>, Failure> {

@@ -12,7 +12,7 @@
 //! the job, as an aborted `fnx_generate` does.
 
 use super::generate::{check_fits, check_room, generate_failure, request, run, token_ids, Request};
-use super::handle::{lease, Lease};
+use super::handle::{with, Lease};
 use super::state::{check, poison};
 use super::text::{bytes_arg, utf8};
 use super::{
@@ -52,8 +52,10 @@ impl Core {
     }
 }
 
-/// A generation running on its own thread (opaque). Free it with
-/// `fnx_job_free`, which cancels it if it still runs.
+/// A generation running on its own thread (opaque). Unlike other handles it
+/// may be polled, cancelled and waited for from several threads at once.
+/// Free it with `fnx_job_free` (which cancels it if it still runs) once no
+/// other thread is about to use it.
 pub struct fnx_job {
     core: Arc<Core>,
     thread: Option<JoinHandle<()>>,
@@ -237,8 +239,10 @@ pub unsafe extern "C" fn fnx_job_start_text(
     )
 }
 
+/// The job's shared core. Job handles are never held busy: polls, cancels
+/// and waits from several threads at once all go through.
 fn job_core(job: *mut fnx_job, func: &str) -> Result<Arc<Core>, Failure> {
-    Ok(lease(job, func)?.core.clone())
+    with(job, func, |j| j.core.clone())
 }
 
 /// Never blocks: copies the text generated since the last poll to `out`
@@ -346,11 +350,10 @@ pub unsafe extern "C" fn fnx_job_wait(job: *mut fnx_job, out_n_generated: *mut u
     guard(
         || {
             non_null!(job, "fnx_job_wait", "job");
-            let (core, on_its_thread) = {
-                let j = lease(job, "fnx_job_wait")?;
+            let (core, on_its_thread) = with(job, "fnx_job_wait", |j| {
                 let own = j.thread.as_ref().is_some_and(|t| t.thread().id() == std::thread::current().id());
                 (j.core.clone(), own)
-            };
+            })?;
             if on_its_thread {
                 return Err(fail(
                     FNX_ERR_BUSY,
