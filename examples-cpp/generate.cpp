@@ -1,5 +1,6 @@
 // generate: streams a reply to one prompt with the C++ wrapper
-// (include/flashnext.hpp), then shows snapshots and the abort callback.
+// (include/flashnext.hpp), then the same reply as a polled job, the reply
+// parsed into its parts, snapshots and the abort callback.
 //
 //   generate MODEL [PROMPT] [--tokens N] [--seed S] [--preset NAME]
 //
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <iostream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -135,6 +137,70 @@ int main(int argc, char **argv) {
         while (rest.size() >= 3 && rest.compare(0, 3, "\xEF\xBF\xBD") == 0) rest.erase(0, 3);
         std::cout << "stream: " << (rest.empty() ? "matches detokenize" : "DIFFERENT") << "\n";
         if (!rest.empty()) return 1;
+
+        // The same reply as a job on flashnext's own thread, polled as a frame
+        // loop would: the same text.
+        {
+            flashnext::State job_state(model);
+            flashnext::Sampler job_sampler(sp);
+            flashnext::GenerateOptions job_opts = opts;
+            job_opts.sampler = &job_sampler;
+            flashnext::Job job(job_state, rendered, job_opts);
+            std::string polled;
+            size_t frames = 0;
+            while (!job.finished()) {
+                polled += job.poll();
+                frames++;
+                std::this_thread::sleep_for(std::chrono::microseconds(200));
+            }
+            size_t job_n = job.wait();
+            bool same = polled == streamed && job_n == n;
+            std::cout << "job: " << (same ? "matches generate" : "DIFFERENT") << " (" << frames << " frames)\n";
+            if (!same) return 1;
+
+            // A job without a limit, cancelled once it has made a few tokens:
+            // meanwhile the state is the job's; afterwards it is as before.
+            flashnext::GenerateOptions endless;
+            endless.ignore_eos = true;
+            flashnext::State fresh(model);
+            flashnext::Job running(fresh, prompt, endless);
+            std::string busy = "not busy";
+            try {
+                fresh.decode(prompt[0]);
+            } catch (const flashnext::Error &e) {
+                busy = e.status_name();
+            }
+            while (running.n_tokens() < 3 && !running.finished()) running.poll();
+            running.cancel();
+            try {
+                running.wait();
+                std::cout << "job cancel: not cancelled\n";
+                return 1;
+            } catch (const flashnext::Error &e) {
+                std::cout << "job cancel: " << e.status_name() << " (state " << busy << " meanwhile, position "
+                          << fresh.position() << " after)\n";
+            }
+        }
+
+        // The reply split into visible text, reasoning and tool calls, whole
+        // and piece by piece: the same message.
+        {
+            std::string whole = flashnext::chat_parse(streamed);
+            flashnext::ChatParser parser;
+            size_t content = 0;
+            for (size_t at = 0; at < streamed.size();) {
+                size_t len = 1;
+                while (at + len < streamed.size() && (static_cast<unsigned char>(streamed[at + len]) & 0xC0) == 0x80) len++;
+                for (const flashnext::ChatSegment &seg : parser.push(std::string_view(streamed).substr(at, len)))
+                    if (seg.kind == FNX_CHAT_CONTENT) content += seg.text.size();
+                at += len;
+            }
+            for (const flashnext::ChatSegment &seg : parser.finish())
+                if (seg.kind == FNX_CHAT_CONTENT) content += seg.text.size();
+            bool same = parser.message_json() == whole;
+            std::cout << "parser: " << (same ? "consistent" : "DIFFERENT") << " (" << content << " content bytes)\n";
+            if (!same) return 1;
+        }
 
         // The same text through a streaming detokenizer.
         flashnext::Detokenizer detok(model);

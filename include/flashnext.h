@@ -31,6 +31,22 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// `fnx_chat_parser_next`: nothing is pending.
+#define FNX_CHAT_NONE 0
+
+// Visible text of the reply.
+#define FNX_CHAT_CONTENT 1
+
+// Thinking (inside `<think>…</think>`).
+#define FNX_CHAT_REASONING 2
+
+// Text inside `<tool_call>…</tool_call>` (the call as the model writes it).
+#define FNX_CHAT_TOOL_CALL 3
+
+// A tool call's text is complete (no text comes with it); the parsed call
+// is in `fnx_chat_parser_message`.
+#define FNX_CHAT_TOOL_CALL_END 4
+
 // Let flashnext choose: a hardware GPU through Vulkan when one can hold the
 // model, else the CPU (`fnx_model_backend` says which was taken).
 #define FNX_BACKEND_AUTO 0
@@ -60,9 +76,20 @@
 // string a template builds, to take (a larger output buffer allows more).
 #define FNX_CHAT_TEMPLATE_MAX_BYTES 4194304
 
+// Splits a reply into content, reasoning and tool calls as its pieces
+// arrive (opaque). Use from one thread at a time; free with
+// `fnx_chat_parser_free`.
+typedef struct fnx_chat_parser fnx_chat_parser;
+
 // Turns generated tokens into text one at a time (opaque). Use from one
 // thread at a time; free with `fnx_detokenizer_free`.
 typedef struct fnx_detokenizer fnx_detokenizer;
+
+// A generation running on its own thread (opaque). Unlike other handles it
+// may be polled, cancelled and waited for from several threads at once.
+// Free it with `fnx_job_free` (which cancels it if it still runs) once no
+// other thread is about to use it.
+typedef struct fnx_job fnx_job;
 
 // A loaded model (opaque). Share it between threads freely.
 typedef struct fnx_model fnx_model;
@@ -268,7 +295,9 @@ typedef struct fnx_chat_message {
 // detected even after a new object took its memory.
 #define FNX_ERR_INVALID_HANDLE 15
 
-// The load progress callback returned false; nothing was loaded.
+// Cancelled by the caller: the load progress callback returned false
+// (nothing was loaded), or a job was cancelled with `fnx_job_cancel` or
+// `fnx_job_free` (the state is as it was before the job).
 #define FNX_ERR_CANCELLED 16
 
 // The state's abort callback returned true; the state is as it was before the call.
@@ -282,7 +311,8 @@ typedef struct fnx_chat_message {
 
 // The state, sampler or detokenizer is in use by a call in progress: a
 // callback of that call (e.g. `fnx_generate`'s token callback, an abort
-// callback) or another thread used it. Nothing was done.
+// callback) or another thread used it; or a running job (`fnx_job_start`)
+// holds it. Nothing was done.
 #define FNX_ERR_BUSY 20
 
 #ifdef __cplusplus
@@ -298,6 +328,111 @@ const char *fnx_version(void);
 
 // A short constant name for a status code, e.g. "FNX_ERR_CONTEXT_FULL".
 const char *fnx_status_name(fnx_status status);
+
+// Splits a whole reply (`text_len` bytes of UTF-8 at `text`) of a Qwen-family
+// chat model and writes its parts as JSON in the shape of an OpenAI chat API
+// message to `out` (room for `capacity` bytes; NOT NUL-terminated; size
+// query as `fnx_tokenize`):
+//
+// `{"role": "assistant", "content": "...", "reasoning_content": "..." | null,
+//   "tool_calls": [{"id": "call_0", "type": "function",
+//                   "function": {"name": "...", "arguments": "{...}"}}],
+//   "invalid_tool_calls": [{"raw": "<tool_call>...", "error": "..."}]}`
+//
+// `content` and `reasoning_content` are trimmed; `content` is null when
+// empty and there are tool calls, `reasoning_content` null when the reply
+// has no think block; `tool_calls` and `invalid_tool_calls` are left out when
+// empty. `arguments` is a JSON object as a string. Tool calls are read in
+// both Qwen shapes: `<function=NAME><parameter=KEY>VALUE</parameter></function>`
+// (Qwen3.5) and `{"name": ..., "arguments": {...}}` (Qwen3). A call that
+// cannot be read is listed in `invalid_tool_calls` with its text and why.
+//
+// `in_reasoning`: the reply starts inside a think block (the prompt ended
+// with `<think>`, as Qwen's generation prompt does with thinking on); a
+// reply whose first tag is `</think>` is read so anyway. `tools_json` (may
+// be NULL): the JSON array of tool schemas given to the chat template; the
+// schema's parameter types (integer, number, boolean, ...) then type the
+// Qwen3.5 shape's parameters, which are otherwise strings (or objects and
+// arrays, when their text is one). The assistant message made from the
+// result (`content`, `reasoning_content`, `tool_calls` as
+// `tool_calls_json`) renders through `fnx_apply_chat_template` as the reply
+// was written. Invalid UTF-8 or a malformed `tools_json`:
+// `FNX_ERR_INVALID_ARGUMENT`.
+//
+// # Safety
+// `text` NULL or `text_len` readable bytes; `tools_json` NULL or
+// NUL-terminated; `out` NULL or room for `capacity` bytes; `out_len` NULL or writable.
+fnx_status fnx_chat_parse(const char *text,
+                          size_t text_len,
+                          bool in_reasoning,
+                          const char *tools_json,
+                          char *out,
+                          size_t capacity,
+                          size_t *out_len);
+
+// Creates a streaming reply parser; `in_reasoning` as for `fnx_chat_parse`
+// (a stream cannot look ahead for a later `</think>`: say whether the
+// prompt opened a think block). The caller frees it with `fnx_chat_parser_free`.
+//
+// # Safety
+// `out_parser` NULL or writable.
+fnx_status fnx_chat_parser_new(bool in_reasoning, struct fnx_chat_parser **out_parser);
+
+// Adds the next piece of the reply (`text_len` bytes of UTF-8; e.g. a piece
+// from `fnx_generate`'s callback or `fnx_job_poll`). Its text becomes
+// classified segments, taken with `fnx_chat_parser_next`; bytes that may
+// start a tag split across pieces wait for the next piece. Refused after
+// `fnx_chat_parser_finish` (`FNX_ERR_INVALID_ARGUMENT`), and for invalid UTF-8.
+//
+// # Safety
+// `parser` NULL or a live handle; `text` NULL or `text_len` readable bytes.
+fnx_status fnx_chat_parser_push(struct fnx_chat_parser *parser, const char *text, size_t text_len);
+
+// Ends the reply: text held back (that did not become a tag) becomes a last
+// segment, and a tool call left open is reported as invalid. Finishing
+// twice does nothing more.
+//
+// # Safety
+// `parser` NULL or a live handle.
+fnx_status fnx_chat_parser_finish(struct fnx_chat_parser *parser);
+
+// Takes the oldest pending segment: its kind (`FNX_CHAT_CONTENT`,
+// `FNX_CHAT_REASONING`, `FNX_CHAT_TOOL_CALL`, `FNX_CHAT_TOOL_CALL_END`) in
+// `*out_kind` and its text in `out` (room for `capacity` bytes; NOT
+// NUL-terminated; tags left out) with its length in `*out_len`. When none is
+// pending: `FNX_OK`, `*out_kind` = `FNX_CHAT_NONE`, `*out_len` = 0. Adjacent
+// text of one kind from one push comes as one segment. On
+// `FNX_ERR_BUFFER_TOO_SMALL` the segment stays pending and `*out_len` is the
+// room it needs.
+//
+// # Safety
+// `parser` NULL or a live handle; `out_kind` and `out_len` NULL or writable;
+// `out` NULL or room for `capacity` bytes.
+fnx_status fnx_chat_parser_next(struct fnx_chat_parser *parser,
+                                int32_t *out_kind,
+                                char *out,
+                                size_t capacity,
+                                size_t *out_len);
+
+// The message read so far (all of it after `fnx_chat_parser_finish`) as
+// `fnx_chat_parse` writes it, to `out` (room for `capacity` bytes; NOT
+// NUL-terminated; size query as `fnx_tokenize`). `tools_json` as for
+// `fnx_chat_parse`. Pending segments are not taken.
+//
+// # Safety
+// `parser` NULL or a live handle; `tools_json` NULL or NUL-terminated; `out`
+// NULL or room for `capacity` bytes; `out_len` NULL or writable.
+fnx_status fnx_chat_parser_message(struct fnx_chat_parser *parser,
+                                   const char *tools_json,
+                                   char *out,
+                                   size_t capacity,
+                                   size_t *out_len);
+
+// Frees a reply parser (NULL is ignored).
+//
+// # Safety
+// `parser` must be NULL or a handle from `fnx_chat_parser_new` not yet freed.
+void fnx_chat_parser_free(struct fnx_chat_parser *parser);
 
 // Default generation options: greedy, no token limit, no stop strings,
 // stop at the model's end-of-sequence and end-of-turn tokens.
@@ -341,6 +476,100 @@ fnx_status fnx_generate(struct fnx_state *state,
                         fnx_token_callback on_token,
                         void *user_data,
                         size_t *out_n_generated);
+
+// Starts generating on a thread of flashnext's own and returns at once:
+// decodes `prompt` (`n_prompt` tokens; may be empty when the state already
+// has logits), then generates as `fnx_generate` does with `params` (NULL:
+// the defaults). `*out_job` receives the job; take its text with
+// `fnx_job_poll`, and free it with `fnx_job_free`.
+//
+// Every argument is checked, and everything `params` points to is copied,
+// before this returns: the same failures as `fnx_generate`'s, and nothing
+// starts. While the job runs it holds `state` and `params->sampler`: other
+// calls on them get `FNX_ERR_BUSY` (`fnx_state_position` answers 0, and
+// `fnx_free_state` and `fnx_sampler_free` leave them alone). The state's abort callback, if set, is polled on the job's thread.
+//
+// # Safety
+// `state` NULL or a live handle; `prompt` NULL or `n_prompt` readable ids;
+// `params` NULL or a valid `fnx_generate_params` whose arrays hold the stated
+// counts; `out_job` NULL or writable.
+fnx_status fnx_job_start(struct fnx_state *state,
+                         const int32_t *prompt,
+                         size_t n_prompt,
+                         const struct fnx_generate_params *params,
+                         struct fnx_job **out_job);
+
+// `fnx_job_start` with a prompt given as text: `text_len` bytes of UTF-8,
+// tokenized with the model's tokenizer as `fnx_tokenize` does (no BOS/EOS
+// added; `parse_special` turns special-token text such as `<|im_start|>`
+// into those tokens: true for the output of `fnx_apply_chat_template`,
+// false for untrusted text). Invalid UTF-8 is `FNX_ERR_INVALID_ARGUMENT`, a
+// model file without a tokenizer `FNX_ERR_INVALID_MODEL`.
+//
+// # Safety
+// As `fnx_job_start`; `text` NULL or `text_len` readable bytes.
+fnx_status fnx_job_start_text(struct fnx_state *state,
+                              const char *text,
+                              size_t text_len,
+                              bool parse_special,
+                              const struct fnx_generate_params *params,
+                              struct fnx_job **out_job);
+
+// Never blocks: copies the text generated since the last poll to `out`
+// (room for `capacity` bytes; NOT NUL-terminated; whole UTF-8 characters
+// only: what does not fit stays for the next poll) and its length to
+// `*out_len` (0 when nothing is new). `*out_n_tokens` (may be NULL): tokens
+// generated so far. `*out_finished` (may be NULL): true once the job has
+// ended and all its text has been taken; `fnx_job_wait` then returns its
+// outcome at once. `out` may be NULL when `capacity` is 0 (a poll for
+// progress only). When the next character is longer than a non-zero
+// `capacity`: `FNX_ERR_BUFFER_TOO_SMALL` with its length in `*out_len`
+// (room for 4 bytes always suffices). Special tokens (e.g. `<|im_end|>`) give no text. Polling a
+// finished job gives nothing new and stays finished.
+//
+// # Safety
+// `job` NULL or a live handle; `out` NULL or room for `capacity` bytes;
+// `out_len` NULL or writable; `out_n_tokens` and `out_finished` NULL or writable.
+fnx_status fnx_job_poll(struct fnx_job *job,
+                        char *out,
+                        size_t capacity,
+                        size_t *out_len,
+                        size_t *out_n_tokens,
+                        bool *out_finished);
+
+// Asks the job to stop and returns at once. The job stops before its next
+// token (prompt tokens included); it then ends with `FNX_ERR_CANCELLED` and
+// leaves the state as it was before the job. A job that already finished
+// keeps its outcome.
+//
+// # Safety
+// `job` NULL or a live handle.
+fnx_status fnx_job_cancel(struct fnx_job *job);
+
+// Blocks until the job has ended and returns its outcome: `FNX_OK` (then
+// `*out_n_generated`, may be NULL, receives the number of generated tokens),
+// `FNX_ERR_CANCELLED` after `fnx_job_cancel`, or the status `fnx_generate`
+// would have returned (`FNX_ERR_ABORTED`, `FNX_ERR_CONTEXT_FULL`, ...), with
+// its message in `fnx_last_error()`. Returns at once, with the same outcome,
+// once the job has ended. Text not yet polled stays for `fnx_job_poll`. It
+// does not hold the job while it waits: another thread may poll, cancel or
+// free it meanwhile (freeing it wakes this call). Called from the job's own
+// thread (the state's abort callback) it would wait for itself:
+// `FNX_ERR_BUSY`.
+//
+// # Safety
+// `job` NULL or a live handle; `out_n_generated` NULL or writable.
+fnx_status fnx_job_wait(struct fnx_job *job, size_t *out_n_generated);
+
+// Frees a job (NULL is ignored): a job still running is cancelled and
+// waited for (it stops before its next token), so the state is free again
+// when this returns. Text not yet polled is dropped. Called from the job's
+// own thread (the state's abort callback), it cannot wait: the job then
+// ends by itself, cancelled, right after the callback returns.
+//
+// # Safety
+// `job` must be NULL or a handle from `fnx_job_start` / `fnx_job_start_text` not yet freed.
+void fnx_job_free(struct fnx_job *job);
 
 // Default load parameters.
 struct fnx_load_params fnx_load_params_default(void);

@@ -11,6 +11,12 @@
 //   state.generate(model.tokenize(prompt, false, true), opts,
 //                  [](int32_t, std::string_view piece) { std::cout << piece; return true; });
 //
+//   // Or without blocking, from a frame loop:
+//   flashnext::Job job(state, prompt, opts);  // another state, or this one after the call above
+//   std::string reply;
+//   while (!job.finished()) { reply += job.poll(); /* ... draw the frame ... */ }
+//   std::string json = flashnext::chat_parse(reply);  // content, reasoning, tool calls
+//
 // Handles are move-only and freed by their destructors. Every failure throws
 // flashnext::Error, carrying the status code and fnx_last_error()'s message.
 // Exceptions thrown by callbacks are caught before they reach the C library
@@ -346,6 +352,28 @@ struct GenerateOptions {
     bool ignore_eos = false;                 // true: the EOS token does not stop
 };
 
+namespace detail {
+
+// fnx_generate_params for `options`; valid while `options` and this object live.
+struct Params {
+    fnx_generate_params params = fnx_generate_params_default();
+    std::vector<const char *> stops;
+
+    explicit Params(const GenerateOptions &options) {
+        params.max_tokens = options.max_tokens;
+        params.sampler = options.sampler ? options.sampler->get() : nullptr;
+        params.stop_tokens = options.stop_tokens.data();
+        params.n_stop_tokens = options.stop_tokens.size();
+        stops.reserve(options.stop_strings.size());
+        for (const std::string &s : options.stop_strings) stops.push_back(s.c_str());
+        params.stop_strings = stops.data();
+        params.n_stop_strings = stops.size();
+        params.ignore_eos = options.ignore_eos;
+    }
+};
+
+}  // namespace detail
+
 // Receives each generated token and its text (UTF-8, whole characters);
 // return false to stop after it.
 using TokenCallback = std::function<bool(int32_t token, std::string_view piece)>;
@@ -431,17 +459,8 @@ public:
     // is rethrown (the tokens generated so far stay decoded).
     size_t generate(const std::vector<int32_t> &prompt, const GenerateOptions &options = GenerateOptions(),
                     const TokenCallback &on_token = TokenCallback()) {
-        fnx_generate_params params = fnx_generate_params_default();
-        params.max_tokens = options.max_tokens;
-        params.sampler = options.sampler ? options.sampler->get() : nullptr;
-        params.stop_tokens = options.stop_tokens.data();
-        params.n_stop_tokens = options.stop_tokens.size();
-        std::vector<const char *> stops;
-        stops.reserve(options.stop_strings.size());
-        for (const std::string &s : options.stop_strings) stops.push_back(s.c_str());
-        params.stop_strings = stops.data();
-        params.n_stop_strings = stops.size();
-        params.ignore_eos = options.ignore_eos;
+        detail::Params p(options);
+        fnx_generate_params &params = p.params;
 
         struct Ctx {
             const TokenCallback *fn;
@@ -491,6 +510,142 @@ private:
     // Heap-allocated so that its address (the callback's user_data) survives moves.
     std::unique_ptr<Abort> abort_;
 };
+
+// A generation that runs on flashnext's own thread (fnx_job_*), so the
+// caller's loop never blocks: poll() for text each frame. The state (and
+// the sampler) are the job's while it runs: other calls on them throw Error
+// with FNX_ERR_BUSY. Move-only; the destructor cancels a job still running
+// and waits for it (it stops before its next token).
+class Job {
+public:
+    // Decodes `prompt`, then generates as State::generate does (everything
+    // `options` holds is copied before this returns).
+    Job(State &state, const std::vector<int32_t> &prompt, const GenerateOptions &options = GenerateOptions()) {
+        detail::Params p(options);
+        fnx_job *job = nullptr;
+        detail::check(fnx_job_start(state.get(), prompt.data(), prompt.size(), &p.params, &job));
+        handle_.reset(job);
+    }
+
+    // The prompt as text, tokenized with the model's tokenizer
+    // (`parse_special`: true for the output of apply_chat_template).
+    Job(State &state, std::string_view text, const GenerateOptions &options = GenerateOptions(),
+        bool parse_special = true) {
+        detail::Params p(options);
+        fnx_job *job = nullptr;
+        detail::check(fnx_job_start_text(state.get(), text.data(), text.size(), parse_special, &p.params, &job));
+        handle_.reset(job);
+    }
+
+    fnx_job *get() const noexcept { return handle_.get(); }
+
+    // Never blocks: the text generated since the last poll (whole UTF-8
+    // characters; empty when nothing is new).
+    std::string poll() {
+        std::string out;
+        char buf[4096];
+        for (;;) {
+            size_t len = 0;
+            detail::check(fnx_job_poll(get(), buf, sizeof buf, &len, &n_tokens_, &finished_));
+            out.append(buf, len);
+            if (len + 4 <= sizeof buf) return out;
+        }
+    }
+
+    // Whether the last poll() found the job ended and all its text taken.
+    bool finished() const noexcept { return finished_; }
+    // Tokens generated as of the last poll().
+    size_t n_tokens() const noexcept { return n_tokens_; }
+
+    // Asks the job to stop before its next token; returns at once. wait()
+    // then throws Error with FNX_ERR_CANCELLED; the state is as before the job.
+    void cancel() { detail::check(fnx_job_cancel(get())); }
+
+    // Blocks until the job has ended; returns the number of generated tokens,
+    // or throws its failure (FNX_ERR_CANCELLED after cancel()). Text not yet
+    // polled stays for poll().
+    size_t wait() {
+        size_t n = 0;
+        detail::check(fnx_job_wait(get(), &n));
+        return n;
+    }
+
+private:
+    std::unique_ptr<fnx_job, detail::Deleter<fnx_job, fnx_job_free>> handle_;
+    size_t n_tokens_ = 0;
+    bool finished_ = false;
+};
+
+// A classified piece of a reply: kind is FNX_CHAT_CONTENT,
+// FNX_CHAT_REASONING, FNX_CHAT_TOOL_CALL or FNX_CHAT_TOOL_CALL_END.
+struct ChatSegment {
+    int32_t kind;
+    std::string text;
+};
+
+// Splits a reply of a Qwen-family model into visible text, reasoning and
+// tool calls as its pieces arrive (fnx_chat_parser_*). Move-only.
+class ChatParser {
+public:
+    // `in_reasoning`: the prompt opened a think block (Qwen's generation
+    // prompt with thinking on ends with "<think>\n").
+    explicit ChatParser(bool in_reasoning = false) {
+        fnx_chat_parser *p = nullptr;
+        detail::check(fnx_chat_parser_new(in_reasoning, &p));
+        handle_.reset(p);
+    }
+
+    fnx_chat_parser *get() const noexcept { return handle_.get(); }
+
+    // Adds a piece; returns the segments it completes (a tag split across
+    // pieces waits for the next one).
+    std::vector<ChatSegment> push(std::string_view piece) {
+        detail::check(fnx_chat_parser_push(get(), piece.data(), piece.size()));
+        return take();
+    }
+
+    // Ends the reply: the segments still held back.
+    std::vector<ChatSegment> finish() {
+        detail::check(fnx_chat_parser_finish(get()));
+        return take();
+    }
+
+    // The message so far as OpenAI-style JSON (see fnx_chat_parse).
+    std::string message_json(const std::optional<std::string> &tools_json = std::nullopt) const {
+        return detail::sized<std::string>(
+            [&](char *out, size_t cap, size_t *len) {
+                return fnx_chat_parser_message(get(), detail::c_str_or_null(tools_json), out, cap, len);
+            },
+            256);
+    }
+
+private:
+    std::vector<ChatSegment> take() {
+        std::vector<ChatSegment> out;
+        for (;;) {
+            int32_t kind = FNX_CHAT_NONE;
+            std::string text = detail::sized<std::string>(
+                [&](char *buf, size_t cap, size_t *len) { return fnx_chat_parser_next(get(), &kind, buf, cap, len); },
+                256);
+            if (kind == FNX_CHAT_NONE) return out;
+            out.push_back(ChatSegment{kind, std::move(text)});
+        }
+    }
+
+    std::unique_ptr<fnx_chat_parser, detail::Deleter<fnx_chat_parser, fnx_chat_parser_free>> handle_;
+};
+
+// A whole reply split into its parts, as OpenAI-style JSON: "content",
+// "reasoning_content", "tool_calls" (and "invalid_tool_calls"); see fnx_chat_parse.
+inline std::string chat_parse(std::string_view reply, bool in_reasoning = false,
+                              const std::optional<std::string> &tools_json = std::nullopt) {
+    return detail::sized<std::string>(
+        [&](char *out, size_t cap, size_t *len) {
+            return fnx_chat_parse(reply.data(), reply.size(), in_reasoning, detail::c_str_or_null(tools_json), out,
+                                  cap, len);
+        },
+        reply.size() + 256);
+}
 
 }  // namespace flashnext
 

@@ -46,6 +46,8 @@ use minijinja::{Environment, ErrorKind, State};
 use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use std::fmt::Write as _;
 
+pub mod parse;
+
 /// One message of a conversation.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ChatMessage {

@@ -3,12 +3,16 @@
 //!
 //! - the Python ctypes binding's own unittest suite
 //!   (`bindings/python/tests`), with `FLASHNEXT_LIB` pointing at the cdylib;
-//! - the C++ wrapper `include/flashnext.hpp` through `examples-cpp/generate.cpp`,
+//! - the C++ wrapper `include/flashnext.hpp` (a generation, a polled job, a
+//!   parsed reply) through `examples-cpp/generate.cpp`,
 //!   built with `-std=c++17 -Wall -Wextra -Werror -pedantic` (plain and under
 //!   AddressSanitizer/UBSan);
 //! - the interactive C chat `examples-c/chat.c`, built with
 //!   `-std=c11 -Wall -Wextra -Werror -pedantic`, run under AddressSanitizer
-//!   and UBSan on a scripted two-turn conversation.
+//!   and UBSan on a scripted two-turn conversation;
+//! - the C frame loop `examples-c/game_loop.c` (a generation job polled each
+//!   frame, its reply parsed as it streams), built the same way, run plain and
+//!   under AddressSanitizer and UBSan, to the end and cancelled part way.
 //!
 //! Build the library first: `cargo build --lib` (as `scripts/test.sh` does).
 
@@ -134,6 +138,13 @@ fn cpp_example_builds_and_runs() {
     assert!(stdout.contains("assistant: ") && stdout.contains("generated "), "{}", show(&out));
     assert!(stdout.contains("detokenizer: consistent"), "{}", show(&out));
     assert!(stdout.contains("stream: matches detokenize"), "{}", show(&out));
+    assert!(stdout.contains("job: matches generate"), "{}", show(&out));
+    assert!(
+        stdout.contains("job cancel: FNX_ERR_CANCELLED (state FNX_ERR_BUSY meanwhile, position 0 after)"),
+        "{}",
+        show(&out)
+    );
+    assert!(stdout.contains("parser: consistent"), "{}", show(&out));
     assert!(stdout.contains("snapshot replay: identical"), "{}", show(&out));
     assert!(stdout.contains("abort callback: FNX_ERR_ABORTED"), "{}", show(&out));
 
@@ -216,6 +227,54 @@ fn c_chat_example_two_turns_under_asan() {
 
     // A bad model path is reported, not crashed on.
     let out = run_with_stdin(Command::new(&plain).arg(dir.join("missing.gguf")), "");
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("FNX_ERR_IO"), "{}", show(&out));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The numbers of game_loop's summary line:
+/// `[frames F, frames with text T, tokens N, bytes B, content C, reasoning R, status S]`.
+fn game_loop_summary(out: &Output) -> (Vec<usize>, String) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let line = stderr.lines().find(|l| l.starts_with("[frames ")).unwrap_or_else(|| panic!("no summary: {}", show(out)));
+    let numbers = line.split(|c: char| !c.is_ascii_digit()).filter_map(|w| w.parse().ok()).collect();
+    let status = line.rsplit("status ").next().unwrap().trim_end_matches(']').to_string();
+    (numbers, status)
+}
+
+#[test]
+fn c_game_loop_example_streams_while_frames_run() {
+    let dir = temp_dir("game-loop");
+    let src = root().join("examples-c/game_loop.c");
+    let plain = dir.join("game_loop");
+    compile("cc", &["-std=c11"], &src, &[], &plain);
+    let asan = dir.join("game_loop-asan");
+    compile("cc", &["-std=c11"], &src, SANITIZE, &asan);
+
+    for exe in [&plain, &asan] {
+        let out = run(sanitizer_env(Command::new(exe).arg(model()).args(["--max-tokens", "32", "--seed", "5"])));
+        let (n, status) = game_loop_summary(&out);
+        let (frames, with_text, tokens, bytes, content, reasoning) = (n[0], n[1], n[2], n[3], n[4], n[5]);
+        assert_eq!(status, "FNX_OK", "{}", show(&out));
+        assert!(tokens > 0 && tokens <= 32, "{}", show(&out));
+        // The frame loop ran on while the text streamed in, and every polled byte reached stdout.
+        assert!(frames >= 2 && with_text >= 1 && with_text <= frames, "{}", show(&out));
+        assert_eq!(out.stdout.len(), bytes + 1, "{}", show(&out));
+        // The reply parser saw the same bytes (tags, if any, are not counted).
+        assert!(content + reasoning <= bytes, "{}", show(&out));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("[frame 0] "), "{}", show(&out));
+
+        // Cancelled at the third frame: no limit and no end-of-turn stop, so only the cancel (or, far later, a
+        // full context) ends it.
+        let args = ["--max-tokens", "0", "--ignore-eos", "--cancel-at-frame", "2"];
+        let out = run(sanitizer_env(Command::new(exe).arg(model()).args(args)));
+        let (n, status) = game_loop_summary(&out);
+        assert_eq!(status, "FNX_ERR_CANCELLED", "{}", show(&out));
+        assert!(n[0] >= 3, "{}", show(&out));
+    }
+
+    // A bad model path is reported, not crashed on.
+    let out = Command::new(&plain).arg(dir.join("missing.gguf")).output().unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", show(&out));
     assert!(String::from_utf8_lossy(&out.stderr).contains("FNX_ERR_IO"), "{}", show(&out));
     std::fs::remove_dir_all(&dir).ok();

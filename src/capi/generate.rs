@@ -7,7 +7,8 @@ use super::{
     FNX_ERR_INTERNAL, FNX_ERR_INVALID_ARGUMENT, FNX_ERR_NO_LOGITS, FNX_ERR_NULL_ARGUMENT, FNX_ERR_TOKEN_OUT_OF_RANGE,
     FNX_LOG_DEBUG,
 };
-use crate::generate::{self, GenerateOptions, StopReason};
+use super::handle::Lease;
+use crate::generate::{self, GenerateOptions, Generation, StopReason};
 use crate::error::Error;
 use std::ffi::{c_char, c_void, CStr};
 
@@ -74,7 +75,7 @@ pub extern "C" fn fnx_generate_params_default() -> fnx_generate_params {
 ///
 /// # Safety
 /// `tokens` must be NULL or point to `n` readable ids.
-unsafe fn token_ids(
+pub(crate) unsafe fn token_ids(
     tokens: *const i32,
     n: usize,
     func: &str,
@@ -97,7 +98,7 @@ unsafe fn token_ids(
 
 /// Refuses `n` tokens that are not a real array or do not fit in the
 /// state's context, before any of them is read.
-fn check_room(s: &fnx_state, tokens: *const i32, n: usize, func: &str, what: &str) -> Result<(), Failure> {
+pub(crate) fn check_room(s: &fnx_state, tokens: *const i32, n: usize, func: &str, what: &str) -> Result<(), Failure> {
     if n == 0 {
         return Ok(());
     }
@@ -105,6 +106,11 @@ fn check_room(s: &fnx_state, tokens: *const i32, n: usize, func: &str, what: &st
         return Err(fail(FNX_ERR_NULL_ARGUMENT, format!("{func}: {what} is NULL but its count is {n}")));
     }
     check_count::<i32>(n, func, what)?;
+    check_fits(s, n, func)
+}
+
+/// Refuses `n` tokens that do not fit in the state's context.
+pub(crate) fn check_fits(s: &fnx_state, n: usize, func: &str) -> Result<(), Failure> {
     let (pos, n_ctx) = (s.state.position(), s.state.model().n_ctx);
     let room = n_ctx.saturating_sub(pos);
     if n > room {
@@ -116,7 +122,7 @@ fn check_room(s: &fnx_state, tokens: *const i32, n: usize, func: &str, what: &st
     Ok(())
 }
 
-fn generate_failure(e: Error, func: &str) -> Failure {
+pub(crate) fn generate_failure(e: Error, func: &str) -> Failure {
     match e {
         Error::Aborted => aborted(func),
         Error::Internal(msg) => fail(
@@ -202,78 +208,8 @@ pub unsafe extern "C" fn fnx_generate(
             check_room(&s, prompt, n_prompt, F, "prompt")?;
             // SAFETY: per the contract.
             let prompt = unsafe { token_ids(prompt, n_prompt, F, "prompt") }?;
-            let p = if params.is_null() {
-                fnx_generate_params_default()
-            } else {
-                // SAFETY: non-NULL; the caller promises a valid struct.
-                unsafe { *params }
-            };
-            if p.struct_size as usize != std::mem::size_of::<fnx_generate_params>() {
-                return Err(fail(
-                    FNX_ERR_INVALID_ARGUMENT,
-                    format!(
-                        "{F}: params.struct_size is {}, expected {} (initialise it with fnx_generate_params_default)",
-                        p.struct_size,
-                        std::mem::size_of::<fnx_generate_params>()
-                    ),
-                ));
-            }
             // SAFETY: per the contract.
-            let mut stop_tokens =
-                unsafe { token_ids(p.stop_tokens, p.n_stop_tokens, F, "params.stop_tokens") }?;
-            let mut stop_strings = Vec::new();
-            {
-                // SAFETY: `n_stop_strings` readable pointers per the contract.
-                let ptrs = unsafe { slice_arg(p.stop_strings, p.n_stop_strings, F, "params.stop_strings") }?;
-                for (i, &sp) in ptrs.iter().enumerate() {
-                    if sp.is_null() {
-                        return Err(fail(
-                            FNX_ERR_NULL_ARGUMENT,
-                            format!("{F}: params.stop_strings[{i}] is NULL"),
-                        ));
-                    }
-                    // SAFETY: non-NULL and NUL-terminated per the contract.
-                    let bytes = unsafe { CStr::from_ptr(sp) }.to_bytes();
-                    if bytes.is_empty() {
-                        return Err(fail(
-                            FNX_ERR_INVALID_ARGUMENT,
-                            format!("{F}: params.stop_strings[{i}] is empty"),
-                        ));
-                    }
-                    if let Err(e) = std::str::from_utf8(bytes) {
-                        return Err(fail(
-                            FNX_ERR_INVALID_ARGUMENT,
-                            format!(
-                                "{F}: params.stop_strings[{i}] is not valid UTF-8 (bad byte at offset {})",
-                                e.valid_up_to()
-                            ),
-                        ));
-                    }
-                    stop_strings.push(bytes.to_vec());
-                }
-            }
-            // Held (busy) until the call returns, like the state.
-            let mut sampler_lease =
-                if p.sampler.is_null() { None } else { Some(fnx_sampler::from_ptr(p.sampler, F)?) };
-            let sampler = sampler_lease.as_mut().map(|l| &mut l.sampler);
-            let s = &mut *s;
-            if prompt.is_empty() && s.state.logits().is_none() {
-                return Err(fail(
-                    FNX_ERR_NO_LOGITS,
-                    format!("{F}: the prompt is empty and no token has been decoded yet: nothing to generate from"),
-                ));
-            }
-            let model = s.state.model().clone();
-            if !p.ignore_eos {
-                stop_tokens.extend(crate::tokenizer::end_of_generation_tokens(&model, s.tokenizer.get(&model).ok()));
-            }
-            let opts = GenerateOptions {
-                max_tokens: p.max_tokens as usize,
-                stop_tokens,
-                stop_strings,
-            };
-            let tokenizer = s.tokenizer.clone();
-            let mut detok = generate::model_text(tokenizer.get(&model).ok());
+            let mut req = unsafe { request(&s, prompt, params, F) }?;
             let mut abort = s.abort_fn();
             let mut piece_buf: Vec<u8> = Vec::new();
             let mut emit = |token: u32, piece: &[u8]| -> bool {
@@ -284,34 +220,7 @@ pub unsafe extern "C" fn fnx_generate(
                 // SAFETY: the caller's callback; the buffer outlives the call and is NUL-terminated.
                 super::outside(|| unsafe { cb(token as i32, piece_buf.as_ptr().cast(), piece.len(), user_data) })
             };
-            let start = std::time::Instant::now();
-            let out = generate::generate(
-                &mut s.state,
-                &prompt,
-                sampler,
-                &opts,
-                &mut *detok,
-                &mut abort,
-                &mut emit,
-            )
-            .map_err(|e| generate_failure(e, F))?;
-            log(FNX_LOG_DEBUG, || {
-                let secs = start.elapsed().as_secs_f64();
-                let why = match out.stop {
-                    StopReason::MaxTokens => "max_tokens reached".to_string(),
-                    StopReason::StopToken(t) => format!("stop token {t}"),
-                    StopReason::StopString(i) => format!("stop string {i}"),
-                    StopReason::Callback => "the callback returned false".to_string(),
-                    StopReason::ContextFull => "the context is full".to_string(),
-                };
-                format!(
-                    "generated {} tokens after a {}-token prompt in {:.1} ms ({:.1} tokens/s); stopped: {why}",
-                    out.tokens.len(),
-                    prompt.len(),
-                    secs * 1e3,
-                    (prompt.len() + out.tokens.len()) as f64 / secs.max(1e-9)
-                )
-            });
+            let out = run(&mut s, &mut req, &mut abort, &mut emit).map_err(|e| generate_failure(e, F))?;
             if !out_n_generated.is_null() {
                 // SAFETY: non-NULL and writable per the contract; written only on success.
                 unsafe { *out_n_generated = out.tokens.len() };
@@ -321,4 +230,114 @@ pub unsafe extern "C" fn fnx_generate(
         // Only reached after a panic that was not rolled back.
         || poison(state),
     )
+}
+
+/// A generation request, checked: what `fnx_generate` and `fnx_job_start` read from their arguments.
+pub(crate) struct Request {
+    pub(crate) prompt: Vec<u32>,
+    pub(crate) opts: GenerateOptions,
+    /// Held (busy) as long as the request, like the state.
+    pub(crate) sampler: Option<Lease<fnx_sampler>>,
+}
+
+/// Checks `params` (NULL: the defaults) for a generation on `s` from
+/// `prompt`, whose room was checked, and reads everything they point to.
+///
+/// # Safety
+/// `params` NULL or a valid `fnx_generate_params` whose arrays hold the stated counts.
+pub(crate) unsafe fn request(
+    s: &fnx_state,
+    prompt: Vec<u32>,
+    params: *const fnx_generate_params,
+    func: &str,
+) -> Result<Request, Failure> {
+    let p = if params.is_null() {
+        fnx_generate_params_default()
+    } else {
+        // SAFETY: non-NULL; the caller promises a valid struct.
+        unsafe { *params }
+    };
+    if p.struct_size as usize != std::mem::size_of::<fnx_generate_params>() {
+        return Err(fail(
+            FNX_ERR_INVALID_ARGUMENT,
+            format!(
+                "{func}: params.struct_size is {}, expected {} (initialise it with fnx_generate_params_default)",
+                p.struct_size,
+                std::mem::size_of::<fnx_generate_params>()
+            ),
+        ));
+    }
+    // SAFETY: per the contract.
+    let mut stop_tokens = unsafe { token_ids(p.stop_tokens, p.n_stop_tokens, func, "params.stop_tokens") }?;
+    let mut stop_strings = Vec::new();
+    // SAFETY: `n_stop_strings` readable pointers per the contract.
+    let ptrs = unsafe { slice_arg(p.stop_strings, p.n_stop_strings, func, "params.stop_strings") }?;
+    for (i, &sp) in ptrs.iter().enumerate() {
+        if sp.is_null() {
+            return Err(fail(FNX_ERR_NULL_ARGUMENT, format!("{func}: params.stop_strings[{i}] is NULL")));
+        }
+        // SAFETY: non-NULL and NUL-terminated per the contract.
+        let bytes = unsafe { CStr::from_ptr(sp) }.to_bytes();
+        if bytes.is_empty() {
+            return Err(fail(FNX_ERR_INVALID_ARGUMENT, format!("{func}: params.stop_strings[{i}] is empty")));
+        }
+        if let Err(e) = std::str::from_utf8(bytes) {
+            return Err(fail(
+                FNX_ERR_INVALID_ARGUMENT,
+                format!(
+                    "{func}: params.stop_strings[{i}] is not valid UTF-8 (bad byte at offset {})",
+                    e.valid_up_to()
+                ),
+            ));
+        }
+        stop_strings.push(bytes.to_vec());
+    }
+    let sampler = if p.sampler.is_null() { None } else { Some(fnx_sampler::from_ptr(p.sampler, func)?) };
+    if prompt.is_empty() && s.state.logits().is_none() {
+        return Err(fail(
+            FNX_ERR_NO_LOGITS,
+            format!("{func}: the prompt is empty and no token has been decoded yet: nothing to generate from"),
+        ));
+    }
+    let model = s.state.model().clone();
+    if !p.ignore_eos {
+        stop_tokens.extend(crate::tokenizer::end_of_generation_tokens(&model, s.tokenizer.get(&model).ok()));
+    }
+    let opts = GenerateOptions { max_tokens: p.max_tokens as usize, stop_tokens, stop_strings };
+    Ok(Request { prompt, opts, sampler })
+}
+
+/// Runs a checked request on `s`: `abort` is polled before every token,
+/// `emit` gets every generated token and its text. On error the state and
+/// the sampler are as they were.
+pub(crate) fn run(
+    s: &mut fnx_state,
+    req: &mut Request,
+    abort: &mut dyn FnMut() -> bool,
+    emit: &mut dyn FnMut(u32, &[u8]) -> bool,
+) -> Result<Generation, Error> {
+    let model = s.state.model().clone();
+    let tokenizer = s.tokenizer.clone();
+    let mut detok = generate::model_text(tokenizer.get(&model).ok());
+    let sampler = req.sampler.as_mut().map(|l| &mut l.sampler);
+    let start = std::time::Instant::now();
+    let out = generate::generate(&mut s.state, &req.prompt, sampler, &req.opts, &mut *detok, abort, emit)?;
+    log(FNX_LOG_DEBUG, || {
+        let secs = start.elapsed().as_secs_f64();
+        let why = match out.stop {
+            StopReason::MaxTokens => "max_tokens reached".to_string(),
+            StopReason::StopToken(t) => format!("stop token {t}"),
+            StopReason::StopString(i) => format!("stop string {i}"),
+            StopReason::Callback => "the callback returned false".to_string(),
+            StopReason::ContextFull => "the context is full".to_string(),
+        };
+        format!(
+            "generated {} tokens after a {}-token prompt in {:.1} ms ({:.1} tokens/s); stopped: {why}",
+            out.tokens.len(),
+            req.prompt.len(),
+            secs * 1e3,
+            (req.prompt.len() + out.tokens.len()) as f64 / secs.max(1e-9)
+        )
+    });
+    Ok(out)
 }

@@ -16,15 +16,19 @@
 //!   checked before anything is read (`check_count`, `slice_arg`).
 #![allow(non_camel_case_types)]
 
+mod chat_parser;
 mod generate;
 mod handle;
+mod job;
 mod model;
 mod panics;
 mod sampler;
 mod state;
 mod text;
 
+pub use chat_parser::*;
 pub use generate::*;
+pub use job::*;
 pub use model::*;
 pub use sampler::*;
 pub use state::*;
@@ -74,7 +78,9 @@ pub const FNX_ERR_STATE_INVALID: fnx_status = 14;
 /// that are never given out twice (not addresses), so a freed handle is
 /// detected even after a new object took its memory.
 pub const FNX_ERR_INVALID_HANDLE: fnx_status = 15;
-/// The load progress callback returned false; nothing was loaded.
+/// Cancelled by the caller: the load progress callback returned false
+/// (nothing was loaded), or a job was cancelled with `fnx_job_cancel` or
+/// `fnx_job_free` (the state is as it was before the job).
 pub const FNX_ERR_CANCELLED: fnx_status = 16;
 /// The state's abort callback returned true; the state is as it was before the call.
 pub const FNX_ERR_ABORTED: fnx_status = 17;
@@ -84,7 +90,8 @@ pub const FNX_ERR_SNAPSHOT_MISMATCH: fnx_status = 18;
 pub const FNX_ERR_SNAPSHOT_CORRUPT: fnx_status = 19;
 /// The state, sampler or detokenizer is in use by a call in progress: a
 /// callback of that call (e.g. `fnx_generate`'s token callback, an abort
-/// callback) or another thread used it. Nothing was done.
+/// callback) or another thread used it; or a running job (`fnx_job_start`)
+/// holds it. Nothing was done.
 pub const FNX_ERR_BUSY: fnx_status = 20;
 
 thread_local! {

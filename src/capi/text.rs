@@ -37,7 +37,7 @@ fn tokenizer_of<'a>(model: *const fnx_model, func: &str) -> Result<&'a Tokenizer
 }
 
 /// The bytes of a (pointer, length) argument; NULL is allowed for length 0.
-fn bytes_arg<'a>(p: *const c_char, len: usize, func: &str, name: &str) -> Result<&'a [u8], Failure> {
+pub(super) fn bytes_arg<'a>(p: *const c_char, len: usize, func: &str, name: &str) -> Result<&'a [u8], Failure> {
     if len == 0 {
         return Ok(&[]);
     }
@@ -48,7 +48,7 @@ fn bytes_arg<'a>(p: *const c_char, len: usize, func: &str, name: &str) -> Result
     unsafe { slice_arg(p.cast::<u8>(), len, func, &format!("the length of {name}")) }
 }
 
-fn utf8<'a>(b: &'a [u8], func: &str, name: &str) -> Result<&'a str, Failure> {
+pub(super) fn utf8<'a>(b: &'a [u8], func: &str, name: &str) -> Result<&'a str, Failure> {
     std::str::from_utf8(b).map_err(|e| {
         fail(
             FNX_ERR_INVALID_ARGUMENT,
@@ -58,7 +58,7 @@ fn utf8<'a>(b: &'a [u8], func: &str, name: &str) -> Result<&'a str, Failure> {
 }
 
 /// A NUL-terminated UTF-8 string argument, or None for NULL.
-fn cstr_arg<'a>(p: *const c_char, func: &str, name: &str) -> Result<Option<&'a str>, Failure> {
+pub(super) fn cstr_arg<'a>(p: *const c_char, func: &str, name: &str) -> Result<Option<&'a str>, Failure> {
     if p.is_null() {
         return Ok(None);
     }
@@ -68,7 +68,7 @@ fn cstr_arg<'a>(p: *const c_char, func: &str, name: &str) -> Result<Option<&'a s
 }
 
 /// Checks an output buffer argument pair: `out` may be NULL only when `capacity` is 0.
-fn check_out<T>(out: *mut T, capacity: usize, func: &str, name: &str) -> Result<(), Failure> {
+pub(super) fn check_out<T>(out: *mut T, capacity: usize, func: &str, name: &str) -> Result<(), Failure> {
     if out.is_null() && capacity > 0 {
         return Err(fail(FNX_ERR_NULL_ARGUMENT, format!("{func}: {name} is NULL but capacity is {capacity}")));
     }
@@ -77,7 +77,7 @@ fn check_out<T>(out: *mut T, capacity: usize, func: &str, name: &str) -> Result<
 
 /// Copies `data` to `out` and sets `*out_len`, or fails with
 /// `FNX_ERR_BUFFER_TOO_SMALL` and sets `*out_len` to the length needed.
-fn deliver<T: Copy>(data: &[T], out: *mut T, capacity: usize, out_len: *mut usize, func: &str) -> Result<(), Failure> {
+pub(super) fn deliver<T: Copy>(data: &[T], out: *mut T, capacity: usize, out_len: *mut usize, func: &str) -> Result<(), Failure> {
     if data.len() > capacity {
         // SAFETY: out_len checked non-NULL by the caller; the documented size-query exception.
         unsafe { *out_len = data.len() };

@@ -10,6 +10,10 @@ its argument and result types; on top of them:
 - :class:`Detokenizer`: streaming token-to-text conversion.
 - :func:`generate`: a generator of text pieces, fed by ``fnx_generate``'s
   callback.
+- :class:`Job` (from :meth:`State.start`): a generation on the library's own
+  thread, polled without blocking (``fnx_job_*``).
+- :func:`chat_parse` and :class:`ChatParser`: a reply split into content,
+  reasoning and tool calls (``fnx_chat_parse``, ``fnx_chat_parser_*``).
 
 Failures raise :class:`FlashnextError` carrying the status code, its name and
 ``fnx_last_error()``'s message.
@@ -52,6 +56,9 @@ __all__ = [
     "State",
     "Sampler",
     "Detokenizer",
+    "Job",
+    "ChatParser",
+    "chat_parse",
     "generate",
     "version",
     "status_name",
@@ -77,6 +84,12 @@ LOG_DEBUG = 4
 SEED_RANDOM = 18446744073709551615
 
 CHAT_TEMPLATE_MAX_BYTES = 4194304
+
+CHAT_NONE = 0
+CHAT_CONTENT = 1
+CHAT_REASONING = 2
+CHAT_TOOL_CALL = 3
+CHAT_TOOL_CALL_END = 4
 
 OK = 0
 ERR_NULL_ARGUMENT = 1
@@ -165,10 +178,20 @@ class _fnx_detokenizer(Structure):
     pass
 
 
+class _fnx_job(Structure):
+    pass
+
+
+class _fnx_chat_parser(Structure):
+    pass
+
+
 _ModelP = POINTER(_fnx_model)
 _StateP = POINTER(_fnx_state)
 _SamplerP = POINTER(_fnx_sampler)
 _DetokenizerP = POINTER(_fnx_detokenizer)
+_JobP = POINTER(_fnx_job)
+_ChatParserP = POINTER(_fnx_chat_parser)
 
 fnx_status = c_int32
 
@@ -319,6 +342,36 @@ _FUNCTIONS = {
             POINTER(c_size_t),
         ],
     ),
+    # jobs
+    "fnx_job_start": (
+        fnx_status,
+        [_StateP, POINTER(c_int32), c_size_t, POINTER(fnx_generate_params), POINTER(_JobP)],
+    ),
+    "fnx_job_start_text": (
+        fnx_status,
+        [_StateP, c_char_p, c_size_t, c_bool, POINTER(fnx_generate_params), POINTER(_JobP)],
+    ),
+    "fnx_job_poll": (
+        fnx_status,
+        [_JobP, c_char_p, c_size_t, POINTER(c_size_t), POINTER(c_size_t), POINTER(c_bool)],
+    ),
+    "fnx_job_cancel": (fnx_status, [_JobP]),
+    "fnx_job_wait": (fnx_status, [_JobP, POINTER(c_size_t)]),
+    "fnx_job_free": (None, [_JobP]),
+    # parsed replies
+    "fnx_chat_parse": (
+        fnx_status,
+        [c_char_p, c_size_t, c_bool, c_char_p, c_char_p, c_size_t, POINTER(c_size_t)],
+    ),
+    "fnx_chat_parser_new": (fnx_status, [c_bool, POINTER(_ChatParserP)]),
+    "fnx_chat_parser_push": (fnx_status, [_ChatParserP, c_char_p, c_size_t]),
+    "fnx_chat_parser_finish": (fnx_status, [_ChatParserP]),
+    "fnx_chat_parser_next": (
+        fnx_status,
+        [_ChatParserP, POINTER(c_int32), c_char_p, c_size_t, POINTER(c_size_t)],
+    ),
+    "fnx_chat_parser_message": (fnx_status, [_ChatParserP, c_char_p, c_char_p, c_size_t, POINTER(c_size_t)]),
+    "fnx_chat_parser_free": (None, [_ChatParserP]),
 }
 
 _lib, _lib_path = _load_library()
@@ -626,6 +679,7 @@ class State:
         self._busy = False
         self._abort_ref = None
         self._abort_raised = []
+        self._job = None
         if _handle is None:
             out = _StateP()
             _check(_fn("fnx_new_state")(model._handle(), byref(out)))
@@ -652,6 +706,9 @@ class State:
         _check(status)
 
     def close(self):
+        """Frees the state; a job still running on it is cancelled and joined first."""
+        if self._job is not None:
+            self._job.close()
         h, self._h = self._h, None
         if h is not None:
             _lib.fnx_free_state(h)
@@ -841,6 +898,48 @@ class State:
         assert len(tokens) == n_generated.value, (len(tokens), n_generated.value)
         return tokens
 
+    def start(
+        self,
+        prompt=(),
+        *,
+        max_tokens=0,
+        sampler=None,
+        stop_tokens=(),
+        stop_strings=(),
+        ignore_eos=False,
+        parse_special=True,
+    ):
+        """Starts generating on the library's own thread and returns a
+        :class:`Job` at once (``fnx_job_start``): ``prompt`` is token ids, or
+        text (tokenized by the library; ``parse_special`` turns special-token
+        text such as ``<|im_start|>`` into those tokens). Options as for
+        :meth:`generate_tokens`. While the job runs the state (and the
+        sampler) are the job's: other calls on them raise ``ERR_BUSY``."""
+        h = self._handle()
+        params = _fn("fnx_generate_params_default")()
+        params.max_tokens = max_tokens
+        if sampler is not None:
+            params.sampler = sampler._handle()
+        stop_buf, params.n_stop_tokens = _int32_array(stop_tokens, "stop_tokens")
+        params.stop_tokens = stop_buf
+        encoded = [x.encode("utf-8") if isinstance(x, str) else bytes(x) for x in stop_strings]
+        strings = (c_char_p * len(encoded))(*encoded)
+        params.stop_strings = strings
+        params.n_stop_strings = len(encoded)
+        params.ignore_eos = ignore_eos
+        out = _JobP()
+        if isinstance(prompt, (str, bytes)):
+            data = _text_bytes(prompt, "prompt")
+            _check(_fn("fnx_job_start_text")(h, data, len(data), parse_special, byref(params), byref(out)))
+        else:
+            buf, n = _int32_array(prompt, "prompt")
+            _check(_fn("fnx_job_start")(h, buf, n, byref(params), byref(out)))
+        job = Job(out, self, sampler)
+        self._job = job
+        if sampler is not None:
+            sampler._job = job
+        return job
+
     def generate(self, prompt=(), **options):
         """Like :meth:`generate_tokens`, as an iterator of the generated text
         pieces (``str``), streamed from ``fnx_generate``'s callback. Stopping
@@ -934,6 +1033,7 @@ class Sampler:
     def __init__(self, preset=None, **settings):
         self._h = None
         self._busy = False
+        self._job = None
         if preset is None:
             p = _fn("fnx_sampler_params_default")()
         else:
@@ -958,6 +1058,9 @@ class Sampler:
         return self._h
 
     def close(self):
+        """Frees the sampler; a job still running with it is cancelled and joined first."""
+        if self._job is not None:
+            self._job.close()
         h, self._h = self._h, None
         if h is not None:
             _lib.fnx_sampler_free(h)
@@ -1185,6 +1288,177 @@ class Detokenizer:
         h, self._h = self._h, None
         if h is not None:
             _lib.fnx_detokenizer_free(h)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# --------------------------------------------------------------------------
+# Jobs
+# --------------------------------------------------------------------------
+
+
+class Job:
+    """A generation running on the library's own thread (from
+    :meth:`State.start`). :meth:`poll` never blocks; :meth:`cancel` stops it
+    before its next token (the state then is as before the job);
+    :meth:`wait` blocks until it ends. Closing it (or the state, or the
+    sampler) cancels it if it still runs and waits for it."""
+
+    def __init__(self, handle, state, sampler):
+        self._h = handle
+        self.state = state
+        self.sampler = sampler
+        self.finished = False
+        self.n_tokens = 0
+
+    def _handle(self):
+        if self._h is None:
+            raise _closed("job")
+        return self._h
+
+    def poll(self):
+        """The text generated since the last poll ("" when nothing is new).
+        Updates :attr:`finished` (the job ended and all its text was taken)
+        and :attr:`n_tokens`."""
+        h = self._handle()
+        chunks = []
+        cap = 4096
+        buf = ctypes.create_string_buffer(cap)
+        n, n_tokens, finished = c_size_t(), c_size_t(), c_bool()
+        while True:
+            _check(_fn("fnx_job_poll")(h, buf, cap, byref(n), byref(n_tokens), byref(finished)))
+            chunks.append(buf.raw[: n.value])
+            if n.value + 4 <= cap:
+                break
+        self.n_tokens = n_tokens.value
+        self.finished = finished.value
+        return b"".join(chunks).decode("utf-8")
+
+    def cancel(self):
+        """Asks the job to stop before its next token; returns at once."""
+        _check(_fn("fnx_job_cancel")(self._handle()))
+
+    def wait(self):
+        """Blocks until the job ends; returns the number of generated tokens,
+        or raises its failure (``ERR_CANCELLED`` after :meth:`cancel`)."""
+        h = self._handle()
+        n = c_size_t()
+        _check(_fn("fnx_job_wait")(h, byref(n)))
+        return n.value
+
+    def close(self):
+        """Frees the job, cancelling it and waiting for it if it still runs."""
+        h, self._h = self._h, None
+        if h is not None:
+            _lib.fnx_job_free(h)
+        for owner in (self.state, self.sampler):
+            if owner is not None and owner._job is self:
+                owner._job = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# --------------------------------------------------------------------------
+# Parsed replies
+# --------------------------------------------------------------------------
+
+
+def chat_parse(reply, in_reasoning=False, tools=None):
+    """Splits a reply of a Qwen-family model into a dict in the shape of an
+    OpenAI chat message: "content", "reasoning_content", "tool_calls"
+    (``[{"id", "type": "function", "function": {"name", "arguments"}}]``,
+    arguments a JSON string) and, when some could not be read,
+    "invalid_tool_calls" (``[{"raw", "error"}]``). ``in_reasoning``: the
+    prompt opened a think block. ``tools``: the tool schemas (a list or JSON
+    text) that type the parameters."""
+    data = _text_bytes(reply, "reply")
+    tools_json = _optional_json(tools)
+    buf, n = _sized_call(
+        lambda out, cap, n_out: _fn("fnx_chat_parse")(data, len(data), in_reasoning, tools_json, out, cap, n_out),
+        ctypes.create_string_buffer,
+        len(data) + 256,
+    )
+    return json.loads(buf.raw[:n].decode("utf-8"))
+
+
+class ChatParser:
+    """Splits a reply into content, reasoning and tool calls as its pieces
+    arrive: :meth:`push` returns ``(kind, text)`` pairs, kind one of
+    ``CHAT_CONTENT``, ``CHAT_REASONING``, ``CHAT_TOOL_CALL``,
+    ``CHAT_TOOL_CALL_END``; :meth:`message` the whole message as
+    :func:`chat_parse` gives it."""
+
+    def __init__(self, in_reasoning=False):
+        self._h = None
+        out = _ChatParserP()
+        _check(_fn("fnx_chat_parser_new")(in_reasoning, byref(out)))
+        self._h = out
+
+    def _handle(self):
+        if self._h is None:
+            raise _closed("chat parser")
+        return self._h
+
+    def _take(self):
+        h = self._handle()
+        out = []
+        while True:
+            kind = c_int32()
+            buf, n = _sized_call(
+                lambda b, cap, n_out: _fn("fnx_chat_parser_next")(h, byref(kind), b, cap, n_out),
+                ctypes.create_string_buffer,
+                256,
+            )
+            if kind.value == CHAT_NONE:
+                return out
+            out.append((kind.value, buf.raw[:n].decode("utf-8")))
+
+    def push(self, piece):
+        """Adds a piece of the reply; returns the segments it completes."""
+        data = _text_bytes(piece, "piece")
+        _check(_fn("fnx_chat_parser_push")(self._handle(), data, len(data)))
+        return self._take()
+
+    def finish(self):
+        """Ends the reply; returns the segments still held back."""
+        _check(_fn("fnx_chat_parser_finish")(self._handle()))
+        return self._take()
+
+    def message(self, tools=None):
+        """The message read so far, as :func:`chat_parse` gives it."""
+        h = self._handle()
+        tools_json = _optional_json(tools)
+        buf, n = _sized_call(
+            lambda out, cap, n_out: _fn("fnx_chat_parser_message")(h, tools_json, out, cap, n_out),
+            ctypes.create_string_buffer,
+            256,
+        )
+        return json.loads(buf.raw[:n].decode("utf-8"))
+
+    def close(self):
+        h, self._h = self._h, None
+        if h is not None:
+            _lib.fnx_chat_parser_free(h)
 
     def __enter__(self):
         return self

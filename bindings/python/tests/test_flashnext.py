@@ -10,6 +10,7 @@ they check structure, determinism and consistency, never particular words.
 """
 
 import ctypes
+import json
 import os
 import re
 import sys
@@ -711,6 +712,113 @@ class TestText(ModelCase):
         self.assertEqual(got, tokens[: len(got)])
         self.assertIn(stop, "".join(pieces[: len(got)]))
         self.assertNotIn(stop, "".join(pieces[: len(got) - 1]))
+
+
+class TestJob(ModelCase):
+    def drain(self, job):
+        text = ""
+        while not job.finished:
+            text += job.poll()
+        return text
+
+    def test_job_gives_what_generate_gives(self):
+        prompt = [10, 20, 30]
+        ref = self.model.new_state()
+        pieces = []
+        tokens = ref.generate_tokens(prompt, max_tokens=16, ignore_eos=True, on_token=lambda t, p: pieces.append(p))
+        s = self.model.new_state()
+        with s.start(prompt, max_tokens=16, ignore_eos=True) as job:
+            self.assertEqual(self.drain(job), "".join(pieces))
+            self.assertEqual(job.wait(), len(tokens))
+            self.assertEqual(job.n_tokens, len(tokens))
+            self.assertEqual(job.poll(), "")
+            self.assertTrue(job.finished)
+        self.assertEqual(s.position, ref.position)
+        self.assertEqual(s.logits(), ref.logits())
+
+    @unittest.skipUnless(HAS_TEXT, "the library has no text functions")
+    def test_text_prompt_with_a_sampler(self):
+        text = self.model.apply_chat_template([("user", "Hello")])
+        ids = self.model.tokenize(text, parse_special=True)
+        ref = self.model.new_state()
+        with flashnext.Sampler("instruct", seed=3) as sampler:
+            want = ref.generate_tokens(ids, max_tokens=12, sampler=sampler)
+        s = self.model.new_state()
+        with flashnext.Sampler("instruct", seed=3) as sampler:
+            job = s.start(text, max_tokens=12, sampler=sampler)
+            self.assertEqual(job.wait(), len(want))
+            job.close()
+        self.assertEqual(s.position, ref.position)
+
+    def test_cancel_busy_and_close(self):
+        s = self.model.new_state()
+        job = s.start([1, 2, 3], ignore_eos=True)
+        with self.assertRaises(FlashnextError) as cm:
+            s.decode(4)
+        self.assertEqual(cm.exception.status, flashnext.ERR_BUSY)
+        self.assertIn("generation job", cm.exception.message)
+        job.cancel()
+        with self.assertRaises(FlashnextError) as cm:
+            job.wait()
+        self.assertEqual(cm.exception.status, flashnext.ERR_CANCELLED)
+        self.drain(job)
+        job.close()
+        with self.assertRaises(ValueError):
+            job.poll()
+        self.assertEqual(s.position, 0)
+        s.decode(4)
+        # Closing the state cancels and joins a job still running on it.
+        s.reset()
+        s.start([1, 2, 3], ignore_eos=True)
+        s.close()
+        self.assertTrue(s.closed)
+
+
+class TestChatParse(unittest.TestCase):
+    REPLY = (
+        "Let me see.\n</think>\n\nSure.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+        "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n{\"oops\"\n</tool_call>"
+    )
+    TOOLS = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"days": {"type": "integer"}}},
+            },
+        }
+    ]
+
+    def test_whole_reply(self):
+        m = flashnext.chat_parse(self.REPLY, tools=self.TOOLS)
+        self.assertEqual(m["role"], "assistant")
+        self.assertEqual(m["content"], "Sure.")
+        self.assertEqual(m["reasoning_content"], "Let me see.")
+        call = m["tool_calls"][0]
+        self.assertEqual((call["id"], call["type"], call["function"]["name"]), ("call_0", "function", "get_weather"))
+        self.assertEqual(json.loads(call["function"]["arguments"]), {"city": "Paris", "days": 3})
+        self.assertEqual(len(m["invalid_tool_calls"]), 1)
+        self.assertIn("invalid JSON", m["invalid_tool_calls"][0]["error"])
+        untyped = flashnext.chat_parse(self.REPLY)
+        self.assertEqual(json.loads(untyped["tool_calls"][0]["function"]["arguments"])["days"], "3")
+        with self.assertRaises(FlashnextError) as cm:
+            flashnext.chat_parse(self.REPLY, tools="{")
+        self.assertEqual(cm.exception.status, flashnext.ERR_INVALID_ARGUMENT)
+
+    def test_streaming(self):
+        with flashnext.ChatParser(in_reasoning=True) as p:
+            segments = []
+            for ch in self.REPLY:
+                segments += p.push(ch)
+            segments += p.finish()
+            kinds = {}
+            for kind, text in segments:
+                kinds[kind] = kinds.get(kind, "") + text
+            self.assertEqual(kinds[flashnext.CHAT_REASONING], "Let me see.\n")
+            self.assertEqual(kinds[flashnext.CHAT_CONTENT].strip(), "Sure.")
+            self.assertEqual(sum(1 for k, _ in segments if k == flashnext.CHAT_TOOL_CALL_END), 2)
+            self.assertEqual(p.message(self.TOOLS), flashnext.chat_parse(self.REPLY, tools=self.TOOLS))
+
 
 if __name__ == "__main__":
     unittest.main()
