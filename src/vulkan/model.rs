@@ -549,10 +549,12 @@ impl BackendModel for VulkanBackend {
     fn expert_cache(&self) -> Option<ExpertCacheReport> {
         let c = self.0.cache.as_ref()?;
         let s = c.stats();
+        // The speeds measured at load (the cache's own split may be a forced admission count).
+        let measured = self.0.report.split.unwrap_or(c.split);
         Some(ExpertCacheReport {
             slots_per_layer: c.slots,
-            host_bytes_per_s: c.split.host_bytes_per_s,
-            upload_bytes_per_s: c.split.upload_bytes_per_s,
+            host_bytes_per_s: measured.host_bytes_per_s,
+            upload_bytes_per_s: measured.upload_bytes_per_s,
             tokens: s.tokens,
             hits: s.hits,
             misses: s.misses,
