@@ -22,7 +22,8 @@ tools/demo/README.md for the two commands that make it). The script
    3-D experts, "full_attention" layer types) with tokenizer.json and tokenizer_config.json, and
    next to it corpus_words.txt (every word of the text, for the demo test);
 6. writes loss.csv (every step; the held-out loss every --eval-every steps on an eighth of the
-   held-out windows), summary.json and held_out.json (the held-out token windows) to --log.
+   held-out windows), summary.json and held_out.json (the held-out token windows and the sum of
+   -log p over each, for tests/default_model.rs) to --log.
 
 The QSA indexer only makes a boolean mask (it gets no gradient), and the reference computes it with
 a Python loop over every query. For training it is replaced by a vectorised version that gives the
@@ -276,15 +277,15 @@ def check_fast_indexer(model, ids):
 
 @torch.no_grad()
 def held_out_nll(model, seqs):
-    """Sum of -log p over every predicted token of `seqs` (each decoded on its own), and the count."""
-    total, n = 0.0, 0
+    """Sum of -log p over every predicted token of `seqs` (each decoded on its own), the count, and the sum
+    per sequence."""
+    per_seq = []
     for s in seqs:
         x = torch.tensor([s])
         logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
-        lp = torch.log_softmax(logits, dim=-1)
-        total += -lp.gather(1, x[0, 1:, None]).sum().item()
-        n += len(s) - 1
-    return total, n
+        lp = torch.log_softmax(logits.double(), dim=-1)
+        per_seq.append(-lp.gather(1, x[0, 1:, None]).sum().item())
+    return sum(per_seq), sum(len(s) - 1 for s in seqs), per_seq
 
 
 def held_out_sequences(tok, chapters, seq):
@@ -394,7 +395,7 @@ def main():
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             model.eval()
             mq.Qwen4ExpTextQSAIndexer.forward = fast_indexer_forward
-            s, n = held_out_nll(model, held_eval)
+            s, n, _ = held_out_nll(model, held_eval)
             ho = f"{s / n:.4f}"
             model.train()
         lm_loss = out.loss.item() - cfg.router_aux_loss_coef * out.aux_loss.item()
@@ -410,7 +411,7 @@ def main():
     # From here on the unchanged reference indexer.
     mq.Qwen4ExpTextQSAIndexer.forward = mf._orig_indexer_forward
     model.eval()
-    s, n = held_out_nll(model, held)
+    s, n, per_seq = held_out_nll(model, held)
     ppl = math.exp(s / n)
     print(f"held-out: {n} tokens, loss {s / n:.4f}, perplexity {ppl:.2f} (uniform: {cfg.vocab_size})", flush=True)
 
@@ -433,7 +434,8 @@ def main():
         json.dump(summary, f, indent=1)
         f.write("\n")
     with open(os.path.join(args.log, "held_out.json"), "w") as f:
-        f.write(mf.dumps_compact({"chapters": [c[0] for c in held_ch], "sequences": held}) + "\n")
+        f.write(mf.dumps_compact({"chapters": [c[0] for c in held_ch], "sequences": held,
+                                  "nll": [round(x, 4) for x in per_seq]}) + "\n")
     print(json.dumps(summary), flush=True)
 
 
