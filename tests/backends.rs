@@ -57,7 +57,7 @@ macro_rules! every_backend {
 }
 
 fn fixtures() -> Vec<PathBuf> {
-    ["tiny_flat", "tiny_native", "tiny_nested"].iter().map(|f| fixture_dir(f)).collect()
+    ["tiny_flat", "tiny_native", "tiny_nested", "trained_kjv"].iter().map(|f| fixture_dir(f)).collect()
 }
 
 fn logits(s: &State) -> Vec<u32> {

@@ -210,7 +210,7 @@ fn c_chat_example_two_turns_under_asan() {
     let streamed: usize = turns.iter().map(|t| t[1]).sum();
     let framing = 3 * ("assistant> ".len() + 1) + "(conversation reset)\n".len();
     assert_eq!(out.stdout.len(), framing + streamed, "{}", show(&out));
-    // 72 sampled tokens of a random model: some of them are text.
+    // 72 sampled tokens of the tiny model: some of them are text.
     assert!(streamed > 0, "no text streamed: {}", show(&out));
 
     // /quit ends the session before the end of input.

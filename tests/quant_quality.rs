@@ -1,5 +1,6 @@
 //! Quantized models on the reference fixtures (the tiny transformers
-//! checkpoints under `tests/fixtures/tiny_*`): each is converted to F32, then
+//! checkpoints under `tests/fixtures/`: the random `tiny_*` and the trained
+//! `trained_kjv`, the embedded demo model): each is converted to F32, then
 //! quantized with every preset exactly as `llama-quantize` would (the files
 //! are byte-identical to its output; `tools/quant/check_llama_quantize.sh`).
 //!
@@ -82,7 +83,9 @@ fn argmax(x: &[f32]) -> usize {
 /// fixture. Measured worst fixture (tiny_native, the only one whose 256-wide
 /// rows take real K-quant blocks): q8_0 0.042 / 0.749, q6_k 0.054 / 0.752,
 /// q5_k_m 0.205 / 0.462, q4_k_m 0.286 / 0.401, q3_k_m 0.468 / 0.245,
-/// q2_k 0.616 / 0.174; the bounds leave 1.5x on KLD and 0.05 on top-1.
+/// q2_k 0.616 / 0.174; the bounds leave 1.5x on KLD and 0.05 on top-1. The
+/// trained model is far inside them (q8_0 0.0005 / 0.992, q2_k 0.013 / 0.940;
+/// tools/demo/README.md).
 fn bound(p: Preset) -> (f64, f64) {
     match p {
         Preset::Q8_0 => (0.065, 0.70),
@@ -104,7 +107,7 @@ fn tempdir(tag: &str) -> PathBuf {
 fn presets_on_reference_fixtures() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     let mut failures = Vec::new();
-    for name in ["tiny_flat", "tiny_native", "tiny_nested"] {
+    for name in ["tiny_flat", "tiny_native", "tiny_nested", "trained_kjv"] {
         let fixture = root.join(name);
         let m = Manifest::read(&fixture);
         let dir = tempdir(name);

@@ -257,7 +257,24 @@ FIXTURES = [
         extra_mtp=False,
         extra_visual=False,
     ),
+    dict(
+        name="trained_kjv",
+        # Not random: hf/ is the model tools/demo/train_demo.py trained (the embedded demo model); this
+        # script keeps it and writes expected/ only. Two more sequences: held-out text and the demo's chat.
+        trained=True,
+        layout="flat",
+        seed=4004,
+        eos="endoftext",
+        long_len=300,
+        full_forward_seq="long",
+        extra_mtp=False,
+        extra_visual=False,
+    ),
 ]
+
+TOOLS_DEMO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "demo")
+DEMO_PROMPT = "Hello! Who are you?"  # `flashnext demo`'s default message
+DEMO_REPLY_TOKENS = 48  # and its default reply length
 
 
 # --------------------------------------------------------------------------------------------------
@@ -723,7 +740,12 @@ def verify_reload(hf_dir, model, tokens, ref_logits, fx):
     re_logits = full_logits(re, tokens)
     diff = (re_logits - ref_logits).abs().max().item()
     assert diff == 0.0, diff
-    # tokenizer loads through transformers and agrees with the raw tokenizers object
+    check_tokenizer(hf_dir)
+    return unexpected
+
+
+def check_tokenizer(hf_dir):
+    """The tokenizer loads through transformers and agrees with the raw tokenizers object and the template."""
     ht = AutoTokenizer.from_pretrained(hf_dir)
     raw = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json"))
     text = "Hello world! <|im_start|>user\nhi<|im_end|>"
@@ -731,7 +753,6 @@ def verify_reload(hf_dir, model, tokens, ref_logits, fx):
     assert ht.eos_token == "<|im_end|>" and ht.pad_token == "<|endoftext|>"
     chat = ht.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", repr(chat)
-    return unexpected
 
 
 # --------------------------------------------------------------------------------------------------
@@ -739,7 +760,7 @@ def verify_reload(hf_dir, model, tokens, ref_logits, fx):
 # --------------------------------------------------------------------------------------------------
 
 
-def make_sequences(fx, tok, cfg, rng):
+def make_sequences(fx, tok, cfg, rng, model=None):
     V = cfg.vocab_size
     ntok = tok.get_vocab_size()
     eot = tok.token_to_id("<|endoftext|>")
@@ -779,9 +800,36 @@ def make_sequences(fx, tok, cfg, rng):
     # 4. starting with EOS
     start = [ple_eos] + enc("Hello world, how are you?") + [ple_eos] + rng.integers(0, V, 8).tolist()
     seqs.append(("eos_start", start))
+    if fx.get("trained"):
+        # 5. held-out text (a chapter the model did not see), from <|endoftext|> like the perplexity figure
+        with open(os.path.join(TOOLS_DEMO, "held_out.json")) as f:
+            seqs.append(("held_out", json.load(f)["sequences"][0]))
+        # 6. the demo's chat turn: its prompt and transformers' greedy reply (up to <|im_end|>)
+        seqs.append(("demo_greedy", greedy_reply(model, enc(
+            f"<|im_start|>user\n{DEMO_PROMPT}<|im_end|>\n<|im_start|>assistant\n"), ime, DEMO_REPLY_TOKENS)))
     for name, s in seqs:
         assert all(0 <= t < V for t in s), name
     return seqs, ple_eos
+
+
+@torch.no_grad()
+def greedy_reply(model, prompt, stop, n):
+    """`prompt` plus up to `n` tokens of greedy decoding (one token at a time with the cache), ending at `stop`."""
+    was = REC.active
+    REC.active = False
+    past, tokens = None, list(prompt)
+    feed = list(prompt)
+    for _ in range(n):
+        for t in feed:
+            out = model(input_ids=torch.tensor([[t]], dtype=torch.long), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+        nxt = int(out.logits[0, -1].argmax())
+        tokens.append(nxt)
+        if nxt == stop:
+            break
+        feed = [nxt]
+    REC.active = was
+    return tokens
 
 
 # --------------------------------------------------------------------------------------------------
@@ -812,6 +860,17 @@ def build_model(fx, tok):
     return model
 
 
+@torch.no_grad()
+def load_trained(hf_dir):
+    """A trained checkpoint from disk, with freshly allocated parameters (see README: transformers' CPU kernels
+    pick other paths for tensors loaded from safetensors; the stored logits are those of fresh allocations)."""
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    assert isinstance(model, Qwen4ExpForCausalLM), type(model)
+    for p in list(model.parameters()) + list(model.buffers()):
+        p.data = p.data.clone()
+    return model
+
+
 def dumps_compact(obj) -> str:
     """json.dumps(indent=1), but lists of numbers on one line (token lists stay readable)."""
     text = json.dumps(obj, indent=1)
@@ -833,23 +892,28 @@ def run_fixture(fx, out_root):
     name = fx["name"]
     print(f"=== {name}", flush=True)
     fdir = os.path.join(out_root, name)
-    if os.path.exists(fdir):
-        shutil.rmtree(fdir)
     hf_dir = os.path.join(fdir, "hf")
     exp_dir = os.path.join(fdir, "expected")
-    os.makedirs(hf_dir)
-    os.makedirs(exp_dir)
-
-    tok = build_tokenizer(fx["tokenizer_vocab"])
-    model = build_model(fx, tok)
-    check_ple_buffers(model)
-    reinit_weights(model, fx["seed"])
+    if fx.get("trained"):
+        shutil.rmtree(exp_dir, ignore_errors=True)
+        os.makedirs(exp_dir)
+        tok = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json"))
+        model = load_trained(hf_dir)
+    else:
+        if os.path.exists(fdir):
+            shutil.rmtree(fdir)
+        os.makedirs(hf_dir)
+        os.makedirs(exp_dir)
+        tok = build_tokenizer(fx["tokenizer_vocab"])
+        model = build_model(fx, tok)
+        check_ple_buffers(model)
+        reinit_weights(model, fx["seed"])
     check_ple_buffers(model)
     install_router_hooks(model)
     cfg = model.config
 
     rng = np.random.default_rng(fx["seed"])
-    seqs, ple_eos = make_sequences(fx, tok, cfg, rng)
+    seqs, ple_eos = make_sequences(fx, tok, cfg, rng, model)
 
     manifest = {
         "fixture": name,
@@ -930,6 +994,11 @@ def run_fixture(fx, out_root):
     with open(os.path.join(exp_dir, "manifest.json"), "w") as f:
         f.write(dumps_compact(manifest) + "\n")
 
+    if fx.get("trained"):
+        report["file_keys"] = check_saved_files(hf_dir, fx, cfg)
+        check_tokenizer(hf_dir)
+        print("  trained checkpoint kept; expected/ written", flush=True)
+        return report
     write_checkpoint(fx, model, hf_dir, tok)
     report["file_keys"] = check_saved_files(hf_dir, fx, cfg)
     unexpected = verify_reload(hf_dir, model, ff_tokens, ff_ref, fx)

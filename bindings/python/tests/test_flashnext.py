@@ -4,9 +4,10 @@ Run from the repository with the library built:
 
     FLASHNEXT_LIB=target/debug python3 -m unittest discover -s bindings/python/tests
 
-They use the repository's tiny random model ``models/default.gguf`` (or the
-file named by ``FLASHNEXT_TEST_MODEL``); its text output is gibberish, so
-they check structure, determinism and consistency, never particular words.
+They use the repository's tiny model ``models/default.gguf`` (or the file
+named by ``FLASHNEXT_TEST_MODEL``); it writes King James English but knows
+nothing, so they check structure, determinism and consistency, never
+particular words.
 """
 
 import ctypes
@@ -140,12 +141,12 @@ class TestBasics(unittest.TestCase):
 class TestModel(unittest.TestCase):
     def test_context_manager_and_properties(self):
         with flashnext.Model(MODEL, n_threads=1) as m:
-            self.assertEqual(m.vocab_size, 320)
+            self.assertEqual(m.vocab_size, 2048)
             self.assertEqual(m.n_layers, 4)
-            self.assertEqual(m.hidden_size, 48)
+            self.assertEqual(m.hidden_size, 128)
             self.assertEqual(m.context_length, 1024)
-            self.assertEqual(m.eos_token, 298)
-            self.assertIn("vocab=320", repr(m))
+            self.assertEqual(m.eos_token, 2047)
+            self.assertIn("vocab=2048", repr(m))
         self.assertTrue(m.closed)
         with self.assertRaises(ValueError):
             m.vocab_size
@@ -447,7 +448,7 @@ class TestSampler(ModelCase):
         xs = [a.sample(logits) for _ in range(20)]
         ys = [b.sample(logits) for _ in range(20)]
         self.assertEqual(xs, ys)
-        self.assertGreater(len(set(xs)), 1)  # temperature 1 over a random model: not constant
+        self.assertGreater(len(set(xs)), 1)  # temperature 1 over the tiny model: not constant
         a.reset()
         self.assertEqual([a.sample(logits) for _ in range(20)], xs)
 
@@ -694,7 +695,7 @@ class TestText(ModelCase):
         expected = m.detokenize(tokens, remove_special=True)
         self.assertTrue(expected.startswith(joined), (joined, expected))
         self.assertEqual(expected[len(joined):].strip("\ufffd"), "")
-        self.assertTrue(joined, "16 sampled tokens of a random model produced no text")
+        self.assertTrue(joined, "16 sampled tokens of the tiny model produced no text")
 
     def test_stop_string(self):
         m = self.model
@@ -705,7 +706,7 @@ class TestText(ModelCase):
         text = "".join(pieces)
         stop = text.strip()[:2]
         if not stop:
-            self.skipTest("the random model generated no text to stop on")
+            self.skipTest("the tiny model generated no text to stop on")
         s = m.new_state()
         got = s.generate_tokens(prompt, max_tokens=20, ignore_eos=True, stop_strings=[stop])
         self.assertLessEqual(len(got), 20)
