@@ -66,7 +66,16 @@ pub struct LoadOptions {
     /// DeltaNet layer's recurrent state (3.1 MB per layer at the real
     /// model's size) and one more row of each conv history.
     pub rewind_window: usize,
+    /// Most tokens one pass of a prompt computes together (the prefill
+    /// micro-batch); 0 = the default, [`DEFAULT_MICRO_BATCH`];
+    /// `FNX_MICRO_BATCH=N` wins. Scratch memory grows with it (on the CPU
+    /// about `N` times one token's activations, the MoE's gathered inputs
+    /// the largest part); a cancelled prompt stops within one micro-batch.
+    pub micro_batch: usize,
 }
+
+/// Tokens a prompt pass takes by default: llama.cpp's `n_ubatch`.
+pub const DEFAULT_MICRO_BATCH: usize = 512;
 
 /// Positions a state can step back by default: a speculative draft of
 /// three tokens and the token after it.
@@ -87,6 +96,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("routing_profile", &self.routing_profile)
             .field("cpu_kernels", &self.cpu_kernels)
             .field("rewind_window", &self.rewind_window)
+            .field("micro_batch", &self.micro_batch)
             .field("progress", &self.progress.as_ref().map(|_| "Fn(f32) -> bool"))
             .finish()
     }
@@ -124,6 +134,9 @@ impl LoadOptions {
         }
         if let Some(v) = env_value("FNX_REWIND_WINDOW") {
             o.rewind_window = v.parse().map_err(|_| Error::arg(format!("FNX_REWIND_WINDOW={v:?}: expected a number of positions")))?;
+        }
+        if let Some(v) = env_value("FNX_MICRO_BATCH") {
+            o.micro_batch = v.parse().map_err(|_| Error::arg(format!("FNX_MICRO_BATCH={v:?}: expected a number of tokens")))?;
         }
         if o.rewind_window > MAX_REWIND_WINDOW {
             return Err(Error::arg(format!("rewind window {}: at most {MAX_REWIND_WINDOW} positions", o.rewind_window)));
@@ -340,6 +353,7 @@ impl Model {
             metadata: file.metadata,
             n_ctx,
             rewind_window: rewind_window(opts),
+            micro_batch: if opts.micro_batch == 0 { DEFAULT_MICRO_BATCH } else { opts.micro_batch },
             pool,
             cpu_kernels: kernels,
             fingerprint,

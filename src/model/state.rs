@@ -75,6 +75,22 @@ impl State {
         })
     }
 
+    /// The logits of the `i`-th token (from 0) of the latest batch, when they
+    /// were computed ([`LogitsFor::All`], or the batch's last token) and the
+    /// state has not been rewound before it.
+    pub fn batch_logits(&self, i: usize) -> Option<&[f32]> {
+        let at = self.batch_start.checked_add(i)?.checked_add(1)?;
+        if at > self.pos {
+            return None;
+        }
+        self.logits_at(at)
+    }
+
+    /// Tokens of the latest batch still decoded (0 after a reset or a rewind before it).
+    pub fn batch_len(&self) -> usize {
+        self.pos.saturating_sub(self.batch_start)
+    }
+
     /// The earliest position [`State::rewind`] can return to.
     pub fn rewind_floor(&self) -> usize {
         self.floor
@@ -170,23 +186,32 @@ impl State {
         Ok(())
     }
 
-    /// Decodes `tokens` in order, in batches the backend takes at once. With
+    /// Decodes `tokens` in order, in passes of up to the model's micro-batch
+    /// (fewer where the backend takes fewer at once). With
     /// [`LogitsFor::All`] returns every token's logits ([T][V]); with `Last`
     /// nothing (the last token's are [`State::logits`] either way). Every
     /// token and the context room are checked before anything is decoded; a
     /// failure part way rolls back, so on error nothing has changed (or the
     /// state is lost).
     pub fn decode_batch(&mut self, tokens: &[u32], which: LogitsFor) -> Result<Vec<f32>> {
+        self.decode_more(tokens, which, true)
+    }
+
+    /// [`State::decode_batch`]; `new_batch` false continues the latest batch
+    /// (a prompt in micro-batches: [`State::batch_logits`] then reads all of it).
+    pub(crate) fn decode_more(&mut self, tokens: &[u32], which: LogitsFor, new_batch: bool) -> Result<Vec<f32>> {
         self.check_usable()?;
         self.check_tokens(tokens)?;
         if tokens.is_empty() {
             return Ok(Vec::new());
         }
-        let max = self.backend.max_batch().max(1);
+        let max = self.backend.max_batch().min(self.model.micro_batch).max(1);
         // More than one pass: a failure after the first is undone.
         let undo = if tokens.len() > max { Some(self.undo_point(Some(tokens.len()))?) } else { None };
         let start = self.pos;
-        self.batch_start = start;
+        if new_batch {
+            self.batch_start = start;
+        }
         let last = tokens.len().div_ceil(max) - 1;
         for (i, chunk) in tokens.chunks(max).enumerate() {
             // With `Last`, only the final chunk's logits are the caller's.

@@ -1,0 +1,136 @@
+//! Prefill: a prompt decoded in one call, in micro-batches, gives the logits
+//! of token-by-token decoding. One test body, every backend (as in
+//! tests/backends.rs): `cpu::name` and `vulkan::name` (the Vulkan backend
+//! takes one token per pass today, so there it prefills token by token).
+//!
+//! - `golden_at_every_split`: each reference fixture converted to F32, its
+//!   sequences prefilled in one call at micro-batches of 1, 7, 64 and the
+//!   whole sequence (QSA selections and PLE EOS resets fall inside and across
+//!   the batches), every position's logits against transformers' token-by-
+//!   token logits and, where the fixture has them, its one-pass (prefill)
+//!   logits: ≤ 1e-4 of the reference's largest logit at every position
+//!   before a flagged QSA tie.
+//! - `batched_equals_token_by_token`: beside the golden check, the batch
+//!   equals this engine's own token-by-token decoding bit for bit (the same
+//!   kernels on the same inputs), on F32 and on Q8_0 with the CPU's integer
+//!   kernels, whose bounds against transformers tests/reference.rs states.
+//!
+//! Without a Vulkan device the `vulkan::` tests print why and pass, unless
+//! `FNX_REQUIRE_VULKAN=1`.
+
+mod golden;
+mod vulkan_util;
+
+use flashnext::convert::OutType;
+use flashnext::generate::decode_tokens_with;
+use flashnext::model::LogitsFor;
+use flashnext::quant::kernels::Kernels;
+use flashnext::{Backend, LoadOptions, Model, State};
+use golden::Manifest;
+use std::path::Path;
+use std::sync::Arc;
+use vulkan_util::{converted, fixture_dir};
+
+#[derive(Clone, Copy, Debug)]
+enum On {
+    Cpu,
+    Vulkan,
+}
+
+impl On {
+    fn load(self, path: &Path, opts: LoadOptions) -> Option<Arc<Model>> {
+        match self {
+            On::Cpu => Some(Model::load(path, &LoadOptions { backend: Backend::Cpu, ..opts }).unwrap()),
+            On::Vulkan => vulkan_util::load_gpu_with(path, opts),
+        }
+    }
+}
+
+macro_rules! every_backend {
+    ($(fn $name:ident($on:ident) $body:block)*) => {
+        $(fn $name($on: On) $body)*
+        mod cpu {
+            $(#[test] fn $name() { super::$name(super::On::Cpu) })*
+        }
+        mod vulkan {
+            $(#[test] fn $name() { super::$name(super::On::Vulkan) })*
+        }
+    };
+}
+
+const FIXTURES: [&str; 3] = ["tiny_flat", "tiny_native", "tiny_nested"];
+
+/// Micro-batches: 1, 7, 64 and 0 (the default, 512: every sequence in one pass).
+const SPLITS: [usize; 4] = [1, 7, 64, 0];
+
+/// `max|got - want| / max|want|`.
+fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+}
+
+/// Every position's logits of `tokens` prefilled in one call: [T][V].
+fn prefill(model: &Arc<Model>, tokens: &[u32]) -> Vec<f32> {
+    let mut s = State::new(model.clone()).unwrap();
+    let all = decode_tokens_with(&mut s, tokens, LogitsFor::All, &mut || false).unwrap();
+    assert_eq!(s.position(), tokens.len());
+    assert_eq!(s.logits().unwrap(), &all[all.len() - model.vocab_size()..], "the last position's logits are kept");
+    all
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+every_backend! {
+    fn golden_at_every_split(on) {
+        for name in FIXTURES {
+            let fixture = fixture_dir(name);
+            let manifest = Manifest::read(&fixture);
+            let path = converted(name, OutType::F32);
+            for split in SPLITS {
+                let Some(model) = on.load(&path, LoadOptions { micro_batch: split, ..Default::default() }) else { return };
+                let vocab = model.vocab_size();
+                assert_eq!(manifest.vocab_size, vocab);
+                let (mut worst, mut n) = (0f32, 0);
+                for seq in &manifest.sequences {
+                    let got = prefill(&model, &seq.tokens);
+                    let mut references = vec![(seq.logits(&fixture), seq.first_tie(), "token by token")];
+                    references.extend(seq.full_forward(&fixture).map(|(l, tie)| (l, tie, "one pass")));
+                    for (want, first_tie, what) in &references {
+                        for pos in 0..seq.tokens.len().min(*first_tie) {
+                            let at = pos * vocab..(pos + 1) * vocab;
+                            let err = rel_err(&got[at.clone()], &want[at]);
+                            assert!(err <= 1e-4, "{on:?} {name} {} micro-batch {split} position {pos} ({what}): rel err {err:.3e}", seq.name);
+                            worst = worst.max(err);
+                            n += 1;
+                        }
+                    }
+                }
+                println!("{on:?} {name} micro-batch {split}: worst rel err {worst:.3e} over {n} positions");
+                assert!(n > 0);
+            }
+        }
+    }
+
+    fn batched_equals_token_by_token(on) {
+        for (ty, kernels) in [(OutType::F32, Kernels::Exact), (OutType::Q8_0, Kernels::Fast)] {
+            let path = converted("tiny_native", ty);
+            let opts = |micro_batch| LoadOptions { micro_batch, cpu_kernels: Some(kernels), ..Default::default() };
+            let Some(one) = on.load(&path, opts(1)) else { return };
+            let manifest = Manifest::read(&fixture_dir("tiny_native"));
+            for seq in &manifest.sequences {
+                let mut s = State::new(one.clone()).unwrap();
+                let want: Vec<u32> = seq.tokens.iter().flat_map(|&t| {
+                    s.decode(t).unwrap();
+                    bits(s.logits().unwrap())
+                }).collect();
+                for split in [7, 64, 0] {
+                    let Some(model) = on.load(&path, opts(split)) else { return };
+                    assert_eq!(bits(&prefill(&model, &seq.tokens)), want, "{on:?} {ty:?} {} micro-batch {split}", seq.name);
+                }
+            }
+        }
+    }
+}
+
