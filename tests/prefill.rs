@@ -134,3 +134,60 @@ every_backend! {
     }
 }
 
+/// The C API: `fnx_decode_batch` with every position's logits in
+/// micro-batches of 7, `fnx_get_logits_ith` against transformers at every
+/// position, and its refusals; a caller built before `micro_batch` existed.
+#[test]
+fn c_decode_batch_and_logits_ith() {
+    use flashnext::capi::*;
+    use std::ffi::CString;
+    let fixture = fixture_dir("tiny_native");
+    let manifest = Manifest::read(&fixture);
+    let seq = manifest.sequences.iter().find(|s| s.name == "eos_inside").expect("the fixture has eos_inside");
+    let want = seq.logits(&fixture);
+    let path = CString::new(converted("tiny_native", OutType::F32).to_str().unwrap()).unwrap();
+    let ids: Vec<i32> = seq.tokens.iter().map(|&t| t as i32).collect();
+    unsafe {
+        let mut p = fnx_load_params_default();
+        p.backend = FNX_BACKEND_CPU;
+        p.micro_batch = 7;
+        let mut m = std::ptr::null_mut();
+        assert_eq!(fnx_load(path.as_ptr(), &p, &mut m), FNX_OK);
+        let v = fnx_model_vocab_size(m);
+        let mut s = std::ptr::null_mut();
+        assert_eq!(fnx_new_state(m, &mut s), FNX_OK);
+        assert_eq!(fnx_decode_batch(s, ids.as_ptr(), ids.len(), true), FNX_OK);
+        let mut out = vec![0f32; v];
+        for i in 0..ids.len().min(seq.first_tie()) {
+            assert_eq!(fnx_get_logits_ith(s, i, out.as_mut_ptr(), v), FNX_OK);
+            let err = rel_err(&out, &want[i * v..(i + 1) * v]);
+            assert!(err <= 1e-4, "token {i}: rel err {err:.3e}");
+        }
+        let mut last = vec![0f32; v];
+        assert_eq!(fnx_get_logits(s, last.as_mut_ptr(), v), FNX_OK);
+        assert_eq!(fnx_get_logits_ith(s, ids.len() - 1, out.as_mut_ptr(), v), FNX_OK);
+        assert_eq!(bits(&out), bits(&last));
+        // Refusals, with `out` untouched.
+        out.fill(7.0);
+        assert_eq!(fnx_get_logits_ith(s, ids.len(), out.as_mut_ptr(), v), FNX_ERR_NO_LOGITS);
+        assert_eq!(fnx_get_logits_ith(s, 0, out.as_mut_ptr(), v - 1), FNX_ERR_BUFFER_TOO_SMALL);
+        assert_eq!(fnx_get_logits_ith(s, 0, std::ptr::null_mut(), v), FNX_ERR_NULL_ARGUMENT);
+        assert_eq!(fnx_get_logits_ith(std::ptr::null(), 0, out.as_mut_ptr(), v), FNX_ERR_NULL_ARGUMENT);
+        assert!(out.iter().all(|&x| x == 7.0));
+        // Without every position's logits: the batch's last token only.
+        assert_eq!(fnx_state_reset(s), FNX_OK);
+        assert_eq!(fnx_decode_batch(s, ids.as_ptr(), 10, false), FNX_OK);
+        assert_eq!(fnx_get_logits_ith(s, 3, out.as_mut_ptr(), v), FNX_ERR_NO_LOGITS);
+        assert_eq!(fnx_get_logits_ith(s, 9, out.as_mut_ptr(), v), FNX_OK);
+        assert!(rel_err(&out, &want[9 * v..10 * v]) <= 1e-4);
+        // A bad token anywhere: refused before anything runs.
+        assert_eq!(fnx_decode_batch(s, [1, -1].as_ptr(), 2, true), FNX_ERR_TOKEN_OUT_OF_RANGE);
+        assert_eq!(fnx_state_position(s), 10);
+        fnx_free_state(s);
+        fnx_free_model(m);
+        // A caller built before the micro-batch field: accepted, the default.
+        p.struct_size = std::mem::offset_of!(fnx_load_params, micro_batch) as u32;
+        assert_eq!(fnx_load(path.as_ptr(), &p, &mut m), FNX_OK);
+        fnx_free_model(m);
+    }
+}

@@ -58,6 +58,11 @@ pub struct fnx_load_params {
     /// A routing profile (`fnx_model_save_routing_profile`) whose most used
     /// experts fill the expert cache at load; NULL = none.
     pub routing_profile: *const c_char,
+    /// Most tokens one pass of a prompt computes together
+    /// (`fnx_decode_tokens`, `fnx_decode_batch`, `fnx_generate`'s prompt);
+    /// 0 = the default, 512. Larger batches need more scratch memory; the
+    /// abort callback is polled between them.
+    pub micro_batch: u32,
 }
 
 /// `struct_size` of callers built before the progress fields existed; such
@@ -66,6 +71,8 @@ const LOAD_PARAMS_V1_SIZE: usize = std::mem::offset_of!(fnx_load_params, progres
 /// `struct_size` of callers built before the expert-cache and rewind fields
 /// (they read as their defaults).
 const LOAD_PARAMS_V2_SIZE: usize = std::mem::offset_of!(fnx_load_params, expert_cache_slots);
+/// `struct_size` of callers built before the micro-batch field (it reads as the default).
+const LOAD_PARAMS_V3_SIZE: usize = std::mem::offset_of!(fnx_load_params, micro_batch);
 
 /// A loaded model (opaque). Share it between threads freely.
 pub struct fnx_model {
@@ -98,6 +105,7 @@ pub extern "C" fn fnx_load_params_default() -> fnx_load_params {
         expert_cache_slots: -1,
         rewind_window: 0,
         routing_profile: std::ptr::null(),
+        micro_batch: 0,
     }
 }
 
@@ -154,7 +162,7 @@ unsafe fn read_params(params: *const fnx_load_params) -> Result<fnx_load_params,
     if size == std::mem::size_of::<fnx_load_params>() {
         // SAFETY: the caller's struct has this layout.
         p = unsafe { *params };
-    } else if size == LOAD_PARAMS_V1_SIZE || size == LOAD_PARAMS_V2_SIZE {
+    } else if size == LOAD_PARAMS_V1_SIZE || size == LOAD_PARAMS_V2_SIZE || size == LOAD_PARAMS_V3_SIZE {
         // SAFETY: the caller's struct is an older prefix of this layout.
         unsafe { std::ptr::copy_nonoverlapping(params.cast::<u8>(), (&mut p as *mut fnx_load_params).cast::<u8>(), size) };
     } else {
@@ -248,6 +256,7 @@ pub unsafe extern "C" fn fnx_load(
                 expert_cache_slots,
                 rewind_window: p.rewind_window as usize,
                 routing_profile,
+                micro_batch: p.micro_batch as usize,
                 ..Default::default()
             };
             let start = std::time::Instant::now();
