@@ -25,8 +25,10 @@
 //! every expert of a MoE layer are one call). When the pieces are too few
 //! for the threads (small matrices, e.g. a hyper-connection's), the tokens
 //! are split as well, each split reading its piece again: a small matrix is
-//! cheap to read twice. Each piece writes its own output tile, scattered
-//! into the job's `ys` after the region.
+//! cheap to read twice. A piece computes its tile in its thread's scratch
+//! (reused from call to call: fresh buffers of this size cost page faults
+//! that showed up at a tenth of a prefill's time) and writes it into the
+//! job's `ys`, where the pieces' cells are disjoint.
 
 use super::dot::{self, ActKind, Activation};
 use super::kernels::{dot_tokens_exact, Isa, Kernels, CHUNK_BYTES, PAR_MIN_WEIGHTS};
@@ -64,14 +66,32 @@ pub fn matmul_batch(jobs: &mut [MatMul<'_>]) {
     matmul_batch_with(Kernels::current(), Isa::detect(), jobs)
 }
 
-/// A piece of one job: rows `r0..r0 + nr` for tokens `t0..t0 + nt`, and its outputs [nt][nr].
+/// A piece of one job: rows `r0..r0 + nr` for tokens `t0..t0 + nt`.
 struct Piece {
     job: usize,
     r0: usize,
     nr: usize,
     t0: usize,
     nt: usize,
-    out: Vec<f32>,
+}
+
+/// A job without its outputs: type, rows, columns, inputs, number of rows.
+type Shape<'a> = (GgmlType, &'a [u8], usize, &'a [f32], usize);
+
+/// A job's outputs, written by the pieces in parallel.
+struct Outputs {
+    ys: *mut f32,
+    len: usize,
+}
+
+// SAFETY: the pieces of a job write disjoint cells of its outputs (their
+// rows x tokens rectangles do not overlap), and the job's `&mut` borrow
+// outlives the parallel region.
+unsafe impl Sync for Outputs {}
+
+thread_local! {
+    /// A thread's piece tile and decoded row, reused between calls.
+    static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// [`matmul_batch`] with the kernels and level given (panics if the CPU lacks `isa`).
@@ -117,45 +137,53 @@ pub fn matmul_batch_with(kernels: Kernels, isa: Isa, jobs: &mut [MatMul<'_>]) {
     for &(job, r0, nr) in &spans {
         let t = jobs[job].tokens();
         let step = t.div_ceil(splits).max(TOKEN_TILE.min(t));
-        pieces.extend((0..t).step_by(step).map(|t0| Piece { job, r0, nr, t0, nt: step.min(t - t0), out: Vec::new() }));
+        pieces.extend((0..t).step_by(step).map(|t0| Piece { job, r0, nr, t0, nt: step.min(t - t0) }));
     }
-    let run = |p: &mut Piece| {
-        let j = &jobs[p.job];
-        let rb = j.rows.len() / j.n_rows();
-        let rows = &j.rows[p.r0 * rb..(p.r0 + p.nr) * rb];
-        p.out = vec![0f32; p.nt * p.nr];
-        match job_act[p.job] {
-            Some(a) => {
-                for t0 in (0..p.nt).step_by(TOKEN_TILE) {
-                    let nt = TOKEN_TILE.min(p.nt - t0);
-                    let acts = &acts[a][p.t0 + t0..p.t0 + t0 + nt];
-                    dot::dot_rows_tokens(isa, j.ty, rows, acts, &mut p.out[t0 * p.nr..(t0 + nt) * p.nr]);
+    // The inputs apart from the outputs, which the pieces write through `Outputs`.
+    let shapes: Vec<Shape> = jobs.iter().map(|j| (j.ty, j.rows, j.cols, j.xs, j.n_rows())).collect();
+    let outputs: Vec<Outputs> = jobs.iter_mut().map(|j| Outputs { ys: j.ys.as_mut_ptr(), len: j.ys.len() }).collect();
+    let run = |p: &Piece| {
+        let (ty, rows, cols, xs, n) = shapes[p.job];
+        let rb = rows.len() / n;
+        let rows = &rows[p.r0 * rb..(p.r0 + p.nr) * rb];
+        SCRATCH.with(|s| {
+            let (tile, buf) = &mut *s.borrow_mut();
+            tile.clear();
+            tile.resize(p.nt * p.nr, 0.0);
+            match job_act[p.job] {
+                Some(a) => {
+                    for t0 in (0..p.nt).step_by(TOKEN_TILE) {
+                        let nt = TOKEN_TILE.min(p.nt - t0);
+                        let acts = &acts[a][p.t0 + t0..p.t0 + t0 + nt];
+                        dot::dot_rows_tokens(isa, ty, rows, acts, &mut tile[t0 * p.nr..(t0 + nt) * p.nr]);
+                    }
                 }
-            }
-            None => {
-                let mut buf = vec![0f32; j.cols];
-                for t0 in (0..p.nt).step_by(TOKEN_TILE) {
-                    let nt = TOKEN_TILE.min(p.nt - t0);
-                    let xs = &j.xs[(p.t0 + t0) * j.cols..(p.t0 + t0 + nt) * j.cols];
-                    for (r, row) in rows.chunks_exact(rb).enumerate() {
-                        dot_tokens_exact(isa, j.ty, row, xs, &mut buf, &mut p.out[t0 * p.nr + r..], p.nr);
+                None => {
+                    buf.clear();
+                    buf.resize(cols, 0.0);
+                    for t0 in (0..p.nt).step_by(TOKEN_TILE) {
+                        let nt = TOKEN_TILE.min(p.nt - t0);
+                        let xs = &xs[(p.t0 + t0) * cols..(p.t0 + t0 + nt) * cols];
+                        for (r, row) in rows.chunks_exact(rb).enumerate() {
+                            dot_tokens_exact(isa, ty, row, xs, buf, &mut tile[t0 * p.nr + r..], p.nr);
+                        }
                     }
                 }
             }
-        }
+            let out = &outputs[p.job];
+            for (t, row) in tile.chunks_exact(p.nr).enumerate() {
+                let at = (p.t0 + t) * n + p.r0;
+                assert!(at + p.nr <= out.len);
+                // SAFETY: in bounds (checked); no other piece writes these cells,
+                // and nothing reads `ys` until the region ends.
+                unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), out.ys.add(at), p.nr) };
+            }
+        });
     };
     if work < PAR_MIN_WEIGHTS || pieces.len() == 1 {
-        pieces.iter_mut().for_each(run);
+        pieces.iter().for_each(run);
     } else {
-        pieces.par_iter_mut().for_each(run);
-    }
-    for p in pieces {
-        let j = &mut jobs[p.job];
-        let n = j.n_rows();
-        for (t, out) in p.out.chunks_exact(p.nr).enumerate() {
-            let at = (p.t0 + t) * n + p.r0;
-            j.ys[at..at + p.nr].copy_from_slice(out);
-        }
+        pieces.par_iter().for_each(run);
     }
 }
 
