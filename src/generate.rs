@@ -216,16 +216,20 @@ pub fn decode_tokens_with(
     result
 }
 
-/// Decodes `tokens` in passes of the model's micro-batch (`abort` polled
-/// between them, so cancelling a long prompt waits at most one pass); the
-/// caller undoes a failure. Every position's logits with [`LogitsFor::All`].
+/// Decodes `tokens` in passes of the model's micro-batch (or the backend's
+/// most per pass, when fewer), `abort` polled between them, so cancelling a
+/// long prompt waits at most one pass; the caller undoes a failure. Every
+/// position's logits with [`LogitsFor::All`].
 fn prefill(state: &mut State, tokens: &[u32], which: LogitsFor, abort: &mut dyn FnMut() -> bool) -> Result<Vec<f32>> {
     let mut out = Vec::new();
-    for (i, chunk) in tokens.chunks(state.model().micro_batch.max(1)).enumerate() {
+    let per = state.pass_size();
+    let last = tokens.len().div_ceil(per).saturating_sub(1);
+    for (i, chunk) in tokens.chunks(per).enumerate() {
         if i > 0 && abort() {
             return Err(Error::Aborted);
         }
-        out.extend(state.decode_more(chunk, which, i == 0)?);
+        // With `Last`, only the last micro-batch's logits are kept.
+        out.extend(state.decode_more(chunk, which, i == 0, i == last)?);
     }
     Ok(out)
 }

@@ -166,6 +166,12 @@ impl State {
         self.decode_batch(tokens, LogitsFor::Last).map(|_| ())
     }
 
+    /// Most tokens one backend pass takes: the model's micro-batch, or fewer
+    /// where the backend takes fewer at once.
+    pub fn pass_size(&self) -> usize {
+        self.backend.max_batch().min(self.model.micro_batch).max(1)
+    }
+
     /// Checks that `tokens` are all in the vocabulary and fit in the context,
     /// without changing anything.
     pub fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
@@ -194,18 +200,20 @@ impl State {
     /// failure part way rolls back, so on error nothing has changed (or the
     /// state is lost).
     pub fn decode_batch(&mut self, tokens: &[u32], which: LogitsFor) -> Result<Vec<f32>> {
-        self.decode_more(tokens, which, true)
+        self.decode_more(tokens, which, true, true)
     }
 
     /// [`State::decode_batch`]; `new_batch` false continues the latest batch
-    /// (a prompt in micro-batches: [`State::batch_logits`] then reads all of it).
-    pub(crate) fn decode_more(&mut self, tokens: &[u32], which: LogitsFor, new_batch: bool) -> Result<Vec<f32>> {
+    /// (a prompt in micro-batches: [`State::batch_logits`] then reads all of
+    /// it); `keep_last` false drops the last token's logits too with
+    /// [`LogitsFor::Last`] (a prompt's micro-batch before its last).
+    pub(crate) fn decode_more(&mut self, tokens: &[u32], which: LogitsFor, new_batch: bool, keep_last: bool) -> Result<Vec<f32>> {
         self.check_usable()?;
         self.check_tokens(tokens)?;
         if tokens.is_empty() {
             return Ok(Vec::new());
         }
-        let max = self.backend.max_batch().min(self.model.micro_batch).max(1);
+        let max = self.pass_size();
         // More than one pass: a failure after the first is undone.
         let undo = if tokens.len() > max { Some(self.undo_point(Some(tokens.len()))?) } else { None };
         let start = self.pos;
@@ -215,7 +223,7 @@ impl State {
         let last = tokens.len().div_ceil(max) - 1;
         for (i, chunk) in tokens.chunks(max).enumerate() {
             // With `Last`, only the final chunk's logits are the caller's.
-            let keep = which == LogitsFor::All || i == last;
+            let keep = which == LogitsFor::All || (i == last && keep_last);
             if let Err(e) = self.forward(chunk, which, keep) {
                 if let (Some(u), false) = (&undo, matches!(e, Error::StateLost(_))) {
                     self.undo(u)?;
