@@ -191,3 +191,40 @@ fn c_decode_batch_and_logits_ith() {
         fnx_free_model(m);
     }
 }
+
+/// `flashnext::perplexity` on a fixture sequence against the perplexity of
+/// transformers' logits for it, in one chunk of the whole sequence (the golden
+/// logits start from an empty state, as every chunk does) and micro-batches
+/// of 64. A logit off by `d` moves a token's nll by at most `2 d`, so the
+/// logits' bound (1e-4 of the largest) bounds `|ln PPL - ln PPL_ref|`.
+#[test]
+fn perplexity_matches_transformers() {
+    let fixture = fixture_dir("tiny_native");
+    let manifest = Manifest::read(&fixture);
+    let seq = manifest.sequences.iter().find(|s| s.name == "long").expect("the fixture has long");
+    assert!(seq.first_tie() >= seq.tokens.len(), "no ties in the scored sequence");
+    let want = seq.logits(&fixture);
+    let model = Model::load(&converted("tiny_native", OutType::F32), &LoadOptions { backend: Backend::Cpu, micro_batch: 64, ..Default::default() }).unwrap();
+    let (v, ctx) = (model.vocab_size(), seq.tokens.len());
+    // The reference, written out: positions ctx/2 .. ctx-1 predict the next token.
+    let (mut sum, mut sum_sq, mut n) = (0f64, 0f64, 0f64);
+    for j in ctx / 2..ctx - 1 {
+        let l = &want[j * v..(j + 1) * v];
+        let lse = l.iter().map(|&x| (x as f64).exp()).sum::<f64>().ln();
+        let nll = lse - l[seq.tokens[j + 1] as usize] as f64;
+        (sum, sum_sq, n) = (sum + nll, sum_sq + nll * nll, n + 1.0);
+    }
+    let mean = sum / n;
+    let (ppl, err) = (mean.exp(), mean.exp() * ((sum_sq / n - mean * mean) / (n - 1.0)).sqrt());
+    let mut seen = Vec::new();
+    let got = flashnext::perplexity::perplexity(&model, &seq.tokens, ctx, &mut |c, p| seen.push((c, p))).unwrap();
+    println!("PPL {:.6} +/- {:.6} (transformers {ppl:.6} +/- {err:.6}) over {} tokens", got.ppl, got.error, got.scored);
+    assert_eq!((got.chunks, got.scored, seen.len()), (1, ctx - 1 - ctx / 2, 1));
+    let max_ref = want.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
+    assert!((got.ppl.ln() - ppl.ln()).abs() <= 2.0 * 1e-4 * max_ref, "PPL {} vs transformers {ppl}", got.ppl);
+    assert!((got.error - err).abs() <= 0.05 * err, "error {} vs transformers {err}", got.error);
+    // Two chunks of half the sequence: the second starts from an empty state.
+    let half = flashnext::perplexity::perplexity(&model, &seq.tokens, ctx / 2, &mut |_, _| {}).unwrap();
+    assert_eq!((half.chunks, half.scored), (2, 2 * (ctx / 2 - 1 - ctx / 4)));
+    assert!(half.ppl.is_finite() && half.error > 0.0);
+}
