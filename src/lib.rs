@@ -40,7 +40,7 @@ pub mod load;
 pub mod model;
 /// cbindgen:ignore
 pub mod perplexity;
-
+/// cbindgen:ignore
 pub mod quant;
 /// cbindgen:ignore
 pub mod sampling;

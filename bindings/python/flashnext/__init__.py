@@ -191,6 +191,7 @@ class fnx_load_params(Structure):
         ("expert_cache_slots", c_int32),
         ("rewind_window", c_uint32),
         ("routing_profile", c_char_p),
+        ("micro_batch", c_uint32),
     ]
 
 
@@ -496,6 +497,7 @@ class Model:
         rewind_window=0,
         routing_profile=None,
         progress=None,
+        micro_batch=0,
     ):
         self._h = None
         params = _fn("fnx_load_params_default")()
@@ -506,6 +508,7 @@ class Model:
         params.vram_budget_mb = vram_budget_mb
         params.expert_cache_slots = expert_cache_slots
         params.rewind_window = rewind_window
+        params.micro_batch = micro_batch
         profile = None if routing_profile is None else os.fsencode(routing_profile)
         params.routing_profile = profile
         raised = []

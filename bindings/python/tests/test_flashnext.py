@@ -337,7 +337,10 @@ class TestState(ModelCase):
             c.decode(1)
 
     def test_abort_callback(self):
-        s = self.model.new_state()
+        # Micro-batches of one token: the callback is polled before each.
+        model = flashnext.Model(MODEL, n_threads=1, micro_batch=1)
+        self.addCleanup(model.close)
+        s = model.new_state()
         s.decode(1)
         calls = []
 
