@@ -105,6 +105,17 @@ int main(int argc, char **argv) {
         std::vector<int32_t> prompt = model.tokenize(rendered, false, true);
         if (model.detokenize(prompt) != rendered) throw std::runtime_error("tokenize/detokenize round trip failed");
 
+        // The prompt in one batch, every position's logits kept: the last
+        // position's are those of the prompt decoded token by token.
+        {
+            flashnext::State batched(model), stepped(model);
+            batched.decode_batch(prompt);
+            for (int32_t t : prompt) stepped.decode(t);
+            bool same = batched.logits(prompt.size() - 1) == stepped.logits() && batched.logits() == stepped.logits();
+            std::cout << "batch: " << (same ? "matches token by token" : "DIFFERENT") << "\n";
+            if (!same) return 1;
+        }
+
         fnx_sampler_params sp = flashnext::Sampler::preset_params(args.preset);
         sp.seed = args.seed;
         flashnext::Sampler sampler(sp);

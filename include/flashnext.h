@@ -188,6 +188,11 @@ typedef struct fnx_load_params {
   // 4 GB budget on the model this was measured on) and keeps `n_threads`
   // cores busy for the whole decode.
   int32_t spin_wait;
+  // Most tokens one pass of a prompt computes together
+  // (`fnx_decode_tokens`, `fnx_decode_batch`, `fnx_generate`'s prompt);
+  // 0 = the default, 512. Larger batches need more scratch memory; the
+  // abort callback is polled between them and between their layers.
+  uint32_t micro_batch;
 } fnx_load_params;
 
 // Receives log messages: `level` is one of `FNX_LOG_*`, `message` a
@@ -224,8 +229,12 @@ typedef struct fnx_sampler_params {
   float frequency_penalty;
 } fnx_sampler_params;
 
-// Polled by decoding calls before every token; return true to abort the
-// call (it then returns `FNX_ERR_ABORTED` and the state is as it was).
+// Polled by decoding calls before every pass (a generated token, or a
+// micro-batch of a prompt) and between the layers of a prompt's pass;
+// return true to abort the call (it then returns `FNX_ERR_ABORTED` and the
+// state is as it was). Within a prompt's pass it is called from one of the
+// model's threads (one call at a time, while the decoding call waits), so
+// it must not rely on running on the calling thread.
 typedef bool (*fnx_abort_callback)(void *user_data);
 
 // One message of a conversation for `fnx_apply_chat_template`. All strings
@@ -438,16 +447,32 @@ void fnx_chat_parser_free(struct fnx_chat_parser *parser);
 // stop at the model's end-of-sequence and end-of-turn tokens.
 struct fnx_generate_params fnx_generate_params_default(void);
 
-// Decodes `n` tokens in order; the logits are then the last token's. Every
-// token and the context room are checked before anything is decoded, and
-// any failure (including `FNX_ERR_ABORTED` from the abort callback, polled
-// before each token, and `FNX_ERR_INTERNAL` when `n` > 1) leaves the state
-// as it was. `n` = 0 does nothing.
+// Decodes `n` tokens in order, in passes of up to the model's micro-batch
+// (`fnx_load_params.micro_batch`); the logits are then the last token's.
+// Every token and the context room are checked before anything is decoded,
+// and any failure (including `FNX_ERR_ABORTED` from the abort callback,
+// polled before each pass and between its layers, and `FNX_ERR_INTERNAL`
+// when `n` > 1) leaves the
+// state as it was. `n` = 0 does nothing.
 //
 // # Safety
 // `state` must be NULL or a live handle, not used by another thread
 // meanwhile; `tokens` NULL or `n` readable ids.
 fnx_status fnx_decode_tokens(struct fnx_state *state, const int32_t *tokens, size_t n);
+
+// `fnx_decode_tokens`, and with `all_logits` true every position's logits
+// are kept: `fnx_get_logits_ith(state, i, ...)` then reads the logits after
+// the `i`-th token of this batch (`fnx_get_logits` the last one's either
+// way). They take `n` times the vocabulary's floats, held until the next
+// decoding call. Failures as `fnx_decode_tokens`, the state as it was.
+//
+// # Safety
+// `state` must be NULL or a live handle, not used by another thread
+// meanwhile; `tokens` NULL or `n` readable ids.
+fnx_status fnx_decode_batch(struct fnx_state *state,
+                            const int32_t *tokens,
+                            size_t n,
+                            bool all_logits);
 
 // Decodes `prompt` (`n_prompt` tokens; may be empty when the state already
 // has logits), then generates: picks a token (with `params->sampler`, or
@@ -460,7 +485,8 @@ fnx_status fnx_decode_tokens(struct fnx_state *state, const int32_t *tokens, siz
 //
 // Arguments are checked before anything is decoded. On any failure,
 // including `FNX_ERR_ABORTED` (the abort callback is polled before every
-// token) and `FNX_ERR_INTERNAL` (a bug, caught part way), the state and the
+// generated token, and before every micro-batch of the prompt and between
+// its layers) and `FNX_ERR_INTERNAL` (a bug, caught part way), the state and the
 // sampler are as they were before the call; tokens already passed to
 // `on_token` are then not part of the state.
 //
@@ -736,6 +762,17 @@ fnx_status fnx_decode_token(struct fnx_state *state, int32_t token);
 // `state` must be NULL or a live handle; `out` NULL or `len` writable floats.
 fnx_status fnx_get_logits(const struct fnx_state *state, float *out, size_t len);
 
+// Copies the logits after the `i`-th token (from 0) of the last decoding
+// call into `out`, which must hold at least `fnx_model_vocab_size()` floats
+// (`len` is its capacity). Every position has them after
+// `fnx_decode_batch(..., true)`; otherwise only the call's last token
+// (`FNX_ERR_NO_LOGITS` for the others, for `i` past the call's tokens, and
+// for positions a rewind forgot).
+//
+// # Safety
+// `state` must be NULL or a live handle; `out` NULL or `len` writable floats.
+fnx_status fnx_get_logits_ith(const struct fnx_state *state, size_t i, float *out, size_t len);
+
 // Forgets the sequence (position back to 0). Also clears an unusable state.
 //
 // # Safety
@@ -767,7 +804,8 @@ fnx_status fnx_state_rewind(struct fnx_state *state, size_t position);
 fnx_status fnx_state_rewind_floor(const struct fnx_state *state, size_t *out_position);
 
 // Sets the callback that decoding calls on this state (`fnx_decode_token`,
-// `fnx_decode_tokens`, `fnx_generate`) poll before every token; NULL removes
+// `fnx_decode_tokens`, `fnx_decode_batch`, `fnx_generate`) poll before
+// every pass (each generated token, each micro-batch of a prompt); NULL removes
 // it. When it returns true the call stops and returns `FNX_ERR_ABORTED`,
 // leaving the state as it was before the call. It runs on the decoding
 // thread; calls it makes on this state are refused with `FNX_ERR_BUSY`.

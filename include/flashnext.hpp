@@ -146,6 +146,7 @@ struct LoadOptions {
     uint32_t rewind_window = 0;        // 0: the default (4)
     std::optional<std::string> routing_profile;
     int32_t spin_wait = -1;            // -1: spin through GPU waits unless the device is a CPU
+    uint32_t micro_batch = 0;          // prompt tokens computed together; 0: the default (512)
     // Called with 0..1 as the load advances; return false to cancel.
     std::function<bool(float)> progress;
 };
@@ -184,6 +185,7 @@ public:
         params.rewind_window = options.rewind_window;
         params.routing_profile = options.routing_profile ? options.routing_profile->c_str() : nullptr;
         params.spin_wait = options.spin_wait;
+        params.micro_batch = options.micro_batch;
         struct Progress {
             const std::function<bool(float)> *fn;
             detail::Pending pending;
@@ -390,11 +392,22 @@ public:
     void decode(int32_t token) { call(fnx_decode_token(get(), token)); }
     void decode(const int32_t *tokens, size_t n) { call(fnx_decode_tokens(get(), tokens, n)); }
     void decode(const std::vector<int32_t> &tokens) { decode(tokens.data(), tokens.size()); }
+    // decode(), keeping every position's logits for logits(i) until the next decode.
+    void decode_batch(const std::vector<int32_t> &tokens) {
+        call(fnx_decode_batch(get(), tokens.data(), tokens.size(), true));
+    }
 
     // The logits of the last decoded token (vocab_size floats).
     std::vector<float> logits() const {
         std::vector<float> out(vocab_);
         detail::check(fnx_get_logits(get(), out.data(), out.size()));
+        return out;
+    }
+
+    // The logits after the i-th token of the last decode_batch().
+    std::vector<float> logits(size_t i) const {
+        std::vector<float> out(vocab_);
+        detail::check(fnx_get_logits_ith(get(), i, out.data(), out.size()));
         return out;
     }
 

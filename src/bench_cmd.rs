@@ -53,9 +53,16 @@ pub struct BenchArgs {
     /// file, for `flashnext replay` (CPU backend, or Vulkan with an expert cache).
     #[arg(long)]
     save_trace: Option<PathBuf>,
+    /// A prompt of N tokens (a fixed pseudo-random stream, as llama-bench's
+    /// pp tests) instead of the text prompt: the prefill figure, e.g. pp512.
+    #[arg(long, default_value_t = 0)]
+    prompt_tokens: usize,
+    /// Tokens per prefill pass (0 = the default, 512; 1 = token by token).
+    #[arg(long, default_value_t = 0)]
+    micro_batch: usize,
 }
 
-fn parse_backend(s: &str) -> flashnext::Result<Backend> {
+pub fn parse_backend(s: &str) -> flashnext::Result<Backend> {
     match s {
         "auto" => Ok(Backend::Auto),
         "cpu" => Ok(Backend::Cpu),
@@ -84,6 +91,9 @@ pub fn run(a: BenchArgs) -> flashnext::Result<()> {
         save_profile: a.save_profile,
         tokens,
         save_trace: a.save_trace,
+        prompt_tokens: a.prompt_tokens,
+        micro_batch: a.micro_batch,
+        heap: Some(crate::heap::probe()),
     };
     let report = bench::run(&opts)?;
     println!("{}", report.summary());

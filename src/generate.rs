@@ -14,7 +14,8 @@
 //! request takes effect within one token's decode time.
 
 use crate::error::{Error, Result};
-use crate::model::State;
+use crate::model::backend::{LentAbort, PollAbort};
+use crate::model::{LogitsFor, State};
 use crate::sampling::{greedy, Sampler};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
@@ -177,39 +178,64 @@ impl StopMatcher {
 }
 
 /// Decodes `tokens` in order (the logits are the last one's). Every token and
-/// the context room are checked first; `abort` is polled before each token.
-/// On any error, including [`Error::Aborted`], the state is unchanged.
+/// the context room are checked first; `abort` is polled before each
+/// micro-batch and between the layers of each (see [`prefill`]). On any error, including [`Error::Aborted`],
+/// the state is unchanged.
 pub fn decode_tokens(
     state: &mut State,
     tokens: &[u32],
     abort: &mut dyn FnMut() -> bool,
 ) -> Result<()> {
+    decode_tokens_with(state, tokens, LogitsFor::Last, abort).map(|_| ())
+}
+
+/// [`decode_tokens`] returning every position's logits ([T][V]) with
+/// [`LogitsFor::All`] (nothing with `Last`).
+pub fn decode_tokens_with(
+    state: &mut State,
+    tokens: &[u32],
+    which: LogitsFor,
+    abort: &mut dyn FnMut() -> bool,
+) -> Result<Vec<f32>> {
     state.check_tokens(tokens)?;
     if tokens.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     if abort() {
         return Err(Error::Aborted);
     }
     if tokens.len() == 1 {
         // One decode step changes nothing when it fails.
-        return state.decode(tokens[0]);
+        return state.decode_batch(tokens, which);
     }
     let undo = state.undo_point(Some(tokens.len()))?;
-    let result = catch_unwind(AssertUnwindSafe(|| {
-        for (i, &t) in tokens.iter().enumerate() {
-            if i > 0 && abort() {
-                return Err(Error::Aborted);
-            }
-            state.decode(t)?;
-        }
-        Ok(())
-    }))
-    .unwrap_or_else(|p| Err(panic_error(&*p)));
+    let result = catch_unwind(AssertUnwindSafe(|| prefill(state, tokens, which, abort)))
+        .unwrap_or_else(|p| Err(panic_error(&*p)));
     if result.is_err() {
         state.undo(&undo)?;
     }
     result
+}
+
+/// Decodes `tokens` in passes of the model's micro-batch (or the backend's
+/// most per pass, when fewer), `abort` polled between them and between the
+/// layers of each, so cancelling a long prompt waits for one layer of one
+/// pass, not the pass (a micro-batch of 512 tokens is tens of seconds on a
+/// CPU for the real model); the caller undoes a failure. Every position's
+/// logits with [`LogitsFor::All`].
+fn prefill(state: &mut State, tokens: &[u32], which: LogitsFor, abort: &mut dyn FnMut() -> bool) -> Result<Vec<f32>> {
+    let mut out = Vec::new();
+    let per = state.pass_size();
+    let last = tokens.len().div_ceil(per).saturating_sub(1);
+    let abort = LentAbort::new(abort);
+    for (i, chunk) in tokens.chunks(per).enumerate() {
+        if i > 0 && abort.aborted() {
+            return Err(Error::Aborted);
+        }
+        // With `Last`, only the last micro-batch's logits are kept.
+        out.extend(state.decode_more(chunk, which, i == 0, i == last, Some(&abort))?);
+    }
+    Ok(out)
 }
 
 /// Decodes `prompt` (may be empty when the state already has logits), then
@@ -242,12 +268,7 @@ pub fn generate(
     let sampler_before = sampler.as_deref().cloned();
 
     let run = || -> Result<Generation> {
-        for (i, &t) in prompt.iter().enumerate() {
-            if i > 0 && abort() {
-                return Err(Error::Aborted);
-            }
-            state.decode(t)?;
-        }
+        prefill(state, prompt, LogitsFor::Last, abort)?;
         let mut tokens = Vec::new();
         loop {
             if opts.max_tokens > 0 && tokens.len() >= opts.max_tokens {

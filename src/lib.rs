@@ -39,6 +39,8 @@ pub mod load;
 /// cbindgen:ignore
 pub mod model;
 /// cbindgen:ignore
+pub mod perplexity;
+/// cbindgen:ignore
 pub mod quant;
 /// cbindgen:ignore
 pub mod sampling;

@@ -77,7 +77,16 @@ pub struct LoadOptions {
     /// computing experts over the upload path's, at least 2 (see
     /// `model::expert_policy`). `FNX_EXPERT_ADMISSION=N` wins.
     pub expert_admission: Option<f32>,
+    /// Most tokens one pass of a prompt computes together (the prefill
+    /// micro-batch); 0 = the default, [`DEFAULT_MICRO_BATCH`];
+    /// `FNX_MICRO_BATCH=N` wins. Scratch memory grows with it (on the CPU
+    /// about `N` times one token's activations, the MoE's gathered inputs
+    /// the largest part); a cancelled prompt stops within one layer of a pass.
+    pub micro_batch: usize,
 }
+
+/// Tokens a prompt pass takes by default: llama.cpp's `n_ubatch`.
+pub const DEFAULT_MICRO_BATCH: usize = 512;
 
 /// Positions a state can step back by default: a speculative draft of
 /// three tokens and the token after it.
@@ -100,6 +109,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("rewind_window", &self.rewind_window)
             .field("spin_wait", &self.spin_wait)
             .field("expert_admission", &self.expert_admission)
+            .field("micro_batch", &self.micro_batch)
             .field("progress", &self.progress.as_ref().map(|_| "Fn(f32) -> bool"))
             .finish()
     }
@@ -151,6 +161,9 @@ impl LoadOptions {
         }
         if let Some(a) = o.expert_admission.filter(|a| a.partial_cmp(&2.0) == Some(std::cmp::Ordering::Less) || a.is_nan()) {
             return Err(Error::arg(format!("expert admission {a}: expected a miss count of at least 2")));
+        }
+        if let Some(v) = env_value("FNX_MICRO_BATCH") {
+            o.micro_batch = v.parse().map_err(|_| Error::arg(format!("FNX_MICRO_BATCH={v:?}: expected a number of tokens")))?;
         }
         if o.rewind_window > MAX_REWIND_WINDOW {
             return Err(Error::arg(format!("rewind window {}: at most {MAX_REWIND_WINDOW} positions", o.rewind_window)));
@@ -369,6 +382,7 @@ impl Model {
             metadata: file.metadata,
             n_ctx,
             rewind_window: rewind_window(opts),
+            micro_batch: if opts.micro_batch == 0 { DEFAULT_MICRO_BATCH } else { opts.micro_batch },
             pool,
             cpu_kernels: kernels,
             fingerprint,

@@ -12,6 +12,7 @@ use std::process::ExitCode;
 
 mod bench_cmd;
 mod cli;
+mod heap;
 mod quant_cli;
 mod replay_cmd;
 mod synth_cmd;
@@ -200,6 +201,45 @@ enum Command {
     },
     /// Replay a routing trace through per-layer expert-cache policies (hit rates per slot count).
     Replay(replay_cmd::ReplayArgs),
+    /// Perplexity of a model on a text file (llama-perplexity's convention:
+    /// chunks of --ctx tokens, the second half of each scored).
+    Perplexity {
+        #[arg(long, short)]
+        model: PathBuf,
+        /// The text (UTF-8), tokenized with the model's tokenizer.
+        #[arg(long, short = 'f')]
+        file: PathBuf,
+        /// Tokens per chunk.
+        #[arg(long, default_value_t = 512)]
+        ctx: usize,
+        /// Tokens per prefill pass (0 = the default, 512).
+        #[arg(long, default_value_t = 0)]
+        batch: usize,
+        /// cpu, vulkan or auto.
+        #[arg(long, default_value = "auto")]
+        backend: String,
+        /// Worker threads (0 = all cores).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+    },
+}
+
+fn run_perplexity(model: &std::path::Path, file: &std::path::Path, ctx: usize, batch: usize, backend: &str, threads: usize) -> flashnext::Result<()> {
+    let backend = bench_cmd::parse_backend(backend)?;
+    let opts = flashnext::LoadOptions { backend, micro_batch: batch, n_threads: threads, ..Default::default() };
+    let model = flashnext::Model::load(model, &opts)?;
+    let text = std::fs::read_to_string(file).map_err(|e| flashnext::Error::io(format!("reading {}", file.display()), e))?;
+    let tokens = flashnext::tokenizer::Tokenizer::from_metadata(&model.metadata)?.encode(&text, false, false)?;
+    eprintln!("{} tokens, {} chunks of {ctx}, micro-batch {}", tokens.len(), tokens.len() / ctx, model.micro_batch);
+    let start = std::time::Instant::now();
+    let p = flashnext::perplexity::perplexity(&model, &tokens, ctx, &mut |c, ppl| eprint!("[{c}]{ppl:.4},"))?;
+    eprintln!();
+    let seconds = start.elapsed().as_secs_f64();
+    println!(
+        "Final estimate: PPL = {:.4} +/- {:.5} ({} chunks of {ctx}, {} tokens scored, {:.1} tok/s)",
+        p.ppl, p.error, p.chunks, p.scored, (p.chunks * ctx) as f64 / seconds
+    );
+    Ok(())
 }
 
 fn parse_out_type(s: &str) -> Result<OutType, String> {
@@ -237,6 +277,7 @@ fn main() -> ExitCode {
             })
         }
         Command::Replay(args) => replay_cmd::run(args),
+        Command::Perplexity { model, file, ctx, batch, backend, threads } => run_perplexity(&model, &file, ctx, batch, &backend, threads),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

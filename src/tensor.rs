@@ -11,6 +11,7 @@
 
 use crate::gguf::{GgmlType, Storage, TensorInfo};
 use crate::quant::kernels::{matvec_batch, MatVec};
+use crate::quant::matmul::{matmul_batch, MatMul};
 
 /// A tensor in the mapped file. `dims` are in ggml order (`dims[0]` contiguous):
 /// a linear layer `out x in` is `dims = [in, out]`.
@@ -103,6 +104,32 @@ impl Tensor {
         assert_eq!(y.len(), self.rows(), "{}: output length", self.name);
         self.matvec_rows(0, x, y);
     }
+
+    /// The product over a batch, `ys[t] = W[rows] · xs[t]` (`xs`: [T][cols],
+    /// `ys`: [T][n], rows from `first_row`), as a job for [`matmul_all`].
+    pub fn matmul_job<'a>(&'a self, first_row: usize, xs: &'a [f32], ys: &'a mut [f32]) -> MatMul<'a> {
+        let cols = self.cols();
+        assert_eq!(xs.len() % cols, 0, "{}: inputs are not rows of {cols}", self.name);
+        let t = xs.len() / cols;
+        let n = ys.len().checked_div(t).unwrap_or(0);
+        assert_eq!(ys.len(), n * t, "{}: outputs for {t} tokens", self.name);
+        assert!(first_row + n <= self.rows(), "{}: rows out of range", self.name);
+        let rb = self.row_bytes();
+        MatMul { ty: self.ty, rows: &self.bytes()[first_row * rb..(first_row + n) * rb], cols, xs, ys }
+    }
+
+    /// `ys[t] = W · xs[t]` over all rows, for every token of the batch.
+    pub fn matmul(&self, xs: &[f32], ys: &mut [f32]) {
+        assert_eq!(ys.len() * self.cols(), xs.len() * self.rows(), "{}: output length", self.name);
+        matmul_batch(&mut [self.matmul_job(0, xs, ys)]);
+    }
+}
+
+/// Runs several batched products in one parallel region (inputs shared
+/// between jobs are rounded once per token on the fast path); the numbers are
+/// those of the matrix-vector products token by token.
+pub fn matmul_all(jobs: &mut [MatMul<'_>]) {
+    matmul_batch(jobs);
 }
 
 /// Runs several products in one parallel region (inputs shared between jobs

@@ -170,19 +170,22 @@ every_backend! {
     }
 
     fn failed_and_aborted_calls_leave_the_state(on) {
-        let Some(model) = native(on) else { return };
+        // Micro-batches of 2: the abort callback is polled before each.
+        let path = converted("tiny_native", OutType::F32);
+        let Some(model) = on.load(&path, LoadOptions { rewind_window: 3, micro_batch: 2, ..Default::default() }) else { return };
         let toks = tokens(30, 3);
         let mut s = State::new(model.clone()).unwrap();
         one_by_one(&mut s, &toks[..5]);
         let snap = s.save().unwrap();
-        // An abort after more tokens than the window: undone by a checkpoint.
+        // An abort after more tokens than the window (three passes, six tokens): undone by a checkpoint.
         let mut n = 0;
-        let r = flashnext::generate::decode_tokens(&mut s, &toks[5..20], &mut || { n += 1; n > 12 });
+        let r = flashnext::generate::decode_tokens(&mut s, &toks[5..20], &mut || { n += 1; n > 3 });
         assert!(matches!(r, Err(Error::Aborted)));
+        assert_eq!(n, 4);
         assert_eq!(s.save().unwrap(), snap);
-        // Within the window: undone by a rewind.
+        // Within the window (one pass of two tokens): undone by a rewind.
         let mut n = 0;
-        let r = flashnext::generate::decode_tokens(&mut s, &toks[5..8], &mut || { n += 1; n > 2 });
+        let r = flashnext::generate::decode_tokens(&mut s, &toks[5..8], &mut || { n += 1; n > 1 });
         assert!(matches!(r, Err(Error::Aborted)));
         assert_eq!(s.save().unwrap(), snap);
         // A bad token anywhere: refused before anything runs.

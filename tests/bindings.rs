@@ -136,6 +136,7 @@ fn cpp_example_builds_and_runs() {
     let out = run(Command::new(&plain).arg(model()).arg("Hello, how are you?").args(["--tokens", "12"]));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("assistant: ") && stdout.contains("generated "), "{}", show(&out));
+    assert!(stdout.contains("batch: matches token by token"), "{}", show(&out));
     assert!(stdout.contains("detokenizer: consistent"), "{}", show(&out));
     assert!(stdout.contains("stream: matches detokenize"), "{}", show(&out));
     assert!(stdout.contains("job: matches generate"), "{}", show(&out));

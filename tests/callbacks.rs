@@ -387,7 +387,10 @@ fn log_callback_reports_loads_and_can_be_removed() {
 
 #[test]
 fn abort_leaves_every_decoding_call_without_effect() {
-    let m = load(fixture_gguf(), None).unwrap();
+    // Micro-batches of one token: the abort callback is polled before each.
+    let mut lp = fnx_load_params_default();
+    lp.micro_batch = 1;
+    let m = load(fixture_gguf(), Some(&lp)).unwrap();
     let vocab = unsafe { fnx_model_vocab_size(m) };
     let s = new_state(m);
     c_decode(s, &PROMPT[..2]);
@@ -938,7 +941,8 @@ fn stop_matcher_refuses_empty_strings() {
 
 #[test]
 fn rust_generate_streams_text_and_stops_on_strings() {
-    let m = Model::load(fixture_gguf(), &LoadOptions::default()).unwrap();
+    // Micro-batches of one token: the abort callback is polled before each.
+    let m = Model::load(fixture_gguf(), &LoadOptions { micro_batch: 1, ..Default::default() }).unwrap();
     let prompt: Vec<u32> = PROMPT.iter().map(|&t| t as u32).collect();
     let text = |t: u32| format!("<{t}>").into_bytes();
     let opts = GenerateOptions {
@@ -1158,7 +1162,10 @@ fn cancel_and_abort_leak_nothing() {
     let g = growth(5, || unsafe { fnx_free_model(load(path, None).unwrap()) });
     assert_eq!(g, 0, "load + free leaked {g} bytes");
 
-    let m = load(path, None).unwrap();
+    // Micro-batches of one token: the abort callback is polled before each.
+    let mut lp = fnx_load_params_default();
+    lp.micro_batch = 1;
+    let m = load(path, Some(&lp)).unwrap();
     let budget = AtomicI64::new(0);
     let ud = (&budget as *const AtomicI64).cast_mut().cast::<c_void>();
     let mut sp = fnx_sampler_params_default();
@@ -1261,6 +1268,7 @@ int main(int argc, char **argv) {
     CHECK(fnx_load(argv[1], &lp, &model), FNX_ERR_CANCELLED);
     if (model != NULL || calls != 3) return 1;
     lp.progress_callback = NULL;
+    lp.micro_batch = 1; /* the abort callback is polled before each micro-batch */
     CHECK(fnx_load(argv[1], &lp, &model), FNX_OK);
     if (logs == 0) return 1;
     CHECK(fnx_new_state(model, &state), FNX_OK);

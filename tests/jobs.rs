@@ -243,18 +243,25 @@ fn cancel_takes_effect_before_the_next_token() {
     }
 }
 
-/// Counts the polls of the state's abort callback: one per token decoded.
+/// Counts the polls of the state's abort callback.
 unsafe extern "C" fn count_polls(user: *mut c_void) -> bool {
     // SAFETY: `user` is the test's AtomicUsize, alive while the callback is set.
     unsafe { (*(user as *const AtomicUsize)).fetch_add(1, Ordering::SeqCst) };
     false
 }
 
+/// A cancel lands within the prompt, between two layers of its pass: the
+/// whole prompt is one micro-batch here, so polls between passes alone
+/// would let it run to its end first.
 #[test]
 fn cancel_takes_effect_within_the_prompt() {
-    let m = model();
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/default.gguf");
+    let mut lp = fnx_load_params_default();
+    lp.micro_batch = 4096;
+    let m = util::load(&path, Some(&lp)).unwrap();
     let s = new_state(m);
-    let n_ctx = unsafe { fnx_model_context_length(m) };
+    let (n_ctx, n_layers) = unsafe { (fnx_model_context_length(m), fnx_model_n_layers(m)) };
+    assert!(n_layers >= 3, "the test needs layer boundaries to cancel at");
     let n_prompt = n_ctx.min(4096) - 1;
     let prompt: Vec<i32> = (0..n_prompt as i32).map(|i| (i * 7 + 3) % 200).collect();
     let polls = AtomicUsize::new(0);
@@ -262,7 +269,10 @@ fn cancel_takes_effect_within_the_prompt() {
         assert_eq!(fnx_state_set_abort_callback(s, Some(count_polls), (&polls as *const AtomicUsize).cast_mut().cast()), FNX_OK);
     }
     let job = start(s, &prompt, &params(4));
-    while polls.load(Ordering::SeqCst) < 20 {
+    // One poll before the prompt, then one between each two layers of its
+    // one pass: the second is the first layer boundary.
+    while polls.load(Ordering::SeqCst) < 2 {
+        assert!(!poll(job, 0).finished, "the job ended before its prompt's first layer boundary");
         std::thread::yield_now();
     }
     unsafe { assert_eq!(fnx_job_cancel(job), FNX_OK) };
@@ -271,12 +281,25 @@ fn cancel_takes_effect_within_the_prompt() {
     let after = polls.load(Ordering::SeqCst);
     // The cancel flag is checked before the state's callback: at most the
     // check that was under way when it came sees the callback once more.
-    assert!(after <= at_cancel + 1, "{after} prompt tokens checked after the cancel at {at_cancel}");
-    assert!(after < n_prompt, "the whole prompt was decoded ({after} of {n_prompt})");
+    assert!(after <= at_cancel + 1, "{after} polls after the cancel at {at_cancel}");
+    // The pass's last boundary is poll 1 + (n_layers - 1): it was not reached.
+    assert!(after < n_layers, "the prompt's pass ran to its end ({after} polls, {n_layers} layers)");
     let r = poll(job, 16);
     assert!(r.finished && r.n_tokens == 0 && r.text.is_empty());
     unsafe {
+        // The state is as before the job, and decodes the same as a fresh one.
         assert_eq!(fnx_state_position(s), 0);
+        assert_eq!(fnx_state_set_abort_callback(s, None, std::ptr::null_mut()), FNX_OK);
+        let fresh = new_state(m);
+        let v = fnx_model_vocab_size(m);
+        let (mut a, mut b) = (vec![0f32; v], vec![0f32; v]);
+        for st in [s, fresh] {
+            assert_eq!(fnx_decode_tokens(st, prompt.as_ptr(), 64), FNX_OK);
+        }
+        assert_eq!(fnx_get_logits(s, a.as_mut_ptr(), v), FNX_OK);
+        assert_eq!(fnx_get_logits(fresh, b.as_mut_ptr(), v), FNX_OK);
+        assert_eq!(a, b, "the cancelled state decodes as a fresh one");
+        fnx_free_state(fresh);
         fnx_job_free(job);
         fnx_free_state(s);
         fnx_free_model(m);

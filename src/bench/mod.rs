@@ -2,8 +2,10 @@
 //! time, so flashnext can be compared with itself over time and with
 //! llama.cpp on the same file.
 //!
-//! A run loads the model, feeds a prompt token by token (prompt-processing
-//! tok/s), then decodes greedily: `warmup` tokens untimed, then `gen` tokens
+//! A run loads the model, feeds a prompt in one call (prompt-processing
+//! tok/s, in micro-batches: `--micro-batch 1` gives the token-by-token
+//! figure to compare with; with a counting allocator in the program, the
+//! prefill's peak scratch), then decodes greedily: `warmup` tokens untimed, then `gen` tokens
 //! each timed on its own, reported as median, min and max tok/s. Next to the
 //! speed it reports what bounds it: the bytes of weights one token reads
 //! ([`weight_bytes_per_token`]), the effective bandwidth that implies, and
@@ -22,7 +24,7 @@ pub mod replay;
 pub mod trace;
 mod weights;
 
-pub use crate::cpu::host::{measure_read_bandwidth, peak_rss_bytes, Machine};
+pub use crate::cpu::host::{measure_read_bandwidth, peak_rss_bytes, process_cpu_seconds, Machine};
 pub use weights::{weight_bytes_per_token, WeightBytes};
 
 use crate::error::{Error, Result};
@@ -66,6 +68,22 @@ pub struct BenchOptions {
     /// and timed; see [`trace`]), if anywhere: needs a backend that reports
     /// routing (the CPU; Vulkan with an expert cache).
     pub save_trace: Option<PathBuf>,
+    /// A prompt of this many tokens (a fixed pseudo-random stream over the
+    /// vocabulary, as llama-bench's pp tests) instead of `prompt`; 0 = `prompt`.
+    pub prompt_tokens: usize,
+    /// `LoadOptions::micro_batch` (0 = the default; 1 = token by token).
+    pub micro_batch: usize,
+    /// Reads the process's heap, where the program has a counting allocator:
+    /// the prefill's peak scratch is then reported.
+    pub heap: Option<HeapProbe>,
+}
+
+/// A program's heap counter: `reset` restarts the peak at the bytes in use
+/// now and returns them; `peak` is the most in use since.
+#[derive(Clone, Copy, Debug)]
+pub struct HeapProbe {
+    pub reset: fn() -> u64,
+    pub peak: fn() -> u64,
 }
 
 /// The tokens a benchmark decodes after the prompt.
@@ -103,6 +121,9 @@ impl BenchOptions {
             save_profile: None,
             tokens: GenTokens::Greedy,
             save_trace: None,
+            prompt_tokens: 0,
+            micro_batch: 0,
+            heap: None,
         }
     }
 }
@@ -210,7 +231,16 @@ pub struct BenchReport {
     pub threads: usize,
     pub load_seconds: f64,
     pub prompt_tokens: usize,
+    /// Prompt (prefill) speed: the prompt decoded in one call, in passes of `micro_batch` tokens.
     pub prompt_tok_s: f64,
+    pub micro_batch: usize,
+    /// CPU seconds (every thread) the prefill took: on a machine shared with
+    /// other work a steadier figure than the wall-clock tok/s.
+    pub prompt_cpu_seconds: Option<f64>,
+    /// Heap the prefill allocated beyond what was in use before it, at its
+    /// peak (activations, MoE gathers, the last pass's logits), where the
+    /// program counts its heap; the weights are mapped, not counted.
+    pub prefill_peak_scratch_bytes: Option<u64>,
     pub warmup_tokens: usize,
     pub decode: Rates,
     pub weight_bytes_per_token: WeightBytes,
@@ -298,10 +328,11 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
     let load_opts = LoadOptions {
         backend: opts.backend,
         n_threads: opts.threads,
-        n_ctx: BENCH_CTX,
+        n_ctx: BENCH_CTX.max(opts.prompt_tokens + opts.warmup + opts.gen + PROFILED_TOKENS),
         vram_budget_mb: opts.vram_budget_mb,
         expert_cache_slots: opts.expert_cache_slots,
         routing_profile: opts.routing_profile.clone(),
+        micro_batch: opts.micro_batch,
         ..Default::default()
     };
     let t0 = Instant::now();
@@ -313,11 +344,18 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
     if let Some(r) = &recorder {
         model.observe_routing(Some(r.observer()));
     }
-    let prompt = prompt_tokens(&model, &opts.prompt)?;
+    let prompt = match opts.prompt_tokens {
+        0 => prompt_tokens(&model, &opts.prompt)?,
+        n => random_tokens(n, model.vocab_size()),
+    };
     let mut state = State::new(model.clone())?;
+    let heap_before = opts.heap.map(|h| (h.reset)());
+    let cpu_before = process_cpu_seconds();
     let t1 = Instant::now();
-    state.decode_tokens(&prompt)?;
+    crate::generate::decode_tokens(&mut state, &prompt, &mut || false)?;
     let prompt_seconds = t1.elapsed().as_secs_f64();
+    let prompt_cpu_seconds = process_cpu_seconds().zip(cpu_before).map(|(a, b)| a - b);
+    let prefill_peak_scratch_bytes = opts.heap.zip(heap_before).map(|(h, before)| (h.peak)().saturating_sub(before));
 
     let mut per_token = Vec::with_capacity(opts.gen);
     let mut stream = 0x9e37_79b9_7f4a_7c15u64;
@@ -404,6 +442,9 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
         load_seconds,
         prompt_tokens: prompt.len(),
         prompt_tok_s: prompt.len() as f64 / prompt_seconds,
+        micro_batch: model.micro_batch,
+        prompt_cpu_seconds,
+        prefill_peak_scratch_bytes,
         warmup_tokens: opts.warmup,
         decode,
         weight_bytes_per_token: bytes,
@@ -413,6 +454,19 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
         peak_rss_bytes: peak_rss,
         backend_stats: stats,
     })
+}
+
+/// `n` tokens of a fixed pseudo-random stream over the vocabulary.
+fn random_tokens(n: usize, vocab: usize) -> Vec<u32> {
+    let mut stream = 0x2545_f491_4f6c_dd1du64;
+    (0..n)
+        .map(|_| {
+            stream ^= stream >> 12;
+            stream ^= stream << 25;
+            stream ^= stream >> 27;
+            (stream.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as u32 % vocab as u32
+        })
+        .collect()
 }
 
 /// The prompt as tokens: through the model's tokenizer, or, for a model
@@ -465,7 +519,14 @@ impl BenchReport {
         let lines = [
             format!("machine: {} ({} threads), {:.0} GiB RAM", self.machine.cpu, self.machine.logical_cpus, self.machine.mem_total_bytes as f64 / (1u64 << 30) as f64),
             format!("model: {} ({:.2} GB, {} layers), backend {} ({} CPU kernels), {} threads, loaded in {:.2} s", self.model, gb(self.file_bytes), self.layers, self.backend, self.cpu_kernels, self.threads, self.load_seconds),
-            format!("prompt: {} tokens at {:.2} tok/s", self.prompt_tokens, self.prompt_tok_s),
+            format!(
+                "prompt: {} tokens at {:.2} tok/s (micro-batch {}, {} CPU s), prefill scratch peak {}",
+                self.prompt_tokens,
+                self.prompt_tok_s,
+                self.micro_batch,
+                opt(&self.prompt_cpu_seconds.map(|s| format!("{s:.2}"))),
+                opt(&self.prefill_peak_scratch_bytes.map(|b| format!("{:.1} MB", b as f64 / 1e6)))
+            ),
             format!(
                 "decode: {:.3} tok/s median ({:.1} ms), min {:.3}, max {:.3} over {} tokens after {} warm-up",
                 self.decode.median_tok_s, self.decode.median_ms, self.decode.min_tok_s, self.decode.max_tok_s, self.decode.tokens, self.warmup_tokens

@@ -10,6 +10,7 @@ use super::{
 use super::handle::Lease;
 use crate::generate::{self, GenerateOptions, Generation, StopReason};
 use crate::error::Error;
+use crate::model::LogitsFor;
 use std::ffi::{c_char, c_void, CStr};
 
 /// Receives each generated token and its text: `piece_len` bytes at `piece`
@@ -139,11 +140,13 @@ pub(crate) fn generate_failure(e: Error, func: &str) -> Failure {
     }
 }
 
-/// Decodes `n` tokens in order; the logits are then the last token's. Every
-/// token and the context room are checked before anything is decoded, and
-/// any failure (including `FNX_ERR_ABORTED` from the abort callback, polled
-/// before each token, and `FNX_ERR_INTERNAL` when `n` > 1) leaves the state
-/// as it was. `n` = 0 does nothing.
+/// Decodes `n` tokens in order, in passes of up to the model's micro-batch
+/// (`fnx_load_params.micro_batch`); the logits are then the last token's.
+/// Every token and the context room are checked before anything is decoded,
+/// and any failure (including `FNX_ERR_ABORTED` from the abort callback,
+/// polled before each pass and between its layers, and `FNX_ERR_INTERNAL`
+/// when `n` > 1) leaves the
+/// state as it was. `n` = 0 does nothing.
 ///
 /// # Safety
 /// `state` must be NULL or a live handle, not used by another thread
@@ -170,6 +173,35 @@ pub unsafe extern "C" fn fnx_decode_tokens(
     )
 }
 
+/// `fnx_decode_tokens`, and with `all_logits` true every position's logits
+/// are kept: `fnx_get_logits_ith(state, i, ...)` then reads the logits after
+/// the `i`-th token of this batch (`fnx_get_logits` the last one's either
+/// way). They take `n` times the vocabulary's floats, held until the next
+/// decoding call. Failures as `fnx_decode_tokens`, the state as it was.
+///
+/// # Safety
+/// `state` must be NULL or a live handle, not used by another thread
+/// meanwhile; `tokens` NULL or `n` readable ids.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_decode_batch(state: *mut fnx_state, tokens: *const i32, n: usize, all_logits: bool) -> fnx_status {
+    guard(
+        || {
+            non_null!(state, "fnx_decode_batch", "state");
+            let mut s = check(state, "fnx_decode_batch")?;
+            check_room(&s, tokens, n, "fnx_decode_batch", "tokens")?;
+            // SAFETY: per the contract.
+            let ids = unsafe { token_ids(tokens, n, "fnx_decode_batch", "tokens") }?;
+            let mut abort = s.abort_fn();
+            let which = if all_logits { LogitsFor::All } else { LogitsFor::Last };
+            generate::decode_tokens_with(&mut s.state, &ids, which, &mut abort)
+                .map(|_| ())
+                .map_err(|e| generate_failure(e, "fnx_decode_batch"))
+        },
+        // Only reached after a panic that was not rolled back.
+        || poison(state),
+    )
+}
+
 /// Decodes `prompt` (`n_prompt` tokens; may be empty when the state already
 /// has logits), then generates: picks a token (with `params->sampler`, or
 /// greedily), passes it and its text to `on_token` (may be NULL), and
@@ -181,7 +213,8 @@ pub unsafe extern "C" fn fnx_decode_tokens(
 ///
 /// Arguments are checked before anything is decoded. On any failure,
 /// including `FNX_ERR_ABORTED` (the abort callback is polled before every
-/// token) and `FNX_ERR_INTERNAL` (a bug, caught part way), the state and the
+/// generated token, and before every micro-batch of the prompt and between
+/// its layers) and `FNX_ERR_INTERNAL` (a bug, caught part way), the state and the
 /// sampler are as they were before the call; tokens already passed to
 /// `on_token` are then not part of the state.
 ///

@@ -7,8 +7,9 @@
 //! saying a job holds them. It lets go before it reports that it finished,
 //! so once `fnx_job_poll` says finished (or `fnx_job_wait` returns) the state
 //! can be used again. Cancelling is the abort mechanism: the job polls its
-//! cancel flag (and the state's abort callback) before every token, prompt
-//! tokens included, and a cancelled job leaves the state as it was before
+//! cancel flag (and the state's abort callback) before every generated
+//! token and, in the prompt, before every micro-batch and between its
+//! layers; and a cancelled job leaves the state as it was before
 //! the job, as an aborted `fnx_generate` does.
 
 use super::generate::{check_fits, check_room, generate_failure, request, run, token_ids, Request};

@@ -66,6 +66,11 @@ pub struct fnx_load_params {
     /// 4 GB budget on the model this was measured on) and keeps `n_threads`
     /// cores busy for the whole decode.
     pub spin_wait: i32,
+    /// Most tokens one pass of a prompt computes together
+    /// (`fnx_decode_tokens`, `fnx_decode_batch`, `fnx_generate`'s prompt);
+    /// 0 = the default, 512. Larger batches need more scratch memory; the
+    /// abort callback is polled between them and between their layers.
+    pub micro_batch: u32,
 }
 
 /// `struct_size` of callers built before the progress fields existed; such
@@ -74,7 +79,8 @@ const LOAD_PARAMS_V1_SIZE: usize = std::mem::offset_of!(fnx_load_params, progres
 /// `struct_size` of callers built before the expert-cache and rewind fields
 /// (they read as their defaults).
 const LOAD_PARAMS_V2_SIZE: usize = std::mem::offset_of!(fnx_load_params, expert_cache_slots);
-/// `struct_size` of callers built before `spin_wait` (it reads as -1).
+/// `struct_size` of callers built before `spin_wait` and `micro_batch`
+/// (they read as -1 and the default; both arrived in one release).
 const LOAD_PARAMS_V3_SIZE: usize = std::mem::offset_of!(fnx_load_params, spin_wait);
 
 /// A loaded model (opaque). Share it between threads freely.
@@ -109,6 +115,7 @@ pub extern "C" fn fnx_load_params_default() -> fnx_load_params {
         rewind_window: 0,
         routing_profile: std::ptr::null(),
         spin_wait: -1,
+        micro_batch: 0,
     }
 }
 
@@ -266,6 +273,7 @@ pub unsafe extern "C" fn fnx_load(
                 rewind_window: p.rewind_window as usize,
                 routing_profile,
                 spin_wait,
+                micro_batch: p.micro_batch as usize,
                 ..Default::default()
             };
             let start = std::time::Instant::now();

@@ -11,8 +11,12 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-/// Polled by decoding calls before every token; return true to abort the
-/// call (it then returns `FNX_ERR_ABORTED` and the state is as it was).
+/// Polled by decoding calls before every pass (a generated token, or a
+/// micro-batch of a prompt) and between the layers of a prompt's pass;
+/// return true to abort the call (it then returns `FNX_ERR_ABORTED` and the
+/// state is as it was). Within a prompt's pass it is called from one of the
+/// model's threads (one call at a time, while the decoding call waits), so
+/// it must not rely on running on the calling thread.
 pub type fnx_abort_callback = Option<unsafe extern "C" fn(user_data: *mut c_void) -> bool>;
 
 /// Decode state of one sequence (opaque). Use from one thread at a time.
@@ -175,6 +179,45 @@ pub unsafe extern "C" fn fnx_get_logits(state: *const fnx_state, out: *mut f32, 
     )
 }
 
+/// Copies the logits after the `i`-th token (from 0) of the last decoding
+/// call into `out`, which must hold at least `fnx_model_vocab_size()` floats
+/// (`len` is its capacity). Every position has them after
+/// `fnx_decode_batch(..., true)`; otherwise only the call's last token
+/// (`FNX_ERR_NO_LOGITS` for the others, for `i` past the call's tokens, and
+/// for positions a rewind forgot).
+///
+/// # Safety
+/// `state` must be NULL or a live handle; `out` NULL or `len` writable floats.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_get_logits_ith(state: *const fnx_state, i: usize, out: *mut f32, len: usize) -> fnx_status {
+    guard(
+        || {
+            non_null!(state, "fnx_get_logits_ith", "state");
+            non_null!(out, "fnx_get_logits_ith", "out");
+            let s = check(state, "fnx_get_logits_ith")?;
+            let n = s.state.batch_len();
+            let logits = s.state.batch_logits(i).ok_or_else(|| {
+                let why = if i >= n {
+                    format!("the last call decoded {n} tokens")
+                } else {
+                    "its logits were not kept (decode with fnx_decode_batch(..., true) to keep every position's)".to_string()
+                };
+                fail(FNX_ERR_NO_LOGITS, format!("fnx_get_logits_ith: no logits for token {i}: {why}"))
+            })?;
+            if len < logits.len() {
+                return Err(fail(
+                    FNX_ERR_BUFFER_TOO_SMALL,
+                    format!("fnx_get_logits_ith: buffer holds {len} floats, the vocabulary has {}", logits.len()),
+                ));
+            }
+            // SAFETY: `out` has room for `len >= logits.len()` floats per the contract.
+            unsafe { std::ptr::copy_nonoverlapping(logits.as_ptr(), out, logits.len()) };
+            Ok(())
+        },
+        || {},
+    )
+}
+
 /// Forgets the sequence (position back to 0). Also clears an unusable state.
 ///
 /// # Safety
@@ -256,7 +299,8 @@ pub unsafe extern "C" fn fnx_state_rewind_floor(state: *const fnx_state, out_pos
 }
 
 /// Sets the callback that decoding calls on this state (`fnx_decode_token`,
-/// `fnx_decode_tokens`, `fnx_generate`) poll before every token; NULL removes
+/// `fnx_decode_tokens`, `fnx_decode_batch`, `fnx_generate`) poll before
+/// every pass (each generated token, each micro-batch of a prompt); NULL removes
 /// it. When it returns true the call stops and returns `FNX_ERR_ABORTED`,
 /// leaving the state as it was before the call. It runs on the decoding
 /// thread; calls it makes on this state are refused with `FNX_ERR_BUSY`.

@@ -20,7 +20,7 @@ use crate::error::Result;
 use crate::model::config::{Config, GateActivation};
 use crate::error::zeros;
 use crate::model::weights::Gdn;
-use crate::tensor::matvec_all;
+use crate::tensor::{matmul_all, matvec_all};
 use rayon::prelude::*;
 
 /// Recurrent state of one GDN layer, kept for a window of positions.
@@ -199,5 +199,31 @@ pub fn forward(w: &Gdn, cfg: &Config, st: &mut GdnState, pos: usize, x: &[f32]) 
     let normed = delta_rule(w, cfg, &mut st.planes, pos, &mut c, &p.z, &p.beta, &p.alpha);
     let mut out = vec![0f32; cfg.hidden];
     w.out.matvec(&normed, &mut out);
+    out
+}
+
+/// The tokens at `pos, pos + 1, ..` (inputs `xs`: [T][H]) through the whole
+/// layer: [T][H]. The projections read each matrix once for the batch; the
+/// conv and the delta rule step token by token through the same functions
+/// as [`forward`], so the outputs and the states left are the same.
+pub fn forward_batch(w: &Gdn, cfg: &Config, st: &mut GdnState, pos: usize, xs: &[f32]) -> Vec<f32> {
+    let (nv, d, h) = (cfg.ssm_v_heads, cfg.ssm_head_dim, cfg.hidden);
+    let t = xs.len() / h;
+    let dc = cfg.ssm_conv_dim();
+    let (mut qkv, mut z, mut beta, mut alpha) = (vec![0f32; t * dc], vec![0f32; t * nv * d], vec![0f32; t * nv], vec![0f32; t * nv]);
+    matmul_all(&mut [
+        w.qkv.matmul_job(0, xs, &mut qkv),
+        w.z.matmul_job(0, xs, &mut z),
+        w.beta.matmul_job(0, xs, &mut beta),
+        w.alpha.matmul_job(0, xs, &mut alpha),
+    ]);
+    let mut normed = vec![0f32; t * nv * d];
+    for (i, out) in normed.chunks_exact_mut(nv * d).enumerate() {
+        let mut c = conv(&w.conv, cfg.ssm_conv, &mut st.conv, pos + i, &qkv[i * dc..(i + 1) * dc]);
+        let (zi, bi, ai) = (&z[i * nv * d..(i + 1) * nv * d], &beta[i * nv..(i + 1) * nv], &alpha[i * nv..(i + 1) * nv]);
+        out.copy_from_slice(&delta_rule(w, cfg, &mut st.planes, pos + i, &mut c, zi, bi, ai));
+    }
+    let mut out = vec![0f32; t * h];
+    w.out.matmul(&normed, &mut out);
     out
 }

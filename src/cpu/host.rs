@@ -53,6 +53,17 @@ pub fn peak_rss_bytes() -> Option<u64> {
     kb(proc_field("/proc/self/status", "VmHWM"))
 }
 
+/// CPU seconds this process has used (user and system, every thread) from
+/// `/proc/self/stat`, in clock ticks of 1/100 s; `None` off Linux.
+pub fn process_cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may hold spaces) closed by ')'.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split(' ').collect();
+    let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
+}
+
 /// Bytes of the buffer [`measure_read_bandwidth`] reads: far larger than any cache.
 const BANDWIDTH_BUFFER: usize = 1 << 30;
 

@@ -9,6 +9,7 @@
 
 use super::ops::{rms_norm_grouped, sigmoid, silu};
 use crate::model::weights::HyperConnection;
+use crate::tensor::matmul_all;
 
 /// Result of the pre step: the block input and per-stream injection weights.
 pub struct HcPre {
@@ -64,6 +65,34 @@ pub fn pre(hc: &HyperConnection, residual: &[f32], streams: usize, eps: f32) -> 
     let xn = norm(&hc.norm, residual, streams, eps);
     let mix = mix_logits(hc, &xn, streams);
     HcPre { input: combine(&mix, &xn, streams), inject: inject(hc, &xn, streams) }
+}
+
+/// [`pre`] for a batch of residuals ([T][C*H]): the same steps, each matrix
+/// read once for all the tokens.
+pub fn pre_batch(hc: &HyperConnection, residuals: &[f32], streams: usize, eps: f32) -> Vec<HcPre> {
+    let ch = hc.up.rows();
+    let t = residuals.len() / ch;
+    let mut xn = vec![0f32; residuals.len()];
+    for (x, o) in residuals.chunks_exact(ch).zip(xn.chunks_exact_mut(ch)) {
+        rms_norm_grouped(x, &hc.norm, ch / streams, eps, o);
+    }
+    let c = streams as f32;
+    let mut low = vec![0f32; t * hc.down.rows()];
+    let mut logits = vec![0f32; t * hc.inject.as_ref().map_or(0, |w| w.rows())];
+    match &hc.inject {
+        Some(w) => matmul_all(&mut [hc.down.matmul_job(0, &xn, &mut low), w.matmul_job(0, &xn, &mut logits)]),
+        None => hc.down.matmul(&xn, &mut low),
+    }
+    low.iter_mut().for_each(|v| *v = silu(*v / c));
+    let mut mix = vec![0f32; t * ch];
+    hc.up.matmul(&low, &mut mix);
+    let per = logits.len() / t.max(1);
+    (0..t)
+        .map(|i| HcPre {
+            input: combine(&mix[i * ch..(i + 1) * ch], &xn[i * ch..(i + 1) * ch], streams),
+            inject: logits[i * per..(i + 1) * per].iter().map(|&v| 2.0 * sigmoid(v / c)).collect(),
+        })
+        .collect()
 }
 
 /// `X_c += w_c * o` for every stream.

@@ -4,9 +4,38 @@
 //!
 //! Every block function comes in the stages the Vulkan backend runs as
 //! shaders, so that each formula exists once: the Vulkan stage twins call
-//! these functions to check the shaders. A batch of `T` tokens runs each
-//! block over its tokens in position order (the recurrent states and
-//! caches advance token by token inside the block).
+//! these functions to check the shaders.
+//!
+//! # Batches (prefill)
+//!
+//! A batch of `T` tokens (a prompt's micro-batch, `LoadOptions::micro_batch`,
+//! 512 by default) goes through each block at once, its weights read once
+//! for the batch:
+//!
+//! * every dense projection (GDN and attention inputs and outputs, the QSA
+//!   indexer, hyper-connections, PLE, router, shared expert, LM head) is one
+//!   matrix product over the `T` activations (`quant::matmul`: each row meets
+//!   all the tokens while it is in cache, activations rounded once per token
+//!   on the integer path, parallel over pieces of rows);
+//! * the MoE is grouped by expert ([`moe::expert_outputs_grouped`]): the
+//!   tokens routed to each expert are gathered, each expert runs once over
+//!   its tokens, and the outputs go back to their tokens, combined in route
+//!   order as one token's are;
+//! * what carries state from one token to the next steps token by token in
+//!   position order through the one-token functions: the GDN conv and delta
+//!   rule, the attention and indexer caches, the PLE conv ring; QSA's
+//!   selection and attention then run in parallel over the batch's queries,
+//!   each reading only what was cached up to its own position;
+//! * the LM head runs for the positions whose logits are wanted only.
+//!
+//! Each number is the one the token-by-token path computes (the products
+//! are the same row kernels on the same rounded activations, the sums in
+//! the same order), so a batch's logits equal token-by-token decoding bit
+//! for bit: tests/prefill.rs checks that and the golden logits at batch
+//! splits 1, 7, 64 and whole sequences. Scratch grows with `T`: the largest
+//! is the MoE's gathered inputs and hidden activations, about
+//! `T * k * (H + 3 F)` floats for `k` experts per token of `F` features,
+//! plus the logits asked for (`T * V` with every position's).
 
 pub mod gdn;
 pub mod host;
@@ -25,7 +54,6 @@ use crate::error::copy_of;
 use crate::model::{LayerKind, Model};
 use gdn::{ring_row, GdnState};
 use hyper::HcPre;
-use moe::Expert;
 use ops::Rope;
 use qsa::AttnState;
 
@@ -284,6 +312,11 @@ impl CpuPass<'_> {
     }
 }
 
+/// The block inputs of a batch side by side: [T][H].
+fn inputs(branch: &[HcPre]) -> Vec<f32> {
+    branch.iter().flat_map(|b| b.input.iter().copied()).collect()
+}
+
 impl Blocks for CpuPass<'_> {
     type Streams = Vec<f32>;
     type Branch = Vec<HcPre>;
@@ -296,13 +329,11 @@ impl Blocks for CpuPass<'_> {
     }
 
     fn ple(&mut self, layer: usize, rows: &[f32], x: &mut Vec<f32>) -> Result<()> {
-        let (cfg, ch) = (&self.model.config, self.width());
+        let cfg = &self.model.config;
         let (Some(w), Some(p), Some(ring)) = (&self.model.weights.layers[layer].ple, &cfg.ple, self.state.ple_ring.as_mut()) else {
             return Ok(());
         };
-        for (i, (e, xi)) in rows.chunks_exact(cfg.hidden).zip(x.chunks_exact_mut(ch)).enumerate() {
-            ple::forward(w, p, cfg, ring, self.batch.pos + i, e, xi);
-        }
+        ple::forward_batch(w, p, cfg, ring, self.batch.pos, rows, x);
         Ok(())
     }
 
@@ -313,7 +344,7 @@ impl Blocks for CpuPass<'_> {
             Site::Moe(i) => &l[i].ffn_hc,
         };
         let cfg = &self.model.config;
-        Ok(x.chunks_exact(self.width()).map(|xi| hyper::pre(hc, xi, cfg.hc, cfg.eps)).collect())
+        Ok(hyper::pre_batch(hc, x, cfg.hc, cfg.eps))
     }
 
     fn gdn(&mut self, layer: usize, branch: &Vec<HcPre>, x: &mut Vec<f32>) -> Result<()> {
@@ -321,9 +352,9 @@ impl Blocks for CpuPass<'_> {
         let (Mixer::Gdn(w), LayerState::Gdn(st)) = (&self.model.weights.layers[layer].mixer, &mut self.state.layers[layer]) else {
             unreachable!("weights, config and state agree on layer kinds")
         };
-        for (i, (b, xi)) in branch.iter().zip(x.chunks_exact_mut(ch)).enumerate() {
-            let y = gdn::forward(w, cfg, st, pos + i, &b.input);
-            hyper::post(xi, &y, &b.inject);
+        let ys = gdn::forward_batch(w, cfg, st, pos, &inputs(branch));
+        for ((b, xi), y) in branch.iter().zip(x.chunks_exact_mut(ch)).zip(ys.chunks_exact(cfg.hidden)) {
+            hyper::post(xi, y, &b.inject);
         }
         Ok(())
     }
@@ -338,17 +369,22 @@ impl Blocks for CpuPass<'_> {
         else {
             unreachable!("weights, config and state agree on layer kinds")
         };
-        for (i, (b, xi)) in branch.iter().zip(x.chunks_exact_mut(ch)).enumerate() {
-            let y = qsa::forward(w, cfg, ratio, &self.rope, st, &b.input, pos + i);
-            hyper::post(xi, &y, &b.inject);
+        let ys = qsa::forward_batch(w, cfg, ratio, &self.rope, st, &inputs(branch), pos);
+        for ((b, xi), y) in branch.iter().zip(x.chunks_exact_mut(ch)).zip(ys.chunks_exact(cfg.hidden)) {
+            hyper::post(xi, y, &b.inject);
         }
         Ok(())
     }
 
     fn moe_route(&mut self, layer: usize, branch: &Vec<HcPre>) -> Result<Vec<Routing>> {
-        let w = &self.model.weights.layers[layer].moe;
-        let routes: Vec<Routing> =
-            branch.iter().map(|b| Routing { routes: moe::route(w, &self.model.config, &b.input), gate: moe::shared_gate(w, &b.input) }).collect();
+        let (w, cfg) = (&self.model.weights.layers[layer].moe, &self.model.config);
+        let mut logits = vec![0f32; branch.len() * cfg.n_experts];
+        w.router.matmul(&inputs(branch), &mut logits);
+        let routes: Vec<Routing> = branch
+            .iter()
+            .zip(logits.chunks_exact(cfg.n_experts))
+            .map(|(b, p)| Routing { routes: moe::choose(cfg, p.to_vec()), gate: moe::shared_gate(w, &b.input) })
+            .collect();
         for r in &routes {
             self.model.report_routing(layer, &r.routes.iter().map(|&(e, _)| e as u32).collect::<Vec<_>>());
         }
@@ -357,15 +393,8 @@ impl Blocks for CpuPass<'_> {
 
     fn moe_experts(&mut self, layer: usize, branch: &Vec<HcPre>, routes: &Vec<Routing>) -> Result<Vec<Vec<f32>>> {
         let w = &self.model.weights.layers[layer].moe;
-        Ok(branch
-            .iter()
-            .zip(routes)
-            .map(|(b, r)| {
-                let mut experts: Vec<Expert> = r.routes.iter().map(|&(e, _)| Expert::Routed(e)).collect();
-                experts.push(Expert::Shared);
-                moe::expert_outputs(w, &self.model.config, &b.input, &experts)
-            })
-            .collect())
+        let chosen: Vec<Vec<(usize, f32)>> = routes.iter().map(|r| r.routes.clone()).collect();
+        Ok(moe::expert_outputs_grouped(w, &self.model.config, &inputs(branch), &chosen))
     }
 
     fn moe_combine(&mut self, _layer: usize, branch: &Vec<HcPre>, routes: &Vec<Routing>, experts: Vec<Vec<f32>>, x: &mut Vec<f32>) -> Result<()> {
@@ -380,16 +409,15 @@ impl Blocks for CpuPass<'_> {
 
     fn head(&mut self, x: &Vec<f32>) -> Result<()> {
         let (cfg, w) = (&self.model.config, &self.model.weights);
-        let tokens: Vec<&[f32]> = x.chunks_exact(self.width()).collect();
+        let ch = self.width();
         let wanted = match self.batch.logits {
-            LogitsFor::Last => &tokens[tokens.len() - 1..],
-            LogitsFor::All => &tokens[..],
+            LogitsFor::Last => &x[x.len() - ch..],
+            LogitsFor::All => &x[..],
         };
-        let mut logits = crate::error::zeros(wanted.len().checked_mul(cfg.vocab), "logits")?;
-        for (xi, out) in wanted.iter().zip(logits.chunks_exact_mut(cfg.vocab)) {
-            let mixed = hyper::pre(&w.output_hc, xi, cfg.hc, cfg.eps);
-            w.output.matvec(&mixed.input, out);
-        }
+        let n = wanted.len() / ch;
+        let mut logits = crate::error::zeros(n.checked_mul(cfg.vocab), "logits")?;
+        let mixed = hyper::pre_batch(&w.output_hc, wanted, cfg.hc, cfg.eps);
+        w.output.matmul(&inputs(&mixed), &mut logits);
         self.logits = logits;
         Ok(())
     }

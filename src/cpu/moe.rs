@@ -9,12 +9,17 @@
 use super::ops::{dot, sigmoid, silu, softmax};
 use crate::model::config::Config;
 use crate::model::weights::{ExpertGateUp, Moe};
-use crate::tensor::matvec_all;
+use crate::tensor::{matmul_all, matvec_all};
 
 /// The router's choice for one token: expert ids and their normalised weights.
 pub fn route(w: &Moe, cfg: &Config, x: &[f32]) -> Vec<(usize, f32)> {
     let mut p = vec![0f32; cfg.n_experts];
     w.router.matvec(x, &mut p);
+    choose(cfg, p)
+}
+
+/// The router's choice from its logits `p` ([E]).
+pub fn choose(cfg: &Config, mut p: Vec<f32>) -> Vec<(usize, f32)> {
     softmax(&mut p);
     let mut order: Vec<usize> = (0..cfg.n_experts).collect();
     order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
@@ -86,6 +91,83 @@ pub fn expert_outputs(w: &Moe, cfg: &Config, x: &[f32], experts: &[Expert]) -> V
         matvec_all(&mut jobs);
     }
     ys
+}
+
+/// The expert outputs of a batch (`xs`: [T][H], `routes` per token), grouped
+/// by expert: the tokens routed to an expert are gathered and the expert runs
+/// once over them (its weights read once for the batch), the shared expert
+/// once over all the tokens; gate and up of every expert share one parallel
+/// region, the down projections another. Returns per token what
+/// [`expert_outputs`] returns for its routed experts in route order and the
+/// shared one, the same numbers: [T][k+1][H].
+pub fn expert_outputs_grouped(w: &Moe, cfg: &Config, xs: &[f32], routes: &[Vec<(usize, f32)>]) -> Vec<Vec<f32>> {
+    let (h, f, fs) = (cfg.hidden, cfg.expert_ff, cfg.shared_ff);
+    let t = xs.len() / h;
+    // Per expert the (token, slot) pairs routed to it, in token order.
+    let mut members: Vec<Vec<(usize, usize)>> = vec![Vec::new(); cfg.n_experts];
+    for (tok, r) in routes.iter().enumerate() {
+        for (slot, &(e, _)) in r.iter().enumerate() {
+            members[e].push((tok, slot));
+        }
+    }
+    let used: Vec<usize> = (0..cfg.n_experts).filter(|&e| !members[e].is_empty()).collect();
+    let inputs: Vec<Vec<f32>> = used.iter().map(|&e| members[e].iter().flat_map(|&(tok, _)| &xs[tok * h..(tok + 1) * h]).copied().collect()).collect();
+    // Per used expert `gate` and `up`: [m][f] each; the shared expert's: [T][fs].
+    let mut gates: Vec<Vec<f32>> = used.iter().map(|&e| vec![0f32; members[e].len() * f]).collect();
+    let mut ups: Vec<Vec<f32>> = gates.clone();
+    let mut fused: Vec<Vec<f32>> = Vec::new();
+    let (mut shared_g, mut shared_u) = (vec![0f32; t * fs], vec![0f32; t * fs]);
+    {
+        let mut jobs = Vec::with_capacity(2 * used.len() + 2);
+        match &w.gate_up {
+            ExpertGateUp::Fused(gu) => {
+                fused = used.iter().map(|&e| vec![0f32; members[e].len() * 2 * f]).collect();
+                for ((&e, x), y) in used.iter().zip(&inputs).zip(fused.iter_mut()) {
+                    jobs.push(gu.matmul_job(e * 2 * f, x, y));
+                }
+            }
+            ExpertGateUp::Separate { gate, up } => {
+                for (((&e, x), g), u) in used.iter().zip(&inputs).zip(gates.iter_mut()).zip(ups.iter_mut()) {
+                    jobs.push(gate.matmul_job(e * f, x, g));
+                    jobs.push(up.matmul_job(e * f, x, u));
+                }
+            }
+        }
+        jobs.push(w.shared_gate_proj.matmul_job(0, xs, &mut shared_g));
+        jobs.push(w.shared_up.matmul_job(0, xs, &mut shared_u));
+        matmul_all(&mut jobs);
+    }
+    for (i, gu) in fused.iter().enumerate() {
+        for (tok, both) in gu.chunks_exact(2 * f).enumerate() {
+            gates[i][tok * f..(tok + 1) * f].copy_from_slice(&both[..f]);
+            ups[i][tok * f..(tok + 1) * f].copy_from_slice(&both[f..]);
+        }
+    }
+    for (g, u) in gates.iter_mut().chain(std::iter::once(&mut shared_g)).zip(ups.iter().chain(std::iter::once(&shared_u))) {
+        for (gv, uv) in g.iter_mut().zip(u) {
+            *gv = silu(*gv) * uv;
+        }
+    }
+    let mut downs: Vec<Vec<f32>> = used.iter().map(|&e| vec![0f32; members[e].len() * h]).collect();
+    let mut shared_y = vec![0f32; t * h];
+    {
+        let mut jobs = Vec::with_capacity(used.len() + 1);
+        for ((&e, hidden), y) in used.iter().zip(&gates).zip(downs.iter_mut()) {
+            jobs.push(w.down.matmul_job(e * h, hidden, y));
+        }
+        jobs.push(w.shared_down.matmul_job(0, &shared_g, &mut shared_y));
+        matmul_all(&mut jobs);
+    }
+    let mut out: Vec<Vec<f32>> = routes.iter().map(|r| vec![0f32; (r.len() + 1) * h]).collect();
+    for (&e, y) in used.iter().zip(&downs) {
+        for (&(tok, slot), yt) in members[e].iter().zip(y.chunks_exact(h)) {
+            out[tok][slot * h..(slot + 1) * h].copy_from_slice(yt);
+        }
+    }
+    for ((o, r), y) in out.iter_mut().zip(routes).zip(shared_y.chunks_exact(h)) {
+        o[r.len() * h..].copy_from_slice(y);
+    }
+    out
 }
 
 /// `sum_e w_e y_e` in route order, then `+ gate * shared`: [H].

@@ -16,6 +16,7 @@ use crate::error::Result;
 use crate::model::config::{Config, PleConfig};
 use crate::error::zeros;
 use crate::model::weights::Ple;
+use crate::tensor::matmul_all;
 
 /// Rows of the PLE conv ring: the conv's reach `(Kp-1)*G` plus the rewind window.
 pub fn conv_rows(p: &PleConfig, window: usize) -> usize {
@@ -81,4 +82,18 @@ pub fn mix(w: &Ple, p: &PleConfig, cfg: &Config, ring: &mut [f32], pos: usize, k
 pub fn forward(w: &Ple, p: &PleConfig, cfg: &Config, ring: &mut [f32], pos: usize, e: &[f32], residual: &mut [f32]) {
     let (key, value) = project(w, e);
     mix(w, p, cfg, ring, pos, &key, &value, residual);
+}
+
+/// [`forward`] for the tokens at `pos, pos + 1, ..` (table rows `es`: [T][H],
+/// residuals [T][C*H]): the projections read each matrix once for the batch,
+/// the mix steps token by token (the conv ring carries from one to the next).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_batch(w: &Ple, p: &PleConfig, cfg: &Config, ring: &mut [f32], pos: usize, es: &[f32], residuals: &mut [f32]) {
+    let t = es.len() / cfg.hidden;
+    let (kw, vw) = (w.key.rows(), w.value.rows());
+    let (mut keys, mut values) = (vec![0f32; t * kw], vec![0f32; t * vw]);
+    matmul_all(&mut [w.key.matmul_job(0, es, &mut keys), w.value.matmul_job(0, es, &mut values)]);
+    for (i, x) in residuals.chunks_exact_mut(cfg.hc * cfg.hidden).enumerate() {
+        mix(w, p, cfg, ring, pos + i, &keys[i * kw..(i + 1) * kw], &values[i * vw..(i + 1) * vw], x);
+    }
 }

@@ -26,7 +26,7 @@ use super::ops::{dot, rms_norm, sigmoid, softmax, Rope};
 use crate::error::{Error, Result};
 use crate::model::config::Config;
 use crate::model::weights::{Attention, Indexer};
-use crate::tensor::matvec_all;
+use crate::tensor::{matmul_all, matvec_all};
 use rayon::prelude::*;
 
 /// KV and indexer caches of one attention layer; they grow with the sequence.
@@ -162,10 +162,20 @@ fn select_tokens(ix: Option<&Indexer>, cfg: &Config, ratio: usize, rope: &Rope, 
         ix.q_proj.matvec(x, &mut iq);
     }
     index(ix, cfg, ratio, rope, st, &raw, &mut iq, t);
+    chosen(cfg, ratio, &st.block_keys, &iq, t)
+}
+
+/// The chosen blocks whole, then the tail, for the query at `t` whose
+/// indexer heads `iq` are normed and rotated; reads only the blocks complete
+/// at `t` (of `block_keys`, which may hold later ones).
+fn chosen(cfg: &Config, ratio: usize, block_keys: &[f32], iq: &[f32], t: usize) -> Vec<usize> {
+    let qsa = cfg.qsa.as_ref().expect("indexer implies QSA config");
+    let n_tokens = t + 1;
+    let n_complete = n_tokens / ratio;
     let mut selected: Vec<usize> = Vec::with_capacity((qsa.budget + ratio).min(n_tokens));
     if n_complete > 0 {
         let keep = (qsa.budget / ratio).min(n_complete);
-        for b in top_blocks(&score_blocks(&iq, &st.block_keys, qsa.head_dim), keep) {
+        for b in top_blocks(&score_blocks(iq, &block_keys[..n_complete * qsa.head_dim], qsa.head_dim), keep) {
             selected.extend(b * ratio..(b + 1) * ratio);
         }
     }
@@ -213,5 +223,55 @@ pub fn forward(w: &Attention, cfg: &Config, ratio: usize, rope: &Rope, st: &mut 
     let out = attend(cfg, &q, &qg, &st.keys, &st.values, &selected);
     let mut y = vec![0f32; cfg.hidden];
     w.o.matvec(&out, &mut y);
+    y
+}
+
+/// The tokens at `t, t + 1, ..` (inputs `xs`: [T][H]) through the whole
+/// layer: [T][H]. The projections (indexer included) read each matrix once
+/// for the batch; the caches then grow token by token in order ([`prep`],
+/// [`index`]); each query's selection and attention read only what was
+/// cached up to its own position, so they run in parallel over the tokens.
+/// Every number is the one [`forward`] computes token by token.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_batch(w: &Attention, cfg: &Config, ratio: usize, rope: &Rope, st: &mut AttnState, xs: &[f32], t: usize) -> Vec<f32> {
+    let (nh, nkv, hd, h) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden);
+    let n = xs.len() / h;
+    let (mut qg, mut k, mut v) = (vec![0f32; n * 2 * nh * hd], vec![0f32; n * nkv * hd], vec![0f32; n * nkv * hd]);
+    let ix = w.indexer.as_ref();
+    let (iw, qw) = cfg.qsa.as_ref().filter(|_| ix.is_some()).map_or((0, 0), |q| (q.head_dim, q.n_heads * q.head_dim));
+    let (mut raw, mut iq) = (vec![0f32; n * iw], vec![0f32; n * qw]);
+    {
+        let mut jobs = vec![w.q.matmul_job(0, xs, &mut qg), w.k.matmul_job(0, xs, &mut k), w.v.matmul_job(0, xs, &mut v)];
+        if let Some(ix) = ix {
+            jobs.push(ix.k_proj.matmul_job(0, xs, &mut raw));
+            jobs.push(ix.q_proj.matmul_job(0, xs, &mut iq));
+        }
+        matmul_all(&mut jobs);
+    }
+    let mut q = vec![0f32; n * nh * hd];
+    let (qgw, kw) = (2 * nh * hd, nkv * hd);
+    for i in 0..n {
+        let qi = prep(w, cfg, rope, st, &qg[i * qgw..(i + 1) * qgw], &k[i * kw..(i + 1) * kw], &v[i * kw..(i + 1) * kw], t + i);
+        q[i * nh * hd..(i + 1) * nh * hd].copy_from_slice(&qi);
+        if let Some(ix) = ix {
+            index(ix, cfg, ratio, rope, st, &raw[i * iw..(i + 1) * iw], &mut iq[i * qw..(i + 1) * qw], t + i);
+        }
+    }
+    let st = &*st;
+    let mut out = vec![0f32; n * nh * hd];
+    let query = |(i, o): (usize, &mut [f32])| {
+        let selected = match ix {
+            Some(_) => chosen(cfg, ratio, &st.block_keys, &iq[i * qw..(i + 1) * qw], t + i),
+            None => (0..=t + i).collect(),
+        };
+        o.copy_from_slice(&attend(cfg, &q[i * nh * hd..(i + 1) * nh * hd], &qg[i * qgw..(i + 1) * qgw], &st.keys, &st.values, &selected));
+    };
+    if n > 1 {
+        out.par_chunks_mut(nh * hd).enumerate().for_each(query);
+    } else {
+        out.chunks_mut(nh * hd).enumerate().for_each(query);
+    }
+    let mut y = vec![0f32; n * h];
+    w.o.matmul(&out, &mut y);
     y
 }

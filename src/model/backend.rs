@@ -57,7 +57,7 @@ pub enum LogitsFor {
 }
 
 /// Tokens decoded together: `tokens[i]` at position `pos + i`.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy)]
 pub struct Batch<'a> {
     pub tokens: &'a [u32],
     pub pos: usize,
@@ -65,6 +65,51 @@ pub struct Batch<'a> {
     /// context; EOS stands in for positions before the sequence start).
     pub history: &'a [u32],
     pub logits: LogitsFor,
+    /// Asked between layers of a pass of more than one token; `true` ends
+    /// the pass with [`crate::Error::Aborted`], the backend state part way
+    /// (the caller undoes it, as any failed pass of a prompt).
+    pub abort: Option<&'a dyn PollAbort>,
+}
+
+impl std::fmt::Debug for Batch<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batch")
+            .field("tokens", &self.tokens)
+            .field("pos", &self.pos)
+            .field("history", &self.history.len())
+            .field("logits", &self.logits)
+            .field("abort", &self.abort.is_some())
+            .finish()
+    }
+}
+
+/// A caller's request to stop, asked by the layer walk from whichever thread
+/// runs it (the CPU backend's walk runs on the model's threads).
+pub trait PollAbort: Sync {
+    fn aborted(&self) -> bool;
+}
+
+/// A caller's abort poll lent to one pass: the pass asks it from its own
+/// thread while the caller waits for the pass, one call at a time.
+pub struct LentAbort<'a>(std::sync::Mutex<&'a mut dyn FnMut() -> bool>);
+
+impl<'a> LentAbort<'a> {
+    pub fn new(poll: &'a mut dyn FnMut() -> bool) -> Self {
+        Self(std::sync::Mutex::new(poll))
+    }
+}
+
+// SAFETY: the poll is only called under the mutex, by the one thread that
+// runs the pass, while the thread that lent it is blocked in the pass; the
+// callers' polls are C callbacks (a function pointer and its user data, which
+// the C API documents as called from the model's threads) and flags.
+unsafe impl Sync for LentAbort<'_> {}
+
+impl PollAbort for LentAbort<'_> {
+    fn aborted(&self) -> bool {
+        let mut poll = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        (*poll)()
+    }
 }
 
 impl Batch<'_> {

@@ -4,7 +4,7 @@
 
 use super::backend::{Batch, Blocks, Site};
 use super::{ple, LayerKind, Model};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// Runs `batch` through the network on `b`; the logits are `b`'s to read.
 pub fn forward<B: Blocks>(model: &Model, batch: &Batch, b: &mut B) -> Result<()> {
@@ -30,6 +30,10 @@ pub fn forward<B: Blocks>(model: &Model, batch: &Batch, b: &mut B) -> Result<()>
         let routes = b.moe_route(l, &branch)?;
         let experts = b.moe_experts(l, &branch, &routes)?;
         b.moe_combine(l, &branch, &routes, experts, &mut x)?;
+        // Not in transformers: a long pass can be cancelled between layers.
+        if batch.tokens.len() > 1 && l + 1 < cfg.layers.len() && batch.abort.is_some_and(|a| a.aborted()) {
+            return Err(Error::Aborted);
+        }
     }
     // hidden_states = self.hyper_connection_mixer(hidden_states); logits = lm_head(hidden_states)
     b.head(&x)

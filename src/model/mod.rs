@@ -39,6 +39,8 @@ pub struct Model {
     pub n_ctx: usize,
     /// Positions a state can step back without a copy (see [`backend`]).
     pub rewind_window: usize,
+    /// Most tokens one backend pass takes (`LoadOptions::micro_batch`).
+    pub micro_batch: usize,
     /// Host threads for this model's work; `None` = rayon's global pool.
     pub(crate) pool: Option<rayon::ThreadPool>,
     /// The kernels of the quantized weights' products on the host.

@@ -18,7 +18,7 @@
 //! ([`State::checkpoint`]) returns further back, at the price of a copy of
 //! the fixed-size recurrent state.
 
-use super::backend::{Batch, BackendState, Checkpoint, LogitsFor, PassStats};
+use super::backend::{Batch, BackendState, Checkpoint, LogitsFor, PassStats, PollAbort};
 use super::Model;
 use crate::error::{copy_of, Error, Result};
 use std::sync::Arc;
@@ -73,6 +73,22 @@ impl State {
             let i = pos - r.after;
             &r.data[i * v..(i + 1) * v]
         })
+    }
+
+    /// The logits of the `i`-th token (from 0) of the latest batch, when they
+    /// were computed ([`LogitsFor::All`], or the batch's last token) and the
+    /// state has not been rewound before it.
+    pub fn batch_logits(&self, i: usize) -> Option<&[f32]> {
+        let at = self.batch_start.checked_add(i)?.checked_add(1)?;
+        if at > self.pos {
+            return None;
+        }
+        self.logits_at(at)
+    }
+
+    /// Tokens of the latest batch still decoded (0 after a reset or a rewind before it).
+    pub fn batch_len(&self) -> usize {
+        self.pos.saturating_sub(self.batch_start)
     }
 
     /// The earliest position [`State::rewind`] can return to.
@@ -150,6 +166,12 @@ impl State {
         self.decode_batch(tokens, LogitsFor::Last).map(|_| ())
     }
 
+    /// Most tokens one backend pass takes: the model's micro-batch, or fewer
+    /// where the backend takes fewer at once.
+    pub fn pass_size(&self) -> usize {
+        self.backend.max_batch().min(self.model.micro_batch).max(1)
+    }
+
     /// Checks that `tokens` are all in the vocabulary and fit in the context,
     /// without changing anything.
     pub fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
@@ -170,28 +192,49 @@ impl State {
         Ok(())
     }
 
-    /// Decodes `tokens` in order, in batches the backend takes at once. With
+    /// Decodes `tokens` in order, in passes of up to the model's micro-batch
+    /// (fewer where the backend takes fewer at once). With
     /// [`LogitsFor::All`] returns every token's logits ([T][V]); with `Last`
     /// nothing (the last token's are [`State::logits`] either way). Every
     /// token and the context room are checked before anything is decoded; a
     /// failure part way rolls back, so on error nothing has changed (or the
     /// state is lost).
     pub fn decode_batch(&mut self, tokens: &[u32], which: LogitsFor) -> Result<Vec<f32>> {
+        self.decode_more(tokens, which, true, true, None)
+    }
+
+    /// [`State::decode_batch`]; `new_batch` false continues the latest batch
+    /// (a prompt in micro-batches: [`State::batch_logits`] then reads all of
+    /// it); `keep_last` false drops the last token's logits too with
+    /// [`LogitsFor::Last`] (a prompt's micro-batch before its last).
+    /// `abort` is asked between the layers of every pass of more than one
+    /// token (see [`Batch::abort`]); an abort in a lone pass is the caller's
+    /// to undo (as [`crate::generate`]'s prompt does for all of its passes).
+    pub(crate) fn decode_more(
+        &mut self,
+        tokens: &[u32],
+        which: LogitsFor,
+        new_batch: bool,
+        keep_last: bool,
+        abort: Option<&dyn PollAbort>,
+    ) -> Result<Vec<f32>> {
         self.check_usable()?;
         self.check_tokens(tokens)?;
         if tokens.is_empty() {
             return Ok(Vec::new());
         }
-        let max = self.backend.max_batch().max(1);
+        let max = self.pass_size();
         // More than one pass: a failure after the first is undone.
         let undo = if tokens.len() > max { Some(self.undo_point(Some(tokens.len()))?) } else { None };
         let start = self.pos;
-        self.batch_start = start;
+        if new_batch {
+            self.batch_start = start;
+        }
         let last = tokens.len().div_ceil(max) - 1;
         for (i, chunk) in tokens.chunks(max).enumerate() {
             // With `Last`, only the final chunk's logits are the caller's.
-            let keep = which == LogitsFor::All || i == last;
-            if let Err(e) = self.forward(chunk, which, keep) {
+            let keep = which == LogitsFor::All || (i == last && keep_last);
+            if let Err(e) = self.forward(chunk, which, keep, abort) {
                 if let (Some(u), false) = (&undo, matches!(e, Error::StateLost(_))) {
                     self.undo(u)?;
                 }
@@ -209,9 +252,9 @@ impl State {
 
     /// One backend pass over `tokens` (at most `max_batch`); its logits are
     /// kept as the positions' when `keep`.
-    fn forward(&mut self, tokens: &[u32], which: LogitsFor, keep: bool) -> Result<()> {
+    fn forward(&mut self, tokens: &[u32], which: LogitsFor, keep: bool, abort: Option<&dyn PollAbort>) -> Result<()> {
         let vocab = self.model.config.vocab;
-        let batch = Batch { tokens, pos: self.pos, history: &self.history, logits: which };
+        let batch = Batch { tokens, pos: self.pos, history: &self.history, logits: which, abort };
         let model = self.model.clone();
         let logits = match self.backend.forward(&model, &batch) {
             Ok(l) => l,

@@ -215,6 +215,80 @@ fn dot_isa<U: Unit>(isa: Isa, row: &[u8], x: &[f32]) -> f32 {
     }
 }
 
+/// `ys[t * stride] = row · xs[t]` for every token `t` of `xs` ([T][cols]):
+/// the row is decoded once into `buf` (`cols` floats) and each token's sum
+/// is then formed exactly as [`dot_generic`] forms it (same blocks, same
+/// lanes, same order), so the results are those of `T` separate products.
+#[inline(always)]
+fn dot_tokens_generic<U: Unit, const FUSED: bool>(row: &[u8], xs: &[f32], buf: &mut [f32], ys: &mut [f32], stride: usize) {
+    let cols = buf.len();
+    let whole = cols / U::N;
+    for (b, w) in row.chunks_exact(U::BYTES).zip(buf.chunks_exact_mut(U::N)) {
+        U::decode(b, w);
+    }
+    if whole * U::N < cols {
+        U::decode(&row[whole * U::BYTES..], &mut buf[whole * U::N..]);
+    }
+    for (t, x) in xs.chunks_exact(cols).enumerate() {
+        let mut acc = [0f32; LANES];
+        for (w, xb) in buf.chunks_exact(U::N).zip(x.chunks_exact(U::N)) {
+            madd::<FUSED>(&mut acc, w, xb);
+        }
+        if whole * U::N < cols {
+            madd::<FUSED>(&mut acc, &buf[whole * U::N..], &x[whole * U::N..]);
+        }
+        ys[t * stride] = acc.iter().sum();
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_tokens_avx2<U: Unit>(row: &[u8], xs: &[f32], buf: &mut [f32], ys: &mut [f32], stride: usize) {
+    dot_tokens_generic::<U, true>(row, xs, buf, ys, stride)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn dot_tokens_avx512<U: Unit>(row: &[u8], xs: &[f32], buf: &mut [f32], ys: &mut [f32], stride: usize) {
+    dot_tokens_generic::<U, true>(row, xs, buf, ys, stride)
+}
+
+fn dot_tokens_isa<U: Unit>(isa: Isa, row: &[u8], xs: &[f32], buf: &mut [f32], ys: &mut [f32], stride: usize) {
+    match isa {
+        Isa::Scalar => dot_tokens_generic::<U, false>(row, xs, buf, ys, stride),
+        // SAFETY: `isa` comes from `Isa::available` (checked by the callers of
+        // `dot_tokens_exact`), so the CPU has every feature these are compiled for.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { dot_tokens_avx2::<U>(row, xs, buf, ys, stride) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Vnni => unsafe { dot_tokens_avx512::<U>(row, xs, buf, ys, stride) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => dot_tokens_generic::<U, false>(row, xs, buf, ys, stride),
+    }
+}
+
+/// The exact kernel of `ty` over many tokens: `ys[t * stride] = row · xs[t]`
+/// (`xs`: [T][buf.len()]), bit for bit what [`dot_row_with`] gives token by
+/// token, with the row decoded once. `isa` must be supported (unchecked).
+pub(crate) fn dot_tokens_exact(isa: Isa, ty: GgmlType, row: &[u8], xs: &[f32], buf: &mut [f32], ys: &mut [f32], stride: usize) {
+    debug_assert_eq!(ty.row_bytes(buf.len()), Some(row.len()));
+    match ty {
+        GgmlType::F32 => dot_tokens_isa::<F32>(isa, row, xs, buf, ys, stride),
+        GgmlType::F16 => dot_tokens_isa::<F16>(isa, row, xs, buf, ys, stride),
+        GgmlType::BF16 => dot_tokens_isa::<Bf16>(isa, row, xs, buf, ys, stride),
+        GgmlType::Q4_0 => dot_tokens_isa::<Q4_0>(isa, row, xs, buf, ys, stride),
+        GgmlType::Q4_1 => dot_tokens_isa::<Q4_1>(isa, row, xs, buf, ys, stride),
+        GgmlType::Q5_0 => dot_tokens_isa::<Q5_0>(isa, row, xs, buf, ys, stride),
+        GgmlType::Q5_1 => dot_tokens_isa::<Q5_1>(isa, row, xs, buf, ys, stride),
+        GgmlType::Q8_0 => dot_tokens_isa::<Q8_0>(isa, row, xs, buf, ys, stride),
+        GgmlType::Q2K => dot_tokens_isa::<Q2K>(isa, row, xs, buf, ys, stride),
+        GgmlType::Q3K => dot_tokens_isa::<Q3K>(isa, row, xs, buf, ys, stride),
+        GgmlType::Q4K => dot_tokens_isa::<Q4K>(isa, row, xs, buf, ys, stride),
+        GgmlType::Q5K => dot_tokens_isa::<Q5K>(isa, row, xs, buf, ys, stride),
+        GgmlType::Q6K => dot_tokens_isa::<Q6K>(isa, row, xs, buf, ys, stride),
+    }
+}
+
 /// `row · x` where `row` holds `x.len()` values of `ty`, at kernel level
 /// `isa` (the same code [`matvec_batch`] runs at [`Isa::detect`]). Panics if the CPU lacks `isa` or `row` is
 /// not one row of `x.len()` values of `ty`.
@@ -321,7 +395,7 @@ pub const CHUNK_BYTES: usize = 64 << 10;
 
 /// Batches of fewer multiply-adds than this also run on the calling thread:
 /// waking the pool costs more than it saves (and tiny models never start it).
-const PAR_MIN_WEIGHTS: usize = 1 << 16;
+pub(crate) const PAR_MIN_WEIGHTS: usize = 1 << 16;
 
 /// One matrix-vector product: `y[r] = rows[r] · x`, where `rows` holds
 /// `y.len()` consecutive rows of `x.len()` values of `ty`.

@@ -22,6 +22,7 @@ pub mod float;
 pub mod kernels;
 pub mod kquants;
 pub mod legacy;
+pub mod matmul;
 pub mod policy;
 pub mod requantize;
 mod search;

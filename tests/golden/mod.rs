@@ -20,6 +20,12 @@ pub struct Sequence {
     /// Positions where the reference's QSA top-k met equal scores.
     #[serde(default)]
     pub tie_positions: Vec<usize>,
+    /// The logits of one forward pass over the whole sequence (transformers'
+    /// prefill), where the fixture stores them.
+    #[serde(default)]
+    pub full_forward_logits_file: Option<String>,
+    #[serde(default)]
+    pub full_forward_tie_positions: Vec<usize>,
 }
 
 impl Manifest {
@@ -37,7 +43,19 @@ impl Sequence {
 
     /// The reference logits, [tokens][vocab].
     pub fn logits(&self, fixture: &Path) -> Vec<f32> {
-        let bytes = std::fs::read(fixture.join("expected").join(&self.logits_file)).unwrap();
-        bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+        read_f32(&fixture.join("expected").join(&self.logits_file))
     }
+
+    /// The reference's one-pass logits ([tokens][vocab]) and the first
+    /// position of a tie in that pass, where the fixture has them.
+    #[allow(dead_code)] // not every test reads them
+    pub fn full_forward(&self, fixture: &Path) -> Option<(Vec<f32>, usize)> {
+        let file = self.full_forward_logits_file.as_ref()?;
+        let first_tie = self.full_forward_tie_positions.iter().copied().min().unwrap_or(usize::MAX);
+        Some((read_f32(&fixture.join("expected").join(file)), first_tie))
+    }
+}
+
+fn read_f32(path: &Path) -> Vec<f32> {
+    std::fs::read(path).unwrap().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
 }

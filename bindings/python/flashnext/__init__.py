@@ -215,6 +215,7 @@ class fnx_load_params(Structure):
         ("rewind_window", c_uint32),
         ("routing_profile", c_char_p),
         ("spin_wait", c_int32),
+        ("micro_batch", c_uint32),
     ]
 
 
@@ -281,6 +282,8 @@ _FUNCTIONS = {
     "fnx_decode_token": (fnx_status, [_StateP, c_int32]),
     "fnx_decode_tokens": (fnx_status, [_StateP, POINTER(c_int32), c_size_t]),
     "fnx_get_logits": (fnx_status, [_StateP, POINTER(c_float), c_size_t]),
+    "fnx_decode_batch": (fnx_status, [_StateP, POINTER(c_int32), c_size_t, c_bool]),
+    "fnx_get_logits_ith": (fnx_status, [_StateP, c_size_t, POINTER(c_float), c_size_t]),
     "fnx_state_reset": (fnx_status, [_StateP]),
     "fnx_state_position": (c_size_t, [_StateP]),
     "fnx_state_rewind": (fnx_status, [_StateP, c_size_t]),
@@ -551,6 +554,7 @@ class Model:
         routing_profile=None,
         spin_wait=-1,
         progress=None,
+        micro_batch=0,
     ):
         self._h = None
         params = _fn("fnx_load_params_default")()
@@ -561,6 +565,7 @@ class Model:
         params.vram_budget_mb = vram_budget_mb
         params.expert_cache_slots = expert_cache_slots
         params.rewind_window = rewind_window
+        params.micro_batch = micro_batch
         profile = None if routing_profile is None else os.fsencode(routing_profile)
         params.routing_profile = profile
         params.spin_wait = spin_wait
@@ -752,13 +757,26 @@ class State:
         buf, n = _int32_array(tokens, "tokens")
         self._call(_fn("fnx_decode_tokens"), buf, n)
 
+    def decode_batch(self, tokens, all_logits=False):
+        """Decodes a sequence of tokens (all or nothing); with ``all_logits``
+        every position's logits are kept for :meth:`logits_ith`."""
+        buf, n = _int32_array(tokens, "tokens")
+        self._call(_fn("fnx_decode_batch"), buf, n, bool(all_logits))
+
     def logits(self, as_list=False):
         """The last decoded token's logits as an ``array('f')`` (or a list)."""
+        return self._logits(_fn("fnx_get_logits"), (), as_list)
+
+    def logits_ith(self, i, as_list=False):
+        """The logits after the ``i``-th token of the last decoding call."""
+        return self._logits(_fn("fnx_get_logits_ith"), (i,), as_list)
+
+    def _logits(self, func, args, as_list):
         h = self._handle()
         n = self._vocab
         out = array("f", bytes(4 * n))
         buf = (c_float * n).from_buffer(out)
-        status = _fn("fnx_get_logits")(h, buf, n)
+        status = func(h, *args, buf, n)
         del buf
         _check(status)
         return out.tolist() if as_list else out

@@ -338,8 +338,24 @@ class TestState(ModelCase):
         with self.assertRaises(ValueError):
             c.decode(1)
 
-    def test_abort_callback(self):
+    def test_decode_batch_keeps_every_position(self):
         s = self.model.new_state()
+        s.decode_batch([2, 3, 4, 5], all_logits=True)
+        each = [s.logits_ith(i, as_list=True) for i in range(4)]
+        self.assertEqual(each[3], s.logits(as_list=True))
+        t = self.model.new_state()
+        for i, tok in enumerate([2, 3, 4, 5]):
+            t.decode(tok)
+            self.assertEqual(t.logits(as_list=True), each[i])
+        with self.assertRaises(FlashnextError) as cm:
+            s.logits_ith(4)
+        self.assertEqual(cm.exception.status, flashnext.ERR_NO_LOGITS)
+
+    def test_abort_callback(self):
+        # Micro-batches of one token: the callback is polled before each.
+        model = flashnext.Model(MODEL, n_threads=1, micro_batch=1)
+        self.addCleanup(model.close)
+        s = model.new_state()
         s.decode(1)
         calls = []
 

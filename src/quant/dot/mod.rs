@@ -292,6 +292,49 @@ pub fn dot_rows(isa: Isa, ty: GgmlType, rows: &[u8], act: &Activation, y: &mut [
     }
 }
 
+/// `ys[t * n + r] = rows[r] · acts[t]` for the `n` consecutive rows of `ty`
+/// and every token's rounded activation: each row is read once for all the
+/// tokens (it stays in L1 between them), each product the one [`dot_rows`]
+/// computes, so the numbers are those of `T` separate matrix-vector products.
+///
+/// Panics as [`dot_rows`] does, or if the activations differ in length or layout.
+pub fn dot_rows_tokens(isa: Isa, ty: GgmlType, rows: &[u8], acts: &[Activation], ys: &mut [f32]) {
+    assert!(isa.supported(), "this CPU cannot run {}", isa.name());
+    let Some(first) = acts.first() else { return };
+    let rb = ty.row_bytes(first.len()).unwrap_or_else(|| panic!("{ty} row of {} values", first.len()));
+    let n = rows.len() / rb;
+    assert_eq!(rows.len(), rb * n, "{ty}: {} bytes are not whole rows", rows.len());
+    assert_eq!(ys.len(), n * acts.len(), "{ty}: outputs for {} rows of {} tokens", n, acts.len());
+    assert!(acts.iter().all(|a| a.len() == first.len() && a.kind() == first.kind()), "{ty}: activations differ");
+    let ahead = prefetch_distance();
+    match row_fn(isa, ty) {
+        RowFn::Q8(f) => {
+            let a: Vec<&Q8Blocks> = acts.iter().map(|a| match a {
+                Activation::Q8(a) => a,
+                Activation::Q8K(_) => panic!("{ty} kernel given a Q8K activation"),
+            }).collect();
+            for (r, row) in rows.chunks_exact(rb).enumerate() {
+                prefetch(row, ahead);
+                for (t, a) in a.iter().enumerate() {
+                    ys[t * n + r] = f(row, a);
+                }
+            }
+        }
+        RowFn::Q8K(f) => {
+            let a: Vec<&Q8KBlocks> = acts.iter().map(|a| match a {
+                Activation::Q8K(a) => a,
+                Activation::Q8(_) => panic!("{ty} kernel given a Q8 activation"),
+            }).collect();
+            for (r, row) in rows.chunks_exact(rb).enumerate() {
+                prefetch(row, ahead);
+                for (t, a) in a.iter().enumerate() {
+                    ys[t * n + r] = f(row, a);
+                }
+            }
+        }
+    }
+}
+
 /// How far ahead of the row it computes [`dot_rows`] asks for the weights,
 /// in bytes: [`PREFETCH_BYTES`], or `FNX_PREFETCH_BYTES` (0 = no prefetch).
 fn prefetch_distance() -> usize {
