@@ -115,6 +115,8 @@ enum Command {
         /// With --chat: turn the model's thinking off.
         #[arg(long)]
         no_think: bool,
+        #[command(flatten)]
+        constraint: cli::ConstraintArgs,
     },
     /// Chat interactively: one user message per line on standard input.
     Chat {
@@ -250,7 +252,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo { model, prompt, tokens, threads } => cli::demo::run(model, &prompt, tokens, threads),
-        Command::Run { model, sampling, prompt, chat, no_think } => cli::run(&model, &sampling, &prompt, chat, no_think),
+        Command::Run { model, sampling, prompt, chat, no_think, constraint } => {
+            cli::run(&model, &sampling, &prompt, chat, no_think, &constraint)
+        }
         Command::Chat { model, sampling, system, no_think } => cli::chat(&model, &sampling, system.as_deref(), no_think),
         Command::Convert { hf_dir, out, out_type, tensor_types, quiet } => {
             run_convert(hf_dir, out, ConvertOptions { out_type, tensor_types, progress: None }, quiet)

@@ -363,6 +363,7 @@ pub(crate) fn run(
             StopReason::StopString(i) => format!("stop string {i}"),
             StopReason::Callback => "the callback returned false".to_string(),
             StopReason::ContextFull => "the context is full".to_string(),
+            StopReason::Constraint => "the constraint is complete".to_string(),
         };
         format!(
             "generated {} tokens after a {}-token prompt in {:.1} ms ({:.1} tokens/s); stopped: {why}",
