@@ -491,7 +491,8 @@ fnx_status fnx_decode_batch(struct fnx_state *state,
 // greedily), passes it and its text to `on_token` (may be NULL), and
 // decodes it, until `max_tokens`, a stop token (by default including the
 // model's end-of-sequence and end-of-turn tokens), a stop string, `on_token` returning false,
-// or a full context. Every generated token, including the one that stopped
+// a complete constraint (the sampler's grammar, `fnx_sampler_set_constraint`,
+// allows nothing more), or a full context. Every generated token, including the one that stopped
 // generation, is decoded into the state. `*out_n_generated` (may be NULL)
 // receives the number of generated tokens.
 //
