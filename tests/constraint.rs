@@ -618,3 +618,57 @@ fn fnx_generate_ends_when_the_constraint_completes() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------
+// The command line.
+
+fn flashnext(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_flashnext")).args(args).output().unwrap()
+}
+
+#[test]
+fn run_with_a_json_schema_prints_valid_json() {
+    let dir = std::env::temp_dir().join(format!("flashnext-constraint-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let schema_path = dir.join("schema.json");
+    std::fs::write(&schema_path, SCHEMAS[0]).unwrap();
+    let model = default_model_path();
+    let prompt = "And God said";
+    let out = flashnext(&[
+        "run", "-m", model.to_str().unwrap(), "-p", prompt, "--json-schema", schema_path.to_str().unwrap(),
+        "--temperature", "1", "--seed", "11", "-n", "200",
+    ]);
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let json = stdout.strip_prefix(prompt).unwrap().trim_end_matches('\n');
+    let v: Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("{json:?}: {e}"));
+    check(&serde_json::from_str(SCHEMAS[0]).unwrap(), &v, "$").unwrap();
+
+    let out = flashnext(&["run", "-m", model.to_str().unwrap(), "-p", prompt, "--regex", "[a-z]{3} [0-9]{2}", "--seed", "3"]);
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success());
+    let text = stdout.strip_prefix(prompt).unwrap().trim_end_matches('\n');
+    assert!(regex::Regex::new("^[a-z]{3} [0-9]{2}$").unwrap().is_match(text), "{text:?}");
+
+    // Errors: a bad regex, two constraints at once, a missing file.
+    let out = flashnext(&["run", "-m", model.to_str().unwrap(), "-p", prompt, "--regex", "(a"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("invalid regular expression"), "{err}");
+    let out = flashnext(&["run", "-m", model.to_str().unwrap(), "-p", prompt, "--regex", "a", "--grammar", "g.lark"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
+    let out = flashnext(&["run", "-m", model.to_str().unwrap(), "-p", prompt, "--json-schema", "/nonexistent/schema.json"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read /nonexistent/schema.json"));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn bench_constraint_reports_the_mask_cost() {
+    let out = flashnext(&["bench-constraint", "-m", default_model_path().to_str().unwrap(), "--tokens", "200"]);
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("vocabulary: 2048 tokens"), "{stdout}");
+    assert!(stdout.contains("200 tokens ("), "{stdout}");
+    assert!(stdout.contains("mask per token: mean "), "{stdout}");
+}
