@@ -21,11 +21,12 @@
 //!   [`crate::tokenizer::end_of_generation_tokens`] stops on): when the
 //!   grammar may end, these are allowed; when it must end, only these are.
 //!
-//! Building the trie and llguidance's token slices for a 248,320-token
-//! vocabulary takes a noticeable fraction of a second, so it happens once per
-//! tokenizer, on the first constraint, and is kept beside the tokenizer (which
-//! is itself built once per model); every later constraint for that model
-//! only compiles its grammar.
+//! Building the trie and llguidance's token slices takes about half a second
+//! for Qwen's 151,936-token vocabulary (`docs/BENCHMARKS.md`), more for the
+//! 248,320 tokens of Qwen3.8-Flash-Next, so it happens once per tokenizer, on
+//! the first constraint, and is kept with the tokenizer (which is itself
+//! built once per model handle); every later constraint for that model only
+//! compiles its grammar (about a millisecond for a small JSON Schema).
 //!
 //! A [`Constraint`] is one grammar's matcher: [`Constraint::mask`] is the set
 //! of tokens allowed next, [`Constraint::accept`] advances it by a token,
