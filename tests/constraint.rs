@@ -96,7 +96,9 @@ fn check(schema: &Value, v: &Value, path: &str) -> Result<(), String> {
             "object" => v.is_object(),
             "array" => v.is_array(),
             "string" => v.is_string(),
-            "integer" => v.is_i64() || v.is_u64(),
+            // JSON Schema: a number with no fractional part (`-0` included,
+            // which serde_json reads as a float).
+            "integer" => v.is_i64() || v.is_u64() || v.as_f64().is_some_and(|x| x.fract() == 0.0),
             "number" => v.is_number(),
             "boolean" => v.is_boolean(),
             "null" => v.is_null(),
@@ -186,6 +188,7 @@ fn the_checker_can_fail() {
         serde_json::json!({"b": []}),
         serde_json::json!({"a": 1, "c": 0}),
         serde_json::json!({"a": 1.5}),
+        serde_json::json!({"a": "1"}),
         serde_json::json!({"a": 1, "b": [1, 2]}),
         serde_json::json!([]),
     ] {
@@ -383,6 +386,38 @@ fn a_json_schema_on_the_real_vocabulary_starts_with_a_brace() {
         assert!(!c.allows(ids[0]), "{bad:?} allowed before the object");
     }
     assert!(!c.allows(tok.token_id("<|im_end|>").unwrap()));
+}
+
+/// Random walks over the real vocabulary: at each step a token drawn
+/// uniformly from the mask (so every kind of token the trie holds gets its
+/// turn: multi-byte UTF-8 pieces, escapes, digits glued to punctuation). The
+/// decoded bytes must be JSON valid against the schema.
+#[test]
+fn random_walks_on_the_real_vocabulary_give_valid_json() {
+    let tok = real_vocab();
+    let env = ConstraintEnv::of(tok).unwrap();
+    let mut rng = flashnext::sampling::Rng::new(77);
+    for (i, text) in SCHEMAS.iter().enumerate() {
+        let schema: Value = serde_json::from_str(text).unwrap();
+        let start = env.compile(ConstraintKind::JsonSchema, text).unwrap();
+        for walk in 0..6 {
+            let mut c = start.clone();
+            let mut bytes = Vec::new();
+            let mut steps = 0;
+            while !c.is_finished() {
+                let allowed = c.mask().unwrap().to_list();
+                let t = allowed[(rng.next_u64() % allowed.len() as u64) as usize];
+                bytes.extend_from_slice(tok.token_to_piece(t, false).unwrap());
+                c.accept(t);
+                steps += 1;
+                assert!(steps < 3000, "schema {i} walk {walk}: no end after {steps} tokens");
+            }
+            let out = String::from_utf8(bytes).unwrap_or_else(|e| panic!("schema {i} walk {walk}: not UTF-8: {e}"));
+            let v: Value =
+                serde_json::from_str(&out).unwrap_or_else(|e| panic!("schema {i} walk {walk}: {out:?} is not JSON: {e}"));
+            check(&schema, &v, "$").unwrap_or_else(|e| panic!("schema {i} walk {walk}: {out}: {e}"));
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------
