@@ -246,6 +246,38 @@ int main(int argc, char **argv) {
                       << before << ")\n";
         }
         state.set_abort_callback(nullptr);
+
+        // Structured output: a regular expression the reply must match; the
+        // reply ends when the expression is complete (before max_tokens).
+        flashnext::Sampler constrained(sp);
+        constrained.set_constraint(model, FNX_CONSTRAINT_REGEX, "[0-9]{3}-[a-z]{2,5}");
+        flashnext::State cstate(model);
+        cstate.decode(prompt);
+        std::string ctext;
+        size_t cn = 0;
+        flashnext::GenerateOptions copts;
+        copts.max_tokens = 64;
+        copts.sampler = &constrained;
+        cstate.generate({}, copts, [&](int32_t, std::string_view piece) {
+            ctext.append(piece);
+            ++cn;
+            return true;
+        });
+        bool shaped = ctext.size() >= 6 && ctext.size() <= 9 && ctext[3] == '-';
+        for (size_t i = 0; i < ctext.size(); ++i) {
+            char c = ctext[i];
+            if (i != 3 && !(i < 3 ? (c >= '0' && c <= '9') : (c >= 'a' && c <= 'z'))) shaped = false;
+        }
+        std::cout << "constraint: \"" << ctext << "\" in " << cn << " tokens, "
+                  << (shaped ? "matches" : "DOES NOT MATCH") << "\n";
+        if (!shaped) return 1;
+        try {
+            constrained.set_constraint(model, FNX_CONSTRAINT_JSON_SCHEMA, "{\"type\": \"nonsense\"}");
+            std::cout << "bad constraint: accepted\n";
+            return 1;
+        } catch (const flashnext::Error &e) {
+            std::cout << "bad constraint: " << e.status_name() << "\n";
+        }
         flashnext::set_log_callback(nullptr);
         return 0;
     } catch (const flashnext::Error &e) {

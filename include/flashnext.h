@@ -31,6 +31,18 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// `fnx_sampler_set_constraint` kind: no constraint (removes one).
+#define FNX_CONSTRAINT_NONE 0
+
+// `fnx_sampler_set_constraint` kind: a JSON Schema; the output is JSON valid against it.
+#define FNX_CONSTRAINT_JSON_SCHEMA 1
+
+// `fnx_sampler_set_constraint` kind: a regular expression the whole output matches.
+#define FNX_CONSTRAINT_REGEX 2
+
+// `fnx_sampler_set_constraint` kind: a grammar in llguidance's Lark syntax (rule `start`).
+#define FNX_CONSTRAINT_LARK 3
+
 // `fnx_chat_parser_next`: nothing is pending.
 #define FNX_CHAT_NONE 0
 
@@ -479,7 +491,8 @@ fnx_status fnx_decode_batch(struct fnx_state *state,
 // greedily), passes it and its text to `on_token` (may be NULL), and
 // decodes it, until `max_tokens`, a stop token (by default including the
 // model's end-of-sequence and end-of-turn tokens), a stop string, `on_token` returning false,
-// or a full context. Every generated token, including the one that stopped
+// a complete constraint (the sampler's grammar, `fnx_sampler_set_constraint`,
+// allows nothing more), or a full context. Every generated token, including the one that stopped
 // generation, is decoded into the state. `*out_n_generated` (may be NULL)
 // receives the number of generated tokens.
 //
@@ -727,6 +740,35 @@ fnx_status fnx_sampler_accept(struct fnx_sampler *sampler, int32_t token);
 // # Safety
 // `sampler` must be NULL or a live handle.
 fnx_status fnx_sampler_reset(struct fnx_sampler *sampler);
+
+// Sets the grammar the sampler's tokens must follow (structured output), or
+// removes it. `kind` is `FNX_CONSTRAINT_JSON_SCHEMA` (`text` is a JSON
+// Schema), `FNX_CONSTRAINT_REGEX` (a regular expression the whole output
+// matches) or `FNX_CONSTRAINT_LARK` (a Lark grammar, start rule `start`),
+// compiled for `model`'s vocabulary; or `FNX_CONSTRAINT_NONE`, which
+// removes the constraint (`model` and `text` may then be NULL).
+//
+// From then on `fnx_sampler_sample` (greedy ones too) never draws a token
+// the grammar forbids: their logits count as -INFINITY before the rest of
+// the chain, so temperature and top-p renormalise over the allowed tokens.
+// `fnx_sampler_accept` advances the grammar (accepting a token it forbids
+// makes later draws fail with `FNX_ERR_INVALID_ARGUMENT` until
+// `fnx_sampler_reset`); `fnx_sampler_reset` restarts it; `fnx_generate`
+// stops once the grammar is complete. Once complete, only the model's
+// end-of-sequence tokens are allowed. The first constraint for a model
+// builds a trie of its vocabulary (once per model).
+//
+// A bad schema, regex or grammar (or `text` that is not UTF-8) is
+// `FNX_ERR_INVALID_ARGUMENT` with the compiler's message; an unknown `kind`
+// too. On any error the sampler is unchanged.
+//
+// # Safety
+// `sampler` NULL or a live handle; `model` NULL or a live handle; `text`
+// NULL or NUL-terminated.
+fnx_status fnx_sampler_set_constraint(struct fnx_sampler *sampler,
+                                      const struct fnx_model *model,
+                                      int32_t kind,
+                                      const char *text);
 
 // Frees a sampler (NULL is ignored).
 //

@@ -312,6 +312,17 @@ public:
     void accept(int32_t token) { detail::check(fnx_sampler_accept(get(), token)); }
     void reset() { detail::check(fnx_sampler_reset(get())); }
 
+    // Structured output: the sampled tokens follow a grammar of `kind`
+    // (FNX_CONSTRAINT_JSON_SCHEMA, FNX_CONSTRAINT_REGEX or FNX_CONSTRAINT_LARK)
+    // compiled for `model`'s vocabulary. Throws Error (FNX_ERR_INVALID_ARGUMENT,
+    // with the compiler's message) for a bad schema or grammar; the sampler is
+    // then unchanged.
+    void set_constraint(const Model &model, int32_t kind, const std::string &text) {
+        detail::check(fnx_sampler_set_constraint(get(), model.get(), kind, text.c_str()));
+    }
+    // Removes the constraint.
+    void clear_constraint() { detail::check(fnx_sampler_set_constraint(get(), nullptr, FNX_CONSTRAINT_NONE, nullptr)); }
+
 private:
     std::unique_ptr<fnx_sampler, detail::Deleter<fnx_sampler, fnx_sampler_free>> handle_;
 };

@@ -115,6 +115,9 @@ pub enum StopReason {
     Callback,
     /// The state's context is full.
     ContextFull,
+    /// The sampler's constraint is complete (structured output): its
+    /// grammar allows nothing more after the last token.
+    Constraint,
 }
 
 /// The outcome of [`generate`].
@@ -242,6 +245,7 @@ fn prefill(state: &mut State, tokens: &[u32], which: LogitsFor, abort: &mut dyn 
 /// repeatedly: samples a token (`sampler`, or greedy when `None`), accepts it
 /// into the sampler, passes it and its text (from `detok`) to `on_token`, and
 /// decodes it. Stops after `max_tokens`, a stop token, a completed stop string,
+/// the sampler's constraint being complete ([`Sampler::is_finished`]),
 /// `on_token` returning false, or when the context is full; the token that
 /// stops generation is streamed and decoded like the others. The prompt is
 /// not accepted into the sampler (accept it yourself to penalise it).
@@ -309,6 +313,12 @@ pub fn generate(
                 return Ok(Generation {
                     tokens,
                     stop: StopReason::StopString(i),
+                });
+            }
+            if sampler.as_deref().is_some_and(Sampler::is_finished) {
+                return Ok(Generation {
+                    tokens,
+                    stop: StopReason::Constraint,
                 });
             }
             if !go_on {

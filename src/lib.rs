@@ -9,7 +9,7 @@
 //! |---|---|---|
 //! | faces | [`capi`] (the C ABI), the `flashnext` binary (`src/main.rs`, `src/cli`), [`bench`] | handles, argument checks, reports; they ask a [`Model`] and its [`State`]s, never a backend |
 //! | serving | [`generate`], [`sampling`], [`chat`] | the generation loop, samplers, chat templates |
-//! | text | [`tokenizer`] | the vocabulary of a model file, beside the model (built from its metadata), not inside it |
+//! | text | [`tokenizer`], [`constraint`] | the vocabulary of a model file, beside the model (built from its metadata), not inside it; grammars over that vocabulary (structured output), whose token trie the tokenizer keeps once built |
 //! | opening | [`load`] | [`LoadOptions`], the one place a backend is chosen and built |
 //! | backends | [`cpu`], [`vulkan`] | the blocks of the network on the host's cores / on a GPU; `vulkan` may use `cpu`'s formulas (host-side tables, the twins that check its shaders), never the reverse |
 //! | network | [`model`] | [`model::Config`], [`model::Weights`], the one layer walk ([`model::forward`]), the block interface ([`model::backend`]), [`State`] (position, token history, logits, one backend state), snapshots, routing profiles and the expert cache's placement policy (no device in it) |
@@ -24,6 +24,8 @@
 pub mod capi;
 /// cbindgen:ignore
 pub mod chat;
+/// cbindgen:ignore
+pub mod constraint;
 /// cbindgen:ignore
 pub mod convert;
 /// cbindgen:ignore

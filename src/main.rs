@@ -11,6 +11,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 mod bench_cmd;
+mod bench_constraint_cmd;
 mod cli;
 mod heap;
 mod quant_cli;
@@ -115,6 +116,8 @@ enum Command {
         /// With --chat: turn the model's thinking off.
         #[arg(long)]
         no_think: bool,
+        #[command(flatten)]
+        constraint: cli::ConstraintArgs,
     },
     /// Chat interactively: one user message per line on standard input.
     Chat {
@@ -173,6 +176,10 @@ enum Command {
     },
     /// Measure decode and prompt speed of a model against its bandwidth bound.
     Bench(bench_cmd::BenchArgs),
+    /// The cost of structured output per token: the token trie of a model's
+    /// vocabulary, then llguidance's mask at each step of a sequence that
+    /// follows a JSON Schema (a vocabulary-only GGUF is enough).
+    BenchConstraint(bench_constraint_cmd::BenchConstraintArgs),
     /// The host's share of an offloaded MoE layer alone: a real model's
     /// routed experts computed layer by layer as an expert-cache decode
     /// computes its misses, with the GPU's share replaced by an idle gap.
@@ -250,7 +257,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo { model, prompt, tokens, threads } => cli::demo::run(model, &prompt, tokens, threads),
-        Command::Run { model, sampling, prompt, chat, no_think } => cli::run(&model, &sampling, &prompt, chat, no_think),
+        Command::Run { model, sampling, prompt, chat, no_think, constraint } => {
+            cli::run(&model, &sampling, &prompt, chat, no_think, &constraint)
+        }
         Command::Chat { model, sampling, system, no_think } => cli::chat(&model, &sampling, system.as_deref(), no_think),
         Command::Convert { hf_dir, out, out_type, tensor_types, quiet } => {
             run_convert(hf_dir, out, ConvertOptions { out_type, tensor_types, progress: None }, quiet)
@@ -268,6 +277,7 @@ fn main() -> ExitCode {
             })
         }
         Command::Bench(args) => bench_cmd::run(args),
+        Command::BenchConstraint(args) => bench_constraint_cmd::run(args),
         Command::BenchHostMoe { model, misses, gap_us, store, layers, calls, threads } => {
             use flashnext::bench::host_moe::{run, HostMoeOptions, Idle, Store};
             let parse = |s: &String| Store::parse(s).ok_or_else(|| flashnext::Error::arg(format!("--store {s:?}: expected file or anon")));

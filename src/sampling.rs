@@ -3,6 +3,10 @@
 //!
 //! The chain, in order (the order of transformers' and vLLM's processors):
 //!
+//! 0. **Constraint** (structured output, optional): tokens the grammar
+//!    forbids get `-inf` ([`crate::constraint`] explains why the mask comes
+//!    first: a forbidden token can never be drawn, and every later stage
+//!    renormalises over the allowed tokens only).
 //! 1. **Repetition penalty** `r` over the distinct tokens among the last
 //!    `penalty_last_n` accepted ones (llama.cpp / CTRL semantics): a positive
 //!    logit is divided by `r`, a negative one multiplied by `r`.
@@ -27,6 +31,7 @@
 //! `±f32::MAX`), so every later stage works on finite numbers and the chain
 //! always keeps at least its most likely candidate.
 
+use crate::constraint::Constraint;
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
 
@@ -401,8 +406,9 @@ fn random_seed() -> u64 {
     }
 }
 
-/// A sampler: the chain's settings, the generator and the accepted-token
-/// history the penalties read. Use from one thread at a time.
+/// A sampler: the chain's settings, the generator, the accepted-token
+/// history the penalties read and an optional [`Constraint`]. Use from one
+/// thread at a time. A clone carries its own copy of the constraint's state.
 #[derive(Clone, Debug)]
 pub struct Sampler {
     params: SamplerParams,
@@ -413,6 +419,8 @@ pub struct Sampler {
     window: VecDeque<u32>,
     /// Occurrences of each token since the last reset.
     counts: HashMap<u32, u32>,
+    /// Structured output: the grammar the sampled tokens must follow.
+    constraint: Option<Constraint>,
 }
 
 impl Sampler {
@@ -429,7 +437,26 @@ impl Sampler {
             rng: Rng::new(seed),
             window: VecDeque::new(),
             counts: HashMap::new(),
+            constraint: None,
         })
+    }
+
+    /// Sets (or with `None` removes) the grammar the sampled tokens must
+    /// follow. The constraint starts where it is (a fresh one at the start
+    /// of its grammar); the other state of the sampler is kept.
+    pub fn set_constraint(&mut self, constraint: Option<Constraint>) {
+        self.constraint = constraint;
+    }
+
+    /// The constraint, if one is set.
+    pub fn constraint(&self) -> Option<&Constraint> {
+        self.constraint.as_ref()
+    }
+
+    /// Whether the constraint is complete (nothing but the end of the text
+    /// may follow); false without a constraint.
+    pub fn is_finished(&self) -> bool {
+        self.constraint.as_ref().is_some_and(Constraint::is_finished)
     }
 
     pub fn params(&self) -> &SamplerParams {
@@ -441,8 +468,13 @@ impl Sampler {
         self.seed
     }
 
-    /// Records a token as part of the text (for the penalties).
+    /// Records a token as part of the text (for the penalties) and advances
+    /// the constraint by it (a token the constraint forbids makes the next
+    /// [`sample`](Self::sample) fail, until [`reset`](Self::reset)).
     pub fn accept(&mut self, token: u32) {
+        if let Some(c) = &mut self.constraint {
+            c.accept(token);
+        }
         *self.counts.entry(token).or_insert(0) += 1;
         let n = self.params.penalty_last_n;
         if n > 0 {
@@ -453,9 +485,13 @@ impl Sampler {
         }
     }
 
-    /// Forgets the accepted tokens and restarts the generator from the seed:
-    /// the same logits then give the same tokens again.
+    /// Forgets the accepted tokens, restarts the generator from the seed and
+    /// the constraint from the start of its grammar: the same logits then
+    /// give the same tokens again.
     pub fn reset(&mut self) {
+        if let Some(c) = &mut self.constraint {
+            c.reset();
+        }
         self.window.clear();
         self.counts.clear();
         self.rng = Rng::new(self.seed);
@@ -476,10 +512,16 @@ impl Sampler {
     }
 
     /// The survivors of the whole chain (before the draw), with their
-    /// penalised logits. Greedy (temperature 0) leaves only the argmax.
+    /// penalised logits. Greedy (temperature 0) leaves only the argmax (of
+    /// the tokens the constraint allows).
     pub fn candidates(&self, logits: &[f32]) -> Result<Vec<Candidate>> {
         check_logits(logits)?;
-        let penalized = self.penalized(logits);
+        let mut penalized = self.penalized(logits);
+        // The penalties keep -inf as -inf, so masking after them is masking
+        // before them.
+        if let Some(c) = &self.constraint {
+            c.apply(&mut penalized)?;
+        }
         let mut cands: Vec<Candidate> = penalized
             .iter()
             .enumerate()
@@ -490,9 +532,11 @@ impl Sampler {
             })
             .collect();
         if cands.is_empty() {
-            return Err(Error::arg(
-                "sampler: every logit is -inf (no token can be drawn)",
-            ));
+            return Err(Error::arg(if self.constraint.is_some() {
+                "sampler: every token the constraint allows has logit -inf (no token can be drawn)"
+            } else {
+                "sampler: every logit is -inf (no token can be drawn)"
+            }));
         }
         let p = &self.params;
         if p.temperature == 0.0 {

@@ -79,6 +79,9 @@ pub struct Tokenizer {
     unk: Option<u32>,
     add_bos: bool,
     add_eos: bool,
+    /// The token trie for structured output, built on the first constraint
+    /// (`crate::constraint::ConstraintEnv::of`).
+    pub(crate) constraint_env: std::sync::OnceLock<std::result::Result<crate::constraint::ConstraintEnv, String>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -274,6 +277,7 @@ impl Tokenizer {
             unk: meta_id(meta, "tokenizer.ggml.unknown_token_id", n)?,
             add_bos: meta_bool(meta, "tokenizer.ggml.add_bos_token"),
             add_eos: meta_bool(meta, "tokenizer.ggml.add_eos_token"),
+            constraint_env: std::sync::OnceLock::new(),
         })
     }
 

@@ -148,6 +148,8 @@ fn cpp_example_builds_and_runs() {
     assert!(stdout.contains("parser: consistent"), "{}", show(&out));
     assert!(stdout.contains("snapshot replay: identical"), "{}", show(&out));
     assert!(stdout.contains("abort callback: FNX_ERR_ABORTED"), "{}", show(&out));
+    assert!(stdout.contains("tokens, matches\n"), "{}", show(&out));
+    assert!(stdout.contains("bad constraint: FNX_ERR_INVALID_ARGUMENT"), "{}", show(&out));
 
     // Errors arrive as flashnext::Error with the status and message.
     let bad = Command::new(&plain).arg(dir.join("missing.gguf")).output().unwrap();

@@ -207,7 +207,8 @@ pub unsafe extern "C" fn fnx_decode_batch(state: *mut fnx_state, tokens: *const 
 /// greedily), passes it and its text to `on_token` (may be NULL), and
 /// decodes it, until `max_tokens`, a stop token (by default including the
 /// model's end-of-sequence and end-of-turn tokens), a stop string, `on_token` returning false,
-/// or a full context. Every generated token, including the one that stopped
+/// a complete constraint (the sampler's grammar, `fnx_sampler_set_constraint`,
+/// allows nothing more), or a full context. Every generated token, including the one that stopped
 /// generation, is decoded into the state. `*out_n_generated` (may be NULL)
 /// receives the number of generated tokens.
 ///
@@ -363,6 +364,7 @@ pub(crate) fn run(
             StopReason::StopString(i) => format!("stop string {i}"),
             StopReason::Callback => "the callback returned false".to_string(),
             StopReason::ContextFull => "the context is full".to_string(),
+            StopReason::Constraint => "the constraint is complete".to_string(),
         };
         format!(
             "generated {} tokens after a {}-token prompt in {:.1} ms ({:.1} tokens/s); stopped: {why}",

@@ -94,6 +94,15 @@ pub const FNX_ERR_SNAPSHOT_CORRUPT: fnx_status = 19;
 /// holds it. Nothing was done.
 pub const FNX_ERR_BUSY: fnx_status = 20;
 
+/// `fnx_sampler_set_constraint` kind: no constraint (removes one).
+pub const FNX_CONSTRAINT_NONE: i32 = 0;
+/// `fnx_sampler_set_constraint` kind: a JSON Schema; the output is JSON valid against it.
+pub const FNX_CONSTRAINT_JSON_SCHEMA: i32 = 1;
+/// `fnx_sampler_set_constraint` kind: a regular expression the whole output matches.
+pub const FNX_CONSTRAINT_REGEX: i32 = 2;
+/// `fnx_sampler_set_constraint` kind: a grammar in llguidance's Lark syntax (rule `start`).
+pub const FNX_CONSTRAINT_LARK: i32 = 3;
+
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }

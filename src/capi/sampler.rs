@@ -1,8 +1,14 @@
 //! `fnx_sampler`: turns logits into a token (penalties, temperature,
 //! top-k, top-p, min-p, seeded draw); see `crate::sampling` for the exact chain.
+//! An optional constraint (`fnx_sampler_set_constraint`, structured output)
+//! masks the tokens its grammar forbids before the chain; see `crate::constraint`.
 
 use super::handle::{lease, Lease};
-use super::{fail, fnx_status, guard, non_null, Failure, FNX_ERR_INVALID_ARGUMENT};
+use super::{
+    fail, fnx_model, fnx_status, guard, non_null, Failure, FNX_CONSTRAINT_JSON_SCHEMA, FNX_CONSTRAINT_LARK,
+    FNX_CONSTRAINT_NONE, FNX_CONSTRAINT_REGEX, FNX_ERR_INVALID_ARGUMENT,
+};
+use crate::constraint::{Constraint, ConstraintKind};
 use crate::sampling::{Sampler, SamplerParams, PRESETS, RANDOM_SEED};
 use std::ffi::{c_char, CStr};
 
@@ -270,6 +276,84 @@ pub unsafe extern "C" fn fnx_sampler_reset(sampler: *mut fnx_sampler) -> fnx_sta
             non_null!(sampler, "fnx_sampler_reset", "sampler");
             let mut s = fnx_sampler::from_ptr(sampler, "fnx_sampler_reset")?;
             s.sampler.reset();
+            Ok(())
+        },
+        || {},
+    )
+}
+
+/// Sets the grammar the sampler's tokens must follow (structured output), or
+/// removes it. `kind` is `FNX_CONSTRAINT_JSON_SCHEMA` (`text` is a JSON
+/// Schema), `FNX_CONSTRAINT_REGEX` (a regular expression the whole output
+/// matches) or `FNX_CONSTRAINT_LARK` (a Lark grammar, start rule `start`),
+/// compiled for `model`'s vocabulary; or `FNX_CONSTRAINT_NONE`, which
+/// removes the constraint (`model` and `text` may then be NULL).
+///
+/// From then on `fnx_sampler_sample` (greedy ones too) never draws a token
+/// the grammar forbids: their logits count as -INFINITY before the rest of
+/// the chain, so temperature and top-p renormalise over the allowed tokens.
+/// `fnx_sampler_accept` advances the grammar (accepting a token it forbids
+/// makes later draws fail with `FNX_ERR_INVALID_ARGUMENT` until
+/// `fnx_sampler_reset`); `fnx_sampler_reset` restarts it; `fnx_generate`
+/// stops once the grammar is complete. Once complete, only the model's
+/// end-of-sequence tokens are allowed. The first constraint for a model
+/// builds a trie of its vocabulary (once per model).
+///
+/// A bad schema, regex or grammar (or `text` that is not UTF-8) is
+/// `FNX_ERR_INVALID_ARGUMENT` with the compiler's message; an unknown `kind`
+/// too. On any error the sampler is unchanged.
+///
+/// # Safety
+/// `sampler` NULL or a live handle; `model` NULL or a live handle; `text`
+/// NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn fnx_sampler_set_constraint(
+    sampler: *mut fnx_sampler,
+    model: *const fnx_model,
+    kind: i32,
+    text: *const c_char,
+) -> fnx_status {
+    const F: &str = "fnx_sampler_set_constraint";
+    guard(
+        || {
+            non_null!(sampler, "fnx_sampler_set_constraint", "sampler");
+            let kind = match kind {
+                FNX_CONSTRAINT_NONE => None,
+                FNX_CONSTRAINT_JSON_SCHEMA => Some(ConstraintKind::JsonSchema),
+                FNX_CONSTRAINT_REGEX => Some(ConstraintKind::Regex),
+                FNX_CONSTRAINT_LARK => Some(ConstraintKind::Lark),
+                k => {
+                    return Err(fail(
+                        FNX_ERR_INVALID_ARGUMENT,
+                        format!("{F}: kind {k} is not an FNX_CONSTRAINT_* value (0 to 3)"),
+                    ))
+                }
+            };
+            let mut s = fnx_sampler::from_ptr(sampler, F)?;
+            let constraint = match kind {
+                None => None,
+                Some(kind) => {
+                    non_null!(model, "fnx_sampler_set_constraint", "model");
+                    non_null!(text, "fnx_sampler_set_constraint", "text");
+                    let m = fnx_model::from_ptr(model, F)?;
+                    // SAFETY: non-NULL and NUL-terminated per the contract.
+                    let bytes = unsafe { CStr::from_ptr(text) }.to_bytes();
+                    let text = std::str::from_utf8(bytes).map_err(|e| {
+                        fail(
+                            FNX_ERR_INVALID_ARGUMENT,
+                            format!("{F}: text is not valid UTF-8 (bad byte at offset {})", e.valid_up_to()),
+                        )
+                    })?;
+                    let in_f = |e: crate::error::Error| {
+                        let f = Failure::from(e);
+                        Failure(f.0, format!("{F}: {}", f.1))
+                    };
+                    let tokenizer = m.tokenizer.get(&m.model).map_err(in_f)?;
+                    Some(Constraint::new(tokenizer, kind, text).map_err(in_f)?)
+                }
+            };
+            // Only now, with everything checked and compiled, is the sampler changed.
+            s.sampler.set_constraint(constraint);
             Ok(())
         },
         || {},

@@ -7,6 +7,7 @@ mod session;
 
 use clap::Args;
 use flashnext::{LoadOptions, Model, ProgressFn};
+use flashnext::constraint::ConstraintKind;
 use flashnext::sampling::{Sampler, SamplerParams, PRESETS};
 use flashnext::{Error, Result};
 use session::Session;
@@ -73,6 +74,37 @@ impl SamplingArgs {
     }
 }
 
+/// Structured output: a grammar the generated text must follow (at most one).
+#[derive(Args, Clone, Debug, Default)]
+#[group(multiple = false)]
+pub struct ConstraintArgs {
+    /// Generate JSON valid against the JSON Schema in this file.
+    #[arg(long, value_name = "FILE")]
+    pub json_schema: Option<PathBuf>,
+    /// Generate text that matches this regular expression as a whole.
+    #[arg(long, value_name = "RE")]
+    pub regex: Option<String>,
+    /// Generate text in the language of this Lark grammar (start rule `start`).
+    #[arg(long, value_name = "FILE.lark")]
+    pub grammar: Option<PathBuf>,
+}
+
+impl ConstraintArgs {
+    /// The kind and text of the constraint asked for, if any (files read).
+    pub fn get(&self) -> Result<Option<(ConstraintKind, String)>> {
+        let read = |p: &PathBuf| std::fs::read_to_string(p).map_err(|e| Error::io(format!("cannot read {}", p.display()), e));
+        Ok(if let Some(p) = &self.json_schema {
+            Some((ConstraintKind::JsonSchema, read(p)?))
+        } else if let Some(re) = &self.regex {
+            Some((ConstraintKind::Regex, re.clone()))
+        } else if let Some(p) = &self.grammar {
+            Some((ConstraintKind::Lark, read(p)?))
+        } else {
+            None
+        })
+    }
+}
+
 /// Loads `args.model`, showing progress on a terminal.
 pub fn load(args: &ModelArgs) -> Result<Arc<Model>> {
     let tty = std::io::stderr().is_terminal();
@@ -94,9 +126,21 @@ pub fn load(args: &ModelArgs) -> Result<Arc<Model>> {
 }
 
 /// `flashnext run`: completes `prompt` (or, with `chat`, answers it as a
-/// user message in the model's chat format) and prints the text.
-pub fn run(model: &ModelArgs, sampling: &SamplingArgs, prompt: &str, chat: bool, no_think: bool) -> Result<()> {
+/// user message in the model's chat format) and prints the text; with a
+/// constraint, the generated text follows its grammar.
+pub fn run(
+    model: &ModelArgs,
+    sampling: &SamplingArgs,
+    prompt: &str,
+    chat: bool,
+    no_think: bool,
+    constraint: &ConstraintArgs,
+) -> Result<()> {
+    let constraint = constraint.get()?;
     let mut session = Session::new(load(model)?, sampling.sampler()?, sampling.max_tokens)?;
+    if let Some((kind, text)) = constraint {
+        session.set_constraint(kind, &text)?;
+    }
     let mut out = stdout();
     let stats = if chat {
         session = session.with_chat(!no_think, None)?;

@@ -14,6 +14,7 @@
 //! costs one more state's memory.
 
 use flashnext::chat::{ChatMessage, ChatOptions, ChatTemplate};
+use flashnext::constraint::{Constraint, ConstraintKind};
 use flashnext::generate::{decode_tokens, generate, GenerateOptions, Generation, StopReason, TokenText};
 use flashnext::model::{Model, State};
 use flashnext::tokenizer::{end_of_generation_tokens, Tokenizer};
@@ -88,6 +89,13 @@ impl Session {
 
     pub fn sampler(&self) -> &Sampler {
         &self.sampler
+    }
+
+    /// Makes the generated text follow a grammar (structured output).
+    pub fn set_constraint(&mut self, kind: ConstraintKind, text: &str) -> Result<()> {
+        let c = Constraint::new(&self.tokenizer, kind, text)?;
+        self.sampler.set_constraint(Some(c));
+        Ok(())
     }
 
     /// Forgets the conversation (keeps the system message) and the state.

@@ -83,6 +83,11 @@ LOG_DEBUG = 4
 
 SEED_RANDOM = 18446744073709551615
 
+CONSTRAINT_NONE = 0
+CONSTRAINT_JSON_SCHEMA = 1
+CONSTRAINT_REGEX = 2
+CONSTRAINT_LARK = 3
+
 CHAT_TEMPLATE_MAX_BYTES = 4194304
 
 CHAT_NONE = 0
@@ -300,6 +305,7 @@ _FUNCTIONS = {
     "fnx_sampler_sample": (fnx_status, [_SamplerP, POINTER(c_float), c_size_t, POINTER(c_int32)]),
     "fnx_sampler_accept": (fnx_status, [_SamplerP, c_int32]),
     "fnx_sampler_reset": (fnx_status, [_SamplerP]),
+    "fnx_sampler_set_constraint": (fnx_status, [_SamplerP, _ModelP, c_int32, c_char_p]),
     "fnx_sampler_free": (None, [_SamplerP]),
     # text
     "fnx_tokenize": (
@@ -1111,8 +1117,29 @@ class Sampler:
         _check(_fn("fnx_sampler_accept")(self._handle(), _i32(token, "token")))
 
     def reset(self):
-        """Forgets accepted tokens and restarts the generator from the seed."""
+        """Forgets accepted tokens and restarts the generator (and the
+        constraint's grammar) from the start."""
         _check(_fn("fnx_sampler_reset")(self._handle()))
+
+    def set_constraint(self, model, kind=CONSTRAINT_NONE, text=None, *, json_schema=None, regex=None, lark=None):
+        """Structured output: the sampled tokens follow a grammar compiled for
+        ``model``'s vocabulary. Either ``kind`` (``CONSTRAINT_JSON_SCHEMA``,
+        ``CONSTRAINT_REGEX``, ``CONSTRAINT_LARK``) and ``text``, or one of the
+        keywords ``json_schema`` (a ``dict`` or JSON text), ``regex`` or
+        ``lark``. ``CONSTRAINT_NONE`` (no arguments) removes the constraint.
+        A bad schema or grammar raises :class:`FlashnextError`
+        (``ERR_INVALID_ARGUMENT``) and leaves the sampler unchanged."""
+        given = [(k, v) for k, v in ((CONSTRAINT_JSON_SCHEMA, json_schema), (CONSTRAINT_REGEX, regex), (CONSTRAINT_LARK, lark)) if v is not None]
+        if len(given) > 1 or (given and (kind != CONSTRAINT_NONE or text is not None)):
+            raise TypeError("set_constraint: give kind and text, or one of json_schema, regex, lark")
+        if given:
+            kind, text = given[0]
+        if kind == CONSTRAINT_JSON_SCHEMA and not isinstance(text, (str, bytes)) and text is not None:
+            text = json.dumps(text)
+        if isinstance(text, str):
+            text = text.encode("utf-8")
+        m = None if model is None else model._handle()
+        _check(_fn("fnx_sampler_set_constraint")(self._handle(), m, _i32(kind, "kind"), text))
 
 
 # --------------------------------------------------------------------------

@@ -480,6 +480,61 @@ class TestSampler(ModelCase):
             s.sample([1.0])
 
 
+@unittest.skipUnless(HAS_TEXT, "the library has no text functions")
+class TestConstraint(ModelCase):
+    SCHEMA = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 10},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
+        },
+        "required": ["name", "age", "tags"],
+        "additionalProperties": False,
+    }
+
+    def test_generated_json_follows_the_schema(self):
+        for seed in range(4):
+            with flashnext.Sampler(seed=seed, temperature=1.0) as sampler:
+                sampler.set_constraint(self.model, json_schema=self.SCHEMA)
+                s = self.model.new_state()
+                text = "".join(s.generate("And God said", sampler=sampler, max_tokens=200))
+                n = s.position - len(self.model.tokenize("And God said"))
+            self.assertLess(n, 200, text)  # ended by the grammar, not the limit
+            value = json.loads(text)
+            self.assertEqual(sorted(value), ["age", "name", "tags"])
+            self.assertIsInstance(value["name"], str)
+            self.assertLessEqual(len(value["name"]), 10)
+            self.assertIsInstance(value["age"], int)
+            self.assertTrue(0 <= value["age"] <= 120)
+            self.assertTrue(1 <= len(value["tags"]) <= 3)
+            self.assertTrue(set(value["tags"]) <= {"a", "b"})
+
+    def test_regex_and_removal(self):
+        with flashnext.Sampler(seed=1) as sampler:
+            sampler.set_constraint(self.model, flashnext.CONSTRAINT_REGEX, "[0-9]{2}-[a-z]{3}")
+            s = self.model.new_state()
+            text = "".join(s.generate("And", sampler=sampler, max_tokens=50))
+            self.assertRegex(text, r"\A[0-9]{2}-[a-z]{3}\Z")
+            sampler.set_constraint(self.model)  # removes it
+            sampler.reset()
+            st = self.model.new_state()
+            st.decode_tokens([4, 5, 6])
+            logits = st.logits()
+            with flashnext.Sampler(seed=1) as plain:
+                self.assertEqual([sampler.sample(logits) for _ in range(10)], [plain.sample(logits) for _ in range(10)])
+
+    def test_bad_grammars_are_refused(self):
+        with flashnext.Sampler(seed=2) as sampler:
+            for kwargs in ({"json_schema": '{"type": "nonsense"}'}, {"regex": "[0-9"}, {"lark": "start: nowhere"}):
+                with self.assertRaises(FlashnextError) as cm:
+                    sampler.set_constraint(self.model, **kwargs)
+                self.assertEqual(cm.exception.status, flashnext.ERR_INVALID_ARGUMENT)
+                self.assertIn("invalid", cm.exception.message)
+            with self.assertRaises(TypeError):
+                sampler.set_constraint(self.model, regex="a", lark="b")
+
+
 class TestGenerate(ModelCase):
     def greedy_reference(self, prompt, n):
         s = self.model.new_state()
