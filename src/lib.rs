@@ -8,7 +8,7 @@
 //! | level | part | owns |
 //! |---|---|---|
 //! | faces | [`capi`] (the C ABI), the `flashnext` binary (`src/main.rs`, `src/cli`), [`bench`] | handles, argument checks, reports; they ask a [`Model`] and its [`State`]s, never a backend |
-//! | serving | [`generate`], [`sampling`], [`chat`] | the generation loop, samplers, chat templates |
+//! | serving | [`generate`], [`sampling`], [`chat`], [`perplexity`] | the generation loop, samplers, chat templates, scoring a text |
 //! | text | [`tokenizer`], [`constraint`] | the vocabulary of a model file, beside the model (built from its metadata), not inside it; grammars over that vocabulary (structured output), whose token trie the tokenizer keeps once built |
 //! | opening | [`load`] | [`LoadOptions`], the one place a backend is chosen and built |
 //! | backends | [`cpu`], [`vulkan`] | the blocks of the network on the host's cores / on a GPU; `vulkan` may use `cpu`'s formulas (host-side tables, the twins that check its shaders), never the reverse |
