@@ -61,12 +61,19 @@ pub struct Module {
     pub defines: Vec<&'static str>,
 }
 
-/// Every module, matvecs first.
+/// Every module, matvecs first: per weight type `matvec_<t>` and
+/// `expert_<t>`, then for the quantized types the fast kernels (`FAST`:
+/// 8-bit activations, integer dot products) `matvec_<t>_fast` and
+/// `expert_<t>_fast`.
 pub fn modules() -> Vec<Module> {
     let mut out = Vec::new();
     for (suffix, define) in WEIGHT_TYPES {
         out.push(Module { name: format!("matvec_{suffix}"), file: "matvec.comp", defines: vec![define] });
         out.push(Module { name: format!("expert_{suffix}"), file: "matvec.comp", defines: vec![define, "ARENA"] });
+    }
+    for (suffix, define) in WEIGHT_TYPES.iter().filter(|(s, _)| s.starts_with('q')) {
+        out.push(Module { name: format!("matvec_{suffix}_fast"), file: "matvec.comp", defines: vec![define, "FAST"] });
+        out.push(Module { name: format!("expert_{suffix}_fast"), file: "matvec.comp", defines: vec![define, "ARENA", "FAST"] });
     }
     out.extend(VARIANTS.iter().map(|(name, file, defines)| Module {
         name: name.to_string(),

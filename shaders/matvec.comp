@@ -1,6 +1,9 @@
 #version 450
 #extension GL_KHR_shader_subgroup_shuffle : require
 #extension GL_EXT_control_flow_attributes : require
+#ifdef FAST
+#extension GL_EXT_spirv_intrinsics : require
+#endif
 // y = W x with an epilogue chosen by `mode`, for weights in the device
 // layout of src/vulkan/layout.rs (shaders/weights.glsl reads them).
 //
@@ -83,6 +86,7 @@ void main() {
     F0 = base + pc.fld0;
     F1 = base + pc.fld1;
     uint x = pc.x_off + k * pc.x_stride;
+    prepare_x(x);
     bool swiglu = pc.mode == 4u;
     // Blocks per row (the float types: 16-byte items per row).
     uint nb = QK == 1u ? pc.row_bytes >> 4 : pc.cols / QK;

@@ -6,6 +6,9 @@
 // WEIGHT_Q6_K. With ARENA the bytes come from the expert-arena slab `g_slab`.
 //
 // Include after the push-constant block `pc` (uses pc.cols, pc.row_bytes).
+// With FAST the quantized types are decoded by weights_int.glsl instead
+// (8-bit activations, integer dot products); both define `prepare_x(x)`,
+// which every invocation calls once before the first item.
 // Each type defines
 //   QK    values per block (the float types: per 16-byte item)
 //   IPB   work items per block
@@ -61,6 +64,12 @@ vec4 f4(uint w, float bias) {
 vec4 xv(uint i) { return s4[i >> 2]; }
 
 float hsum(vec4 v) { return (v.x + v.y) + (v.z + v.w); }
+
+#ifdef FAST
+#include "weights_int.glsl"
+#else
+// The exact kernels read the activations as they are.
+void prepare_x(uint x) {}
 
 #if defined(WEIGHT_F32) || defined(WEIGHT_F16) || defined(WEIGHT_BF16)
 // Float rows are zero-padded to 16 bytes; the activations past `cols` are
@@ -335,4 +344,5 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
 
 #else
 #error "define one of the WEIGHT_* types"
+#endif
 #endif

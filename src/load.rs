@@ -60,6 +60,13 @@ pub struct LoadOptions {
     /// activations, integer dot products) where the CPU has AVX2; an
     /// explicit choice wins.
     pub cpu_kernels: Option<Kernels>,
+    /// Vulkan kernels for the quantized weights (see `vulkan::pipelines`):
+    /// `None` takes the environment's `FNX_GPU_KERNELS=exact|fast`, else
+    /// fast (8-bit activations, integer dot products; error stated in
+    /// shaders/weights_int.glsl) where the device has accelerated 8-bit dot
+    /// products and exact elsewhere; fast on a device without integer dot
+    /// products runs exact. An explicit choice wins.
+    pub gpu_kernels: Option<Kernels>,
     /// Positions a state can step back without a copy (`State::rewind`);
     /// 0 = the default, [`DEFAULT_REWIND_WINDOW`]; `FNX_REWIND_WINDOW=N` wins.
     /// Each position of the window keeps one more copy of every Gated
@@ -106,6 +113,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("expert_cache_slots", &self.expert_cache_slots)
             .field("routing_profile", &self.routing_profile)
             .field("cpu_kernels", &self.cpu_kernels)
+            .field("gpu_kernels", &self.gpu_kernels)
             .field("rewind_window", &self.rewind_window)
             .field("spin_wait", &self.spin_wait)
             .field("expert_admission", &self.expert_admission)
@@ -137,6 +145,10 @@ impl LoadOptions {
         if let Some(v) = env_value("FNX_CPU_KERNELS") {
             let k = Kernels::parse(&v).ok_or_else(|| Error::arg(format!("FNX_CPU_KERNELS={v:?}: expected exact or fast")))?;
             o.cpu_kernels = o.cpu_kernels.or(Some(k));
+        }
+        if let Some(v) = env_value("FNX_GPU_KERNELS") {
+            let k = Kernels::parse(&v).ok_or_else(|| Error::arg(format!("FNX_GPU_KERNELS={v:?}: expected exact or fast")))?;
+            o.gpu_kernels = o.gpu_kernels.or(Some(k));
         }
         if let Some(v) = env_value("FNX_EXPERT_CACHE_SLOTS") {
             o.expert_cache_slots =
@@ -205,7 +217,7 @@ fn choose_backend(
     host: &OnModelThreads<'_>,
 ) -> Result<(Box<dyn BackendModel>, String)> {
     let budget = opts.vram_budget_mb.saturating_mul(1 << 20);
-    let choice = |index| crate::vulkan::DeviceChoice { index, budget };
+    let choice = |index| crate::vulkan::DeviceChoice { index, budget, kernels: opts.gpu_kernels };
     let warm = opts.routing_profile.as_deref().map(|p| crate::model::profile::RoutingProfile::load(p, config)).transpose()?;
     let placement = crate::vulkan::ExpertPlacement {
         forced_slots: opts.expert_cache_slots,

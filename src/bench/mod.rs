@@ -228,6 +228,9 @@ pub struct BenchReport {
     /// The CPU kernels of the quantized weights (`fast` or `exact`; see
     /// `quant::kernels`), what the CPU backend ran.
     pub cpu_kernels: String,
+    /// The GPU's kernels of the quantized weights (`fast` or `exact`; see
+    /// `vulkan::pipelines`), when the backend is a GPU.
+    pub gpu_kernels: Option<String>,
     pub threads: usize,
     pub load_seconds: f64,
     pub prompt_tokens: usize,
@@ -438,6 +441,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
             .collect(),
         backend: model.backend_kind().name().into(),
         cpu_kernels: model.cpu_kernels.name().into(),
+        gpu_kernels: model.gpu_kernels().map(|k| k.name().into()),
         threads,
         load_seconds,
         prompt_tokens: prompt.len(),
@@ -518,7 +522,17 @@ impl BenchReport {
         });
         let lines = [
             format!("machine: {} ({} threads), {:.0} GiB RAM", self.machine.cpu, self.machine.logical_cpus, self.machine.mem_total_bytes as f64 / (1u64 << 30) as f64),
-            format!("model: {} ({:.2} GB, {} layers), backend {} ({} CPU kernels), {} threads, loaded in {:.2} s", self.model, gb(self.file_bytes), self.layers, self.backend, self.cpu_kernels, self.threads, self.load_seconds),
+            format!(
+                "model: {} ({:.2} GB, {} layers), backend {} ({} CPU kernels{}), {} threads, loaded in {:.2} s",
+                self.model,
+                gb(self.file_bytes),
+                self.layers,
+                self.backend,
+                self.cpu_kernels,
+                self.gpu_kernels.as_ref().map_or(String::new(), |k| format!(", {k} GPU kernels")),
+                self.threads,
+                self.load_seconds
+            ),
             format!(
                 "prompt: {} tokens at {:.2} tok/s (micro-batch {}, {} CPU s), prefill scratch peak {}",
                 self.prompt_tokens,

@@ -210,6 +210,11 @@ pub trait BackendModel: Send + Sync {
     fn load_transfer(&self) -> Option<(u64, f64)> {
         None
     }
+    /// The device's kernels for the quantized matvecs (`None` on the CPU,
+    /// whose kernels are the model's `cpu_kernels`).
+    fn gpu_kernels(&self) -> Option<crate::quant::kernels::Kernels> {
+        None
+    }
 }
 
 /// A backend's expert cache: its size, what it measured at load, and its

@@ -114,6 +114,11 @@ impl Model {
         self.backend.load_transfer()
     }
 
+    /// The GPU's kernels for the quantized matvecs (`None` on the CPU).
+    pub fn gpu_kernels(&self) -> Option<Kernels> {
+        self.backend.gpu_kernels()
+    }
+
     /// Where the model computes and why, e.g. `vulkan on NVIDIA H200 (auto)`
     /// or `cpu (auto: no hardware GPU among llvmpipe (Cpu))`.
     pub fn backend_note(&self) -> &str {

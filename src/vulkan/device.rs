@@ -39,12 +39,28 @@ unsafe extern "system" fn on_message(
     vk::FALSE
 }
 
-/// Which device to open and how much of its memory to use.
+/// Which device to open, how much of its memory to use and which matvec kernels to run.
 #[derive(Clone, Debug, Default)]
 pub struct DeviceChoice {
     pub index: usize,
     /// Bytes of device memory flashnext may allocate; 0 = no limit.
     pub budget: u64,
+    /// The quantized matvecs' kernels: `None` = fast where the device has
+    /// accelerated 8-bit integer dot products, else exact; fast on a device
+    /// without integer dot products runs exact.
+    pub kernels: Option<crate::quant::kernels::Kernels>,
+}
+
+impl DeviceChoice {
+    /// Whether the opened device `ctx` runs the fast kernels under this choice.
+    pub(crate) fn fast_kernels(&self, ctx: &Context) -> bool {
+        use crate::quant::kernels::Kernels;
+        match self.kernels {
+            Some(Kernels::Exact) => false,
+            Some(Kernels::Fast) => ctx.int_dot.supported,
+            None => ctx.int_dot.accelerated,
+        }
+    }
 }
 
 /// The Vulkan loader, loaded once and kept for the life of the process
@@ -148,6 +164,46 @@ pub(crate) struct Context {
     /// Whether the device is the host's own cores (lavapipe): work the
     /// host does beside it competes with the "GPU".
     pub on_cpu: bool,
+    /// 8-bit integer dot products in shaders (the fast matvec kernels).
+    pub int_dot: IntDot,
+}
+
+/// What a device offers for 8-bit integer dot products
+/// (`VK_KHR_shader_integer_dot_product`, core in Vulkan 1.3).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct IntDot {
+    /// The extension and its feature are enabled on the opened device: the
+    /// fast matvec pipelines can be created.
+    pub supported: bool,
+    /// Packed 4 x 8-bit signed and mixed-signedness dot products are
+    /// accelerated (one hardware instruction, e.g. NVIDIA's `IDP4A`), so the
+    /// fast kernels are the default there.
+    pub accelerated: bool,
+}
+
+/// Whether `physical` offers integer dot products, and how fast.
+///
+/// # Safety
+/// `physical` belongs to `instance`.
+unsafe fn int_dot_support(instance: &ash::Instance, physical: vk::PhysicalDevice) -> IntDot {
+    let name = ash::khr::shader_integer_dot_product::NAME;
+    // SAFETY (whole body): valid handles; the chained structs outlive the calls.
+    let listed = unsafe { instance.enumerate_device_extension_properties(physical) }.unwrap_or_default();
+    if !listed.iter().any(|e| e.extension_name_as_c_str() == Ok(name)) {
+        return IntDot::default();
+    }
+    let mut features = vk::PhysicalDeviceShaderIntegerDotProductFeatures::default();
+    let mut f2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut features);
+    unsafe { instance.get_physical_device_features2(physical, &mut f2) };
+    if features.shader_integer_dot_product == vk::FALSE {
+        return IntDot::default();
+    }
+    let mut props = vk::PhysicalDeviceShaderIntegerDotProductProperties::default();
+    let mut p2 = vk::PhysicalDeviceProperties2::default().push_next(&mut props);
+    unsafe { instance.get_physical_device_properties2(physical, &mut p2) };
+    let accelerated = props.integer_dot_product4x8_bit_packed_signed_accelerated == vk::TRUE
+        && props.integer_dot_product4x8_bit_packed_mixed_signedness_accelerated == vk::TRUE;
+    IntDot { supported: true, accelerated }
 }
 
 pub(crate) fn err(what: &str) -> impl Fn(vk::Result) -> Error + '_ {
@@ -199,9 +255,10 @@ impl Context {
                 None
             };
             match Self::open_device(instance.clone(), choice) {
-                Ok(((limits, subgroup_size, device_local_bytes, on_cpu), name, device, queue_family, queue, allocator)) => Ok(Context {
+                Ok(((limits, subgroup_size, device_local_bytes, on_cpu, int_dot), name, device, queue_family, queue, allocator)) => Ok(Context {
                     device_local_bytes,
                     on_cpu,
+                    int_dot,
                     instance,
                     debug,
                     limits,
@@ -229,7 +286,7 @@ impl Context {
     unsafe fn open_device(
         instance: ash::Instance,
         choice: &DeviceChoice,
-    ) -> Result<((vk::PhysicalDeviceLimits, u32, u64, bool), String, ash::Device, u32, vk::Queue, Allocator)> {
+    ) -> Result<((vk::PhysicalDeviceLimits, u32, u64, bool, IntDot), String, ash::Device, u32, vk::Queue, Allocator)> {
         // SAFETY (whole body): valid instance; create infos outlive the calls.
         let devices = unsafe { instance.enumerate_physical_devices() }.map_err(err("listing devices"))?;
         if devices.is_empty() {
@@ -262,7 +319,13 @@ impl Context {
         let enabled = vk::PhysicalDeviceFeatures::default().shader_storage_buffer_array_dynamic_indexing(true);
         let priorities = [1.0f32];
         let queues = [vk::DeviceQueueCreateInfo::default().queue_family_index(queue_family).queue_priorities(&priorities)];
-        let info = vk::DeviceCreateInfo::default().queue_create_infos(&queues).enabled_features(&enabled);
+        let int_dot = unsafe { int_dot_support(&instance, physical) };
+        let mut dot_features = vk::PhysicalDeviceShaderIntegerDotProductFeatures::default().shader_integer_dot_product(true);
+        let dot_ext = [ash::khr::shader_integer_dot_product::NAME.as_ptr()];
+        let mut info = vk::DeviceCreateInfo::default().queue_create_infos(&queues).enabled_features(&enabled);
+        if int_dot.supported {
+            info = info.enabled_extension_names(&dot_ext).push_next(&mut dot_features);
+        }
         let device = unsafe { instance.create_device(physical, &info, None) }.map_err(err("creating the device"))?;
         let queue = unsafe { device.get_device_queue(queue_family, 0) };
         let allocator = Allocator::new(&AllocatorCreateDesc {
@@ -285,7 +348,7 @@ impl Context {
             .max()
             .unwrap_or(0);
         let on_cpu = props.device_type == vk::PhysicalDeviceType::CPU;
-        Ok(((props.limits, subgroup.subgroup_size, heap, on_cpu), name, device, queue_family, queue, allocator))
+        Ok(((props.limits, subgroup.subgroup_size, heap, on_cpu, int_dot), name, device, queue_family, queue, allocator))
     }
 
     /// Counts `bytes` of device memory against the budget.

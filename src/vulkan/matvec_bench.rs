@@ -15,6 +15,10 @@
 //! so the L2 cache does not serve them. Weights are random bytes (the
 //! speed does not depend on them).
 //!
+//! Each point runs on both kernel families where the device has integer dot
+//! products (exact, and fast: 8-bit activations; `FNX_VK_SWEEP_KERNELS=exact`
+//! or `fast` for one), and the best is printed per case and family.
+//!
 //! Environment: `FNX_VK_SWEEP_WG`, `_ROWS`, `_UNROLL`, `_TPR` (comma lists;
 //! TPR 0 = the recorder's choice; defaults 64,128,256 / 1,2,4 / 1,2 /
 //! 0,4,8,16,32), `FNX_VK_SWEEP_REPS` (dispatches timed per point, default
@@ -112,13 +116,14 @@ impl Sweep {
                 let reps = self.reps;
                 let (pipe, items, bytes) = match &work {
                     Work::Dense(ms) => {
-                        (Pipe::matvec(ms[0].ty, false), ms[0].chunks[0].layout.items, ms[0].device_bytes() as usize)
+                        (Pipe::matvec(ms[0].ty, false, pipes.fast), ms[0].chunks[0].layout.items, ms[0].device_bytes() as usize)
                     }
                     Work::Experts { layer, k, down, .. } => {
                         let (ty, part) = if *down { (layer.down_ty, layer.down) } else { (layer.gate_ty, layer.gate) };
-                        (Pipe::matvec(ty, true), part.items, k * part.bytes)
+                        (Pipe::matvec(ty, true, pipes.fast), part.items, k * part.bytes)
                     }
                 };
+                let case = if pipe.is_fast() { format!("{case} (fast)") } else { case.to_string() };
                 let record = |rec: &mut Recorder| {
                     rec.force_tpr = (tpr > 0).then_some(tpr);
                     for r in 0..reps {
@@ -171,7 +176,7 @@ impl Sweep {
                 let used_tpr = 1u32 << t.tpr_shift(items);
                 let gbs = bytes as f64 / (ms * 1e-3) / 1e9;
                 let line = format!(
-                    "{case:<28} {:<14} wg {:>4} rows {} unroll {} tpr {:>3}{}  {:>9.1} us  {gbs:>8.1} GB/s",
+                    "{case:<36} {:<19} wg {:>4} rows {} unroll {} tpr {:>3}{}  {:>9.1} us  {gbs:>8.1} GB/s",
                     pipe.spec().name,
                     t.wg,
                     t.rows,
@@ -181,7 +186,7 @@ impl Sweep {
                     ms * 1e3,
                 );
                 println!("{line}");
-                self.points.push(Point { case: case.to_string(), line, gbs });
+                self.points.push(Point { case, line, gbs });
             }
         }
     }
@@ -203,7 +208,18 @@ fn matvec_sweep() {
             }
         }
     }
-    let pipes: Vec<Pipelines> = tunings.iter().map(|t| Pipelines::tuned(&ctx, |_| *t).unwrap()).collect();
+    let kernels = std::env::var("FNX_VK_SWEEP_KERNELS").unwrap_or_else(|_| "exact,fast".into());
+    let mut families = Vec::new();
+    for k in kernels.split(',').map(str::trim) {
+        match k {
+            "exact" => families.push(false),
+            "fast" if ctx.int_dot.supported => families.push(true),
+            "fast" => println!("no integer dot products on {}: the fast kernels are not swept", ctx.name),
+            other => panic!("FNX_VK_SWEEP_KERNELS: {other:?} is not exact or fast"),
+        }
+    }
+    let pipes: Vec<Pipelines> =
+        families.iter().flat_map(|&fast| tunings.iter().map(move |t| (fast, *t))).map(|(fast, t)| Pipelines::tuned(&ctx, fast, |_| t).unwrap()).collect();
     let scratch = Buffer::new(&ctx, "sweep scratch", (SCRATCH * 4) as u64, MemoryLocation::GpuOnly).unwrap();
     let params = Buffer::new(&ctx, "sweep params", 4 * 4096, MemoryLocation::GpuOnly).unwrap();
     let cmds = Commands::new(&ctx).unwrap();
@@ -231,7 +247,7 @@ fn matvec_sweep() {
         points: Vec::new(),
         ctx: ctx.clone(),
     };
-    println!("device {}, subgroup {}, {} tunings", ctx.name, ctx.subgroup_size, tunings.len());
+    println!("device {}, subgroup {}, {} tunings, integer dot products {:?}", ctx.name, ctx.subgroup_size, tunings.len(), ctx.int_dot);
     const L2_DEFEAT: usize = 256 << 20;
     let dense = [
         ("gdn qkv 10240x2560", GgmlType::Q8_0, 10240, 2560),
@@ -275,8 +291,12 @@ fn matvec_sweep() {
         sw.run(&format!("{case} down"), Work::Experts { arena: &arena, layer, k, n, down: true });
     }
     println!("\nbest per case:");
-    let mut cases: Vec<&str> = sw.points.iter().map(|p| p.case.as_str()).collect();
-    cases.dedup();
+    let mut cases: Vec<&str> = Vec::new();
+    for p in &sw.points {
+        if !cases.contains(&p.case.as_str()) {
+            cases.push(&p.case);
+        }
+    }
     for case in cases {
         let best = sw.points.iter().filter(|p| p.case == case).max_by(|a, b| a.gbs.total_cmp(&b.gbs)).unwrap();
         println!("{}", best.line);

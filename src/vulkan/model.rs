@@ -277,7 +277,7 @@ impl GpuModel {
     ) -> Result<GpuModel> {
         check_shapes(cfg)?;
         let ctx = Arc::new(Context::new(choice)?);
-        let pipes = Pipelines::new(&ctx)?;
+        let pipes = Pipelines::new(&ctx, choice.fast_kernels(&ctx))?;
         let mut stream = Stream::new(&ctx)?;
         let started = std::time::Instant::now();
         let loaded = Self::upload(cfg, w, &ctx, &pipes, &mut stream, placement, host);
@@ -581,5 +581,10 @@ impl BackendModel for VulkanBackend {
 
     fn load_transfer(&self) -> Option<(u64, f64)> {
         Some((self.0.report.uploaded_bytes, self.0.report.upload_seconds))
+    }
+
+    fn gpu_kernels(&self) -> Option<crate::quant::kernels::Kernels> {
+        use crate::quant::kernels::Kernels;
+        Some(if self.0.pipes.fast { Kernels::Fast } else { Kernels::Exact })
     }
 }

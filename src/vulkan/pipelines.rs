@@ -178,6 +178,8 @@ macro_rules! pipes {
         /// A pipeline of the table.
         #[derive(Clone, Copy, PartialEq, Eq, Debug)]
         pub(crate) enum Pipe { $($variant),* }
+        /// Every pipeline, in table order.
+        pub(crate) const TABLE_PIPES: &[Pipe] = &[$(Pipe::$variant),*];
         pub(crate) const TABLE: &[Spec] = &[$(Spec {
             name: $name, spirv: spirv!($name), sets: Sets::$sets, push_size: std::mem::size_of::<$push>(),
             fields: <$push as Push>::FIELDS, workgroup: $wg,
@@ -212,6 +214,26 @@ pipes! {
     ExpertQ4K = "expert_q4_k", StateArena, MatvecPush, 128;
     ExpertQ5K = "expert_q5_k", StateArena, MatvecPush, 128;
     ExpertQ6K = "expert_q6_k", StateArena, MatvecPush, 128;
+    MatvecQ4_0Fast = "matvec_q4_0_fast", StateWeight, MatvecPush, 128;
+    MatvecQ4_1Fast = "matvec_q4_1_fast", StateWeight, MatvecPush, 128;
+    MatvecQ5_0Fast = "matvec_q5_0_fast", StateWeight, MatvecPush, 128;
+    MatvecQ5_1Fast = "matvec_q5_1_fast", StateWeight, MatvecPush, 128;
+    MatvecQ8_0Fast = "matvec_q8_0_fast", StateWeight, MatvecPush, 128;
+    MatvecQ2KFast = "matvec_q2_k_fast", StateWeight, MatvecPush, 128;
+    MatvecQ3KFast = "matvec_q3_k_fast", StateWeight, MatvecPush, 128;
+    MatvecQ4KFast = "matvec_q4_k_fast", StateWeight, MatvecPush, 128;
+    MatvecQ5KFast = "matvec_q5_k_fast", StateWeight, MatvecPush, 128;
+    MatvecQ6KFast = "matvec_q6_k_fast", StateWeight, MatvecPush, 128;
+    ExpertQ4_0Fast = "expert_q4_0_fast", StateArena, MatvecPush, 128;
+    ExpertQ4_1Fast = "expert_q4_1_fast", StateArena, MatvecPush, 128;
+    ExpertQ5_0Fast = "expert_q5_0_fast", StateArena, MatvecPush, 128;
+    ExpertQ5_1Fast = "expert_q5_1_fast", StateArena, MatvecPush, 128;
+    ExpertQ8_0Fast = "expert_q8_0_fast", StateArena, MatvecPush, 128;
+    ExpertQ2KFast = "expert_q2_k_fast", StateArena, MatvecPush, 128;
+    ExpertQ3KFast = "expert_q3_k_fast", StateArena, MatvecPush, 128;
+    ExpertQ4KFast = "expert_q4_k_fast", StateArena, MatvecPush, 128;
+    ExpertQ5KFast = "expert_q5_k_fast", StateArena, MatvecPush, 128;
+    ExpertQ6KFast = "expert_q6_k_fast", StateArena, MatvecPush, 128;
     HcNorm = "hc_norm", State, HcNormPush, 256;
     HcCombine = "hc_combine", State, HcCombinePush, 64;
     PleMix = "ple_mix", State, PleMixPush, 256;
@@ -231,8 +253,14 @@ impl Pipe {
         &TABLE[self as usize]
     }
 
-    /// The matvec pipeline for weights of `ty` (plain or through the expert arena).
-    pub fn matvec(ty: GgmlType, arena: bool) -> Pipe {
+    /// The matvec pipeline for weights of `ty` (plain or through the expert
+    /// arena), the fast kernels when `fast` and `ty` is quantized.
+    pub fn matvec(ty: GgmlType, arena: bool, fast: bool) -> Pipe {
+        if fast {
+            if let Some(p) = Self::fast_matvec(ty, arena) {
+                return p;
+            }
+        }
         match (ty, arena) {
             (GgmlType::F32, false) => Pipe::MatvecF32,
             (GgmlType::F16, false) => Pipe::MatvecF16,
@@ -261,6 +289,39 @@ impl Pipe {
             (GgmlType::Q5K, true) => Pipe::ExpertQ5K,
             (GgmlType::Q6K, true) => Pipe::ExpertQ6K,
         }
+    }
+
+    /// The fast-kernel pipeline for `ty`, if it has one (the quantized types).
+    fn fast_matvec(ty: GgmlType, arena: bool) -> Option<Pipe> {
+        Some(match (ty, arena) {
+            (GgmlType::Q4_0, false) => Pipe::MatvecQ4_0Fast,
+            (GgmlType::Q4_1, false) => Pipe::MatvecQ4_1Fast,
+            (GgmlType::Q5_0, false) => Pipe::MatvecQ5_0Fast,
+            (GgmlType::Q5_1, false) => Pipe::MatvecQ5_1Fast,
+            (GgmlType::Q8_0, false) => Pipe::MatvecQ8_0Fast,
+            (GgmlType::Q2K, false) => Pipe::MatvecQ2KFast,
+            (GgmlType::Q3K, false) => Pipe::MatvecQ3KFast,
+            (GgmlType::Q4K, false) => Pipe::MatvecQ4KFast,
+            (GgmlType::Q5K, false) => Pipe::MatvecQ5KFast,
+            (GgmlType::Q6K, false) => Pipe::MatvecQ6KFast,
+            (GgmlType::Q4_0, true) => Pipe::ExpertQ4_0Fast,
+            (GgmlType::Q4_1, true) => Pipe::ExpertQ4_1Fast,
+            (GgmlType::Q5_0, true) => Pipe::ExpertQ5_0Fast,
+            (GgmlType::Q5_1, true) => Pipe::ExpertQ5_1Fast,
+            (GgmlType::Q8_0, true) => Pipe::ExpertQ8_0Fast,
+            (GgmlType::Q2K, true) => Pipe::ExpertQ2KFast,
+            (GgmlType::Q3K, true) => Pipe::ExpertQ3KFast,
+            (GgmlType::Q4K, true) => Pipe::ExpertQ4KFast,
+            (GgmlType::Q5K, true) => Pipe::ExpertQ5KFast,
+            (GgmlType::Q6K, true) => Pipe::ExpertQ6KFast,
+            _ => return None,
+        })
+    }
+
+    /// Whether this is a fast-kernel pipeline (created only when the device
+    /// has integer dot products and the fast kernels are chosen).
+    pub fn is_fast(self) -> bool {
+        self.spec().name.ends_with("_fast")
     }
 }
 
@@ -316,13 +377,14 @@ impl MatvecTuning {
     /// subgroup size within the device limits, shared memory for the
     /// reduction (`WG / 4 * 2 * ROWS` floats) within the limit, TPR a power
     /// of two no larger than the workgroup.
-    fn fit(self, ctx: &Context) -> MatvecTuning {
+    fn fit(self, ctx: &Context, fast: bool) -> MatvecTuning {
         let l = &ctx.limits;
         let max_wg = l.max_compute_work_group_size[0].min(l.max_compute_work_group_invocations).min(1024);
         let pow2_floor = |v: u32| if v == 0 { 1 } else { 1 << (31 - v.leading_zeros()) };
         let wg = pow2_floor(self.wg.clamp(ctx.subgroup_size.max(4), max_wg.max(4)));
-        // Leave room for common.glsl's reduction slots.
-        let shared_floats = (l.max_compute_shared_memory_size / 4).saturating_sub(64);
+        // Leave room for common.glsl's reduction slots (and the fast kernels' activations).
+        let taken = if fast { FAST_SHARED_BYTES as u32 } else { 0 };
+        let shared_floats = (l.max_compute_shared_memory_size.saturating_sub(taken) / 4).saturating_sub(64);
         let rows = self.rows.clamp(1, 16).min((shared_floats / (wg / 2)).max(1));
         MatvecTuning {
             wg,
@@ -356,6 +418,8 @@ impl MatvecTuning {
 /// (`matvec`), else a bare number.
 fn tuning_entry(list: &str, name: &str) -> Option<u32> {
     let (kind, ty) = name.split_once('_').unwrap_or((name, ""));
+    // The fast kernels of a type take its entries too (`q4_k` tunes `matvec_q4_k_fast`).
+    let ty = ty.strip_suffix("_fast").unwrap_or(ty);
     let mut best: Option<(u32, u32)> = None;
     for entry in list.split(',').map(str::trim).filter(|e| !e.is_empty()) {
         let (rank, value) = match entry.split_once('=') {
@@ -374,6 +438,12 @@ fn tuning_entry(list: &str, name: &str) -> Option<u32> {
     best.map(|(_, v)| v)
 }
 
+/// Longest rows the fast kernels take (`FAST_MAX_COLS` in
+/// shaders/weights_int.glsl); longer rows use the exact pipelines.
+pub(crate) const FAST_MAX_COLS: usize = 10240;
+/// Shared memory the fast kernels' rounded activations take.
+const FAST_SHARED_BYTES: usize = FAST_MAX_COLS + FAST_MAX_COLS / 32 * 4 + FAST_MAX_COLS / 16 * 4;
+
 /// The created pipelines and their descriptor-set layouts.
 pub(crate) struct Pipelines {
     pub state_layout: vk::DescriptorSetLayout,
@@ -385,6 +455,10 @@ pub(crate) struct Pipelines {
     pub pipelines: Vec<vk::Pipeline>,
     /// The work split of each pipeline (meaningful for the matvecs).
     pub tuning: Vec<MatvecTuning>,
+    /// Whether the quantized matvecs run the fast kernels (8-bit
+    /// activations, integer dot products; see shaders/weights_int.glsl): their
+    /// pipelines exist only then.
+    pub fast: bool,
     ctx: Arc<Context>,
 }
 
@@ -406,13 +480,18 @@ fn set_layout(ctx: &Context, counts: &[u32]) -> Result<vk::DescriptorSetLayout> 
 }
 
 impl Pipelines {
-    /// Every pipeline, the matvecs tuned by the defaults and `FNX_VK_MATVEC_*`.
-    pub fn new(ctx: &Arc<Context>) -> Result<Pipelines> {
-        Self::tuned(ctx, MatvecTuning::from_env)
+    /// Every pipeline, the matvecs tuned by the defaults and
+    /// `FNX_VK_MATVEC_*`; the fast kernels when `fast` (which the device must
+    /// support: [`Context::int_dot`]).
+    pub fn new(ctx: &Arc<Context>, fast: bool) -> Result<Pipelines> {
+        Self::tuned(ctx, fast, MatvecTuning::from_env)
     }
 
     /// Every pipeline, the matvecs tuned by `tuning(name)` (rounded to the device's limits).
-    pub fn tuned(ctx: &Arc<Context>, tuning: impl Fn(&str) -> MatvecTuning) -> Result<Pipelines> {
+    pub fn tuned(ctx: &Arc<Context>, fast: bool, tuning: impl Fn(&str) -> MatvecTuning) -> Result<Pipelines> {
+        if fast && !ctx.int_dot.supported {
+            return Err(crate::Error::Backend(format!("Vulkan device {} has no integer dot products for the fast kernels", ctx.name)));
+        }
         let mut p = Pipelines {
             state_layout: set_layout(ctx, &[1, 1, 1])?,
             weight_layout: vk::DescriptorSetLayout::null(),
@@ -421,13 +500,21 @@ impl Pipelines {
             layouts: Vec::new(),
             pipelines: Vec::new(),
             tuning: Vec::new(),
+            fast,
             ctx: ctx.clone(),
         };
         p.weight_layout = set_layout(ctx, &[1])?;
         p.arena_layout = set_layout(ctx, &[p.max_slabs])?;
-        for spec in TABLE {
-            let t = tuning(spec.name).fit(ctx);
+        for (i, spec) in TABLE.iter().enumerate() {
+            let is_fast = TABLE_PIPES[i].is_fast();
+            let t = tuning(spec.name).fit(ctx, is_fast);
             p.tuning.push(t);
+            if is_fast && !fast {
+                // Never bound (the recorder asks for fast pipelines only when `fast`).
+                p.layouts.push(vk::PipelineLayout::null());
+                p.pipelines.push(vk::Pipeline::null());
+                continue;
+            }
             p.create(spec, t)?;
         }
         Ok(p)
@@ -509,6 +596,9 @@ mod tests {
         assert_eq!(tuning_entry(list, "expert_q5_0"), Some(1));
         assert_eq!(tuning_entry(list, "expert_q4_k"), Some(3));
         assert_eq!(tuning_entry("q4_k=8", "matvec_q6_k"), None);
+        assert_eq!(tuning_entry(list, "expert_q5_0_fast"), Some(3));
+        assert_eq!(tuning_entry("q4_k=8", "matvec_q4_k_fast"), Some(8));
+        assert_eq!(tuning_entry("q4_k=8,matvec_q4_k_fast=2", "matvec_q4_k_fast"), Some(2));
         assert_eq!(tuning_entry("junk", "matvec_q6_k"), None);
     }
 

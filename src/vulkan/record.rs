@@ -6,7 +6,7 @@
 use super::device::{err, Context};
 use super::layout::PartLayout;
 use super::matrix::GpuMatrix;
-use super::pipelines::{MatvecTuning, MatvecPush, Pipe, Pipelines, Push};
+use super::pipelines::{MatvecTuning, MatvecPush, Pipe, Pipelines, Push, FAST_MAX_COLS};
 use crate::error::Result;
 use crate::gguf::GgmlType;
 use ash::vk;
@@ -90,6 +90,11 @@ impl<'a> Recorder<'a> {
         self.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
     }
 
+    /// Whether rows of `cols` run the fast kernels (when the pipelines have them).
+    fn fast(&self, cols: usize) -> bool {
+        self.pipes.fast && cols <= FAST_MAX_COLS
+    }
+
     /// One workgroup per `n` items of `pipe`'s workgroup size.
     pub fn threads(&self, pipe: Pipe, n: usize) -> [u32; 3] {
         grid(self.ctx, n.div_ceil(pipe.spec().workgroup as usize), 1)
@@ -129,7 +134,7 @@ impl<'a> Recorder<'a> {
     pub fn matvec(&mut self, m: &GpuMatrix, state_set: vk::DescriptorSet, mut push: MatvecPush) {
         let swiglu = push.mode == 4;
         assert!(!swiglu || m.chunks.len() == 1, "{}: a SwiGLU matrix is never split", m.name);
-        let pipe = Pipe::matvec(m.ty, false);
+        let pipe = Pipe::matvec(m.ty, false, self.fast(m.chunks[0].layout.cols));
         push.total_rows = m.rows as u32;
         push.scale = if push.scale == 0.0 { 1.0 } else { push.scale };
         for c in &m.chunks {
@@ -156,7 +161,7 @@ impl<'a> Recorder<'a> {
     /// `experts` experts (ids in scratch at `push.expert_off`); `push.rows` is
     /// the part's output rows (its gate rows with SwiGLU).
     pub fn expert_matvec(&mut self, ty: GgmlType, sets: [vk::DescriptorSet; 2], mut push: MatvecPush, part: &PartLayout, experts: usize) {
-        let pipe = Pipe::matvec(ty, true);
+        let pipe = Pipe::matvec(ty, true, self.fast(part.cols));
         push.total_rows = push.rows;
         let g = self.matvec_split(pipe, part, &mut push, experts as u32);
         self.dispatch(pipe, &sets, &push, g);

@@ -35,10 +35,14 @@ pub fn load_gpu(path: &Path) -> Option<Arc<Model>> {
     load_gpu_with(path, LoadOptions::default())
 }
 
-/// [`load_gpu`] with other options (the backend is set to Vulkan).
+/// [`load_gpu`] with other options (the backend is set to Vulkan). The GPU
+/// runs its exact kernels unless `opts` asks for others: the tests' bounds
+/// against the CPU and transformers are the exact path's (the default on a
+/// GPU with accelerated 8-bit dot products is the fast path, tested apart).
 pub fn load_gpu_with(path: &Path, opts: LoadOptions) -> Option<Arc<Model>> {
     std::env::set_var("FNX_VULKAN_VALIDATION", "1");
-    let opts = LoadOptions { backend: Backend::Vulkan, ..opts };
+    let gpu_kernels = opts.gpu_kernels.or(Some(flashnext::quant::kernels::Kernels::Exact));
+    let opts = LoadOptions { backend: Backend::Vulkan, gpu_kernels, ..opts };
     match Model::load(path, &opts) {
         Ok(m) => Some(m),
         Err(flashnext::Error::Backend(why))

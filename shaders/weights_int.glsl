@@ -1,0 +1,257 @@
+// The fast matvec kernels (module suffix `_fast`, define FAST): the quantized
+// types against activations rounded to 8 bits, with integer dot products of
+// four packed bytes (SPV_KHR_integer_dot_product; NVIDIA's IDP4A). Included
+// by weights.glsl in place of its float decoders; same layout, same items,
+// same `Xs load_x(x, b, k)` / `float item_dot(row, g, b, k, xs)` contract.
+//
+// Activations: each workgroup first rounds its x (pc.cols values) into
+// shared memory, in blocks of 32 (`prepare_x`): `x ~ d q` with
+// `d = amax / 127`, `q = roundEven(x * 127 / amax)` in -127..127, as the
+// CPU's fast path does (src/quant/dot/act.rs; finer than its 256-value
+// blocks for the K-quants), plus the sum of the levels of every 16 values.
+// A block holding a NaN or an infinity gets d = NaN, so the output is NaN,
+// as on the exact path.
+//
+// Each work item then meets its 16-byte run of activation levels in
+// integers: unsigned weight levels (the stored codes, before their offset)
+// times signed activation levels, summed exactly in i32 by `sudot4`
+// (Q8_0's signed levels by `sdot4`); offsets and minima multiply the level
+// sums, so every product is the exact dot product of the dequantized
+// weights with the rounded activations `d q`, and the error against the
+// exact kernels is at most sum over blocks of (amax / 254) sum |w| (plus
+// f32 rounding): the bound the twins check (src/vulkan/twins.rs).
+//
+// Rows longer than FAST_MAX_COLS use the exact pipelines (the recorder picks).
+
+// OpSDot and OpSUDot on 32-bit words holding four 8-bit lanes
+// (packed-vector format 0, PackedVectorFormat4x8Bit). Capabilities:
+// DotProduct (6019), DotProductInput4x8BitPacked (6018).
+spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [6019, 6018], id = 4450)
+int sdot4(uint a, uint b, spirv_literal int packed_format);
+spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [6019, 6018], id = 4452)
+int sudot4(uint signed_a, uint unsigned_b, spirv_literal int packed_format);
+
+// sum_i a_i b_i over four 16-byte runs: a signed, b unsigned (or both signed).
+int sudot16(uvec4 a, uvec4 b) {
+    return (sudot4(a.x, b.x, 0) + sudot4(a.y, b.y, 0)) + (sudot4(a.z, b.z, 0) + sudot4(a.w, b.w, 0));
+}
+int sdot16(uvec4 a, uvec4 b) {
+    return (sdot4(a.x, b.x, 0) + sdot4(a.y, b.y, 0)) + (sdot4(a.z, b.z, 0) + sdot4(a.w, b.w, 0));
+}
+
+// Must equal FAST_MAX_COLS in src/vulkan/pipelines.rs.
+const uint FAST_MAX_COLS = 10240u;
+shared uvec4 xq[FAST_MAX_COLS / 16u];  // the levels, 16 per entry
+shared float xd[FAST_MAX_COLS / 32u];  // the scale of each block of 32
+shared int xs[FAST_MAX_COLS / 16u];    // the sum of each 16 levels
+
+// Four levels as bytes of one word.
+uint pack_levels(ivec4 q) {
+    uvec4 u = uvec4(q) & 0xFFu;
+    return u.x | (u.y << 8) | (u.z << 16) | (u.w << 24);
+}
+
+// Rounds x[0..pc.cols] (pc.cols a multiple of 32) into shared memory; every
+// invocation of the workgroup must call it.
+void prepare_x(uint x) {
+    uint nb = pc.cols >> 5;
+    for (uint b = gl_LocalInvocationIndex; b < nb; b += gl_WorkGroupSize.x) {
+        vec4 v[8];
+        float amax = 0.0;
+        bool finite = true;
+        [[unroll]] for (uint i = 0u; i < 8u; i++) {
+            v[i] = xv(x + 32u * b + 4u * i);
+            vec4 a = abs(v[i]);
+            amax = max(amax, max(max(a.x, a.y), max(a.z, a.w)));
+            finite = finite && !any(isnan(v[i])) && !any(isinf(v[i]));
+        }
+        float id = finite && amax > 0.0 ? 127.0 / amax : 0.0;
+        [[unroll]] for (uint h = 0u; h < 2u; h++) {
+            uvec4 packed;
+            int sum = 0;
+            [[unroll]] for (uint i = 0u; i < 4u; i++) {
+                ivec4 q = clamp(ivec4(roundEven(v[4u * h + i] * id)), -127, 127);
+                packed[i] = pack_levels(q);
+                sum += (q.x + q.y) + (q.z + q.w);
+            }
+            xq[2u * b + h] = packed;
+            xs[2u * b + h] = sum;
+        }
+        xd[b] = finite ? amax / 127.0 : uintBitsToFloat(0x7fc00000u);
+    }
+    barrier();
+}
+
+#if defined(WEIGHT_Q4_0) || defined(WEIGHT_Q4_1) || defined(WEIGHT_Q5_0) || defined(WEIGHT_Q5_1)
+// One item per block: values j (low nibbles) and 16 + j (high nibbles).
+#define QK 32u
+#define IPB 1u
+struct Xs { uvec4 lo, hi; float d; int sum; };
+
+Xs load_x(uint x, uint b, uint k) {
+    return Xs(xq[2u * b], xq[2u * b + 1u], xd[b], xs[2u * b] + xs[2u * b + 1u]);
+}
+
+// Bits 0..3 of h moved to bit 4 of bytes 0..3.
+uint spread4(uint h) { return (((h & 0xFu) * 0x00204081u) & 0x01010101u) << 4; }
+
+float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
+    uvec4 q = P4(row + 16u * b);
+    uvec4 lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
+#if defined(WEIGHT_Q5_0) || defined(WEIGHT_Q5_1)
+    uint qh = W(F0 + 4u * g);
+    [[unroll]] for (uint i = 0u; i < 4u; i++) {
+        lo[i] |= spread4(qh >> (4u * i));
+        hi[i] |= spread4(qh >> (16u + 4u * i));
+    }
+#endif
+    int s = sudot16(xs.lo, lo) + sudot16(xs.hi, hi);
+#if defined(WEIGHT_Q4_0)
+    return half_at(F0 + 2u * g) * xs.d * float(s - 8 * xs.sum);
+#elif defined(WEIGHT_Q5_0)
+    return half_at(F1 + 2u * g) * xs.d * float(s - 16 * xs.sum);
+#elif defined(WEIGHT_Q4_1)
+    vec2 dm = unpackHalf2x16(W(F0 + 4u * g));
+    return xs.d * (dm.x * float(s) + dm.y * float(xs.sum));
+#else
+    vec2 dm = unpackHalf2x16(W(F1 + 4u * g));
+    return xs.d * (dm.x * float(s) + dm.y * float(xs.sum));
+#endif
+}
+
+#elif defined(WEIGHT_Q8_0)
+// Two items per block, 16 signed bytes each.
+#define QK 32u
+#define IPB 2u
+struct Xs { uvec4 q; float d; };
+
+Xs load_x(uint x, uint b, uint k) { return Xs(xq[2u * b + k], xd[b]); }
+
+float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
+    return half_at(F0 + 2u * g) * xs.d * float(sdot16(P4(row + 32u * b + 16u * k), xs.q));
+}
+
+#elif defined(WEIGHT_Q2_K) || defined(WEIGHT_Q3_K)
+// Four items per block (weights.glsl): item k = 2n + kk, bits 2j..2j+1 of its
+// 16 bytes are the values 128n + 32j + 16kk + l, activation run 16b + 8n + 2j + kk.
+#define QK 256u
+#define IPB 4u
+struct Xs { uvec4 q[4]; vec4 d; ivec4 s; };
+
+Xs load_x(uint x, uint b, uint k) {
+    Xs r;
+    uint i0 = 16u * b + 8u * (k >> 1) + (k & 1u);
+    [[unroll]] for (uint j = 0u; j < 4u; j++) {
+        r.q[j] = xq[i0 + 2u * j];
+        r.s[j] = xs[i0 + 2u * j];
+        r.d[j] = xd[(i0 + 2u * j) >> 1];
+    }
+    return r;
+}
+
+float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
+    uint n = k >> 1, kk = k & 1u;
+#ifdef WEIGHT_Q2_K
+    uint blk = row + 80u * b;
+    uvec4 q = P4(blk + 16u + 16u * k);
+    uvec2 sc = uvec2(W(blk + 8u * n), W(blk + 8u * n + 4u));
+    float acc = 0.0, mins = 0.0;
+    [[unroll]] for (uint j = 0u; j < 4u; j++) {
+        uint s = (sc[j >> 1] >> (8u * (kk + 2u * (j & 1u)))) & 0xFFu;
+        int t = sudot16(xs.q[j], (q >> (2u * j)) & 0x03030303u);
+        acc += xs.d[j] * float(int(s & 0xFu) * t);
+        mins += xs.d[j] * float(int(s >> 4) * xs.s[j]);
+    }
+    vec2 dm = unpackHalf2x16(W(F0 + 4u * g));
+    return dm.x * acc - dm.y * mins;
+#else
+    uint blk = row + 96u * b;
+    uvec4 q = P4(blk + 32u + 16u * k);
+    uvec4 hm = P4(blk + 16u * kk);
+    uvec3 sc = uvec3(W(F0 + 12u * g), W(F0 + 12u * g + 4u), W(F0 + 12u * g + 8u));
+    float acc = 0.0;
+    [[unroll]] for (uint j = 0u; j < 4u; j++) {
+        uint m = 2u * j + kk, idx = 8u * n + m;
+        uint low = (sc[m >> 2] >> (8u * (m & 3u) + 4u * n)) & 0xFu;
+        uint high = (sc.z >> (8u * (idx & 3u) + 2u * (idx >> 2))) & 3u;
+        uvec4 v = ((q >> (2u * j)) & 0x03030303u) | (((hm >> (4u * n + j)) & 0x01010101u) << 2);
+        int t = sudot16(xs.q[j], v) - 4 * xs.s[j];
+        acc += xs.d[j] * float((int(low | (high << 4)) - 32) * t);
+    }
+    return half_at(F1 + 2u * g) * acc;
+#endif
+}
+
+#elif defined(WEIGHT_Q4_K) || defined(WEIGHT_Q5_K)
+// Eight items per block (weights.glsl): item k's low nibbles are values
+// 64c + l0 + l (activation run 16b + 4c + (k & 1)), its high nibbles 32 further
+// (two runs further), c = k / 2.
+#define QK 256u
+#define IPB 8u
+struct Xs { uvec4 lo, hi; vec2 d; ivec2 s; };
+
+Xs load_x(uint x, uint b, uint k) {
+    uint i = 16u * b + 4u * (k >> 1) + (k & 1u);
+    return Xs(xq[i], xq[i + 2u], vec2(xd[i >> 1], xd[(i >> 1) + 1u]), ivec2(xs[i], xs[i + 2u]));
+}
+
+uint byte_of(uvec3 s, uint i) { return (s[i >> 2] >> (8u * (i & 3u))) & 0xFFu; }
+
+vec2 scale_min(uvec3 s, uint j) {
+    if (j < 4u) return vec2(byte_of(s, j) & 63u, byte_of(s, j + 4u) & 63u);
+    return vec2((byte_of(s, j + 4u) & 0xFu) | ((byte_of(s, j - 4u) >> 6) << 4),
+                (byte_of(s, j + 4u) >> 4) | ((byte_of(s, j) >> 6) << 4));
+}
+
+float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
+    uint c = k >> 1;
+#ifdef WEIGHT_Q4_K
+    uvec4 q = P4(row + 128u * b + 16u * k);
+#else
+    uint blk = row + 160u * b;
+    uvec4 q = P4(blk + 32u + 16u * k);
+    uvec4 qh = P4(blk + 16u * (k & 1u));
+#endif
+    uvec4 a = q & 0x0F0F0F0Fu, e = (q >> 4) & 0x0F0F0F0Fu;
+#ifdef WEIGHT_Q5_K
+    a |= ((qh >> (2u * c)) & 0x01010101u) << 4;
+    e |= ((qh >> (2u * c + 1u)) & 0x01010101u) << 4;
+#endif
+    vec2 t = xs.d * vec2(sudot16(xs.lo, a), sudot16(xs.hi, e));
+    vec2 sums = xs.d * vec2(xs.s);
+    uvec4 h = P4(F0 + 16u * g);
+    vec2 dm = unpackHalf2x16(h.x);
+    vec2 sm1 = scale_min(h.yzw, 2u * c), sm2 = scale_min(h.yzw, 2u * c + 1u);
+    return dm.x * (sm1.x * t.x + sm2.x * t.y) - dm.y * (sm1.y * sums.x + sm2.y * sums.y);
+}
+
+#elif defined(WEIGHT_Q6_K)
+// Eight items per block (weights.glsl): item k = 4hh + 2p + (k & 1), low
+// values 128hh + 32p + l0 + l (activation run 16b + 8hh + 2p + (k & 1)), high
+// values 64 further (four runs further).
+#define QK 256u
+#define IPB 8u
+struct Xs { uvec4 lo, hi; vec2 d; ivec2 s; };
+
+Xs load_x(uint x, uint b, uint k) {
+    uint i = 16u * b + 8u * (k >> 2) + 2u * ((k >> 1) & 1u) + (k & 1u);
+    return Xs(xq[i], xq[i + 4u], vec2(xd[i >> 1], xd[(i >> 1) + 2u]), ivec2(xs[i], xs[i + 4u]));
+}
+
+float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
+    uint hh = k >> 2, p = (k >> 1) & 1u, l0 = 16u * (k & 1u);
+    uint blk = row + 208u * b;
+    uvec4 q = P4(blk + 64u * hh + 32u * p + l0);
+    uvec4 qh = P4(blk + 128u + 32u * hh + l0);
+    uint m = 8u * ((k & 1u) + 2u * p);
+    float sc_lo = float(bitfieldExtract(int(W(blk + 192u + 8u * hh)), int(m), 8));
+    float sc_hi = float(bitfieldExtract(int(W(blk + 196u + 8u * hh)), int(m), 8));
+    uvec4 a = (q & 0x0F0F0F0Fu) | (((qh >> (2u * p)) & 0x03030303u) << 4);
+    uvec4 e = ((q >> 4) & 0x0F0F0F0Fu) | (((qh >> (2u * p + 4u)) & 0x03030303u) << 4);
+    vec2 t = xs.d * vec2(sudot16(xs.lo, a) - 32 * xs.s.x, sudot16(xs.hi, e) - 32 * xs.s.y);
+    return half_at(F0 + 2u * g) * (sc_lo * t.x + sc_hi * t.y);
+}
+
+#else
+#error "the fast kernels cover the quantized types only"
+#endif
