@@ -166,6 +166,9 @@ pub struct BackendStats {
     pub bandwidth_gbs: Option<f64>,
     /// Milliseconds per decode token spent in each stage (GPU timestamps).
     pub stage_ms: Option<Vec<(String, f64)>>,
+    /// The same device time by kind of work (each matrix role across the
+    /// layers, or a pipeline), most costly first.
+    pub work: Option<Vec<WorkTime>>,
     pub submits_per_token: Option<f64>,
     pub dispatches_per_token: Option<f64>,
     pub peak_vram_bytes: Option<u64>,
@@ -256,18 +259,35 @@ pub struct BenchReport {
     pub backend_stats: BackendStats,
 }
 
+/// Device time per decode token of one kind of work (see `model::backend::DispatchTime`).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct WorkTime {
+    /// A matrix role and its pipeline (`ssm_out (matvec_q8_0)`) or a pipeline.
+    pub label: String,
+    pub dispatches_per_token: f64,
+    pub ms_per_token: f64,
+    /// Microseconds per dispatch, each counted from the end of the one
+    /// before (its barrier and launch included).
+    pub us_per_dispatch: f64,
+    /// Weight bytes per token over those milliseconds (matvecs only).
+    pub gbs: Option<f64>,
+}
+
 /// Tokens decoded with GPU timestamps on, after the timed ones (the
 /// timestamps cost a little, so the timed tokens run without them).
 const PROFILED_TOKENS: usize = 4;
 
 /// Device milliseconds per stage, averaged over [`PROFILED_TOKENS`] more
 /// tokens; `None` on the CPU.
-fn gpu_stage_times(state: &mut State) -> Result<Option<Vec<(String, f64)>>> {
+/// and by kind of work; `None` on the CPU.
+#[allow(clippy::type_complexity)]
+fn gpu_stage_times(state: &mut State) -> Result<(Option<Vec<(String, f64)>>, Option<Vec<WorkTime>>)> {
     // None on the CPU, and where the backend cannot time its stages (the expert cache).
     if state.pass_stats().is_none() || state.enable_profiling().is_err() {
-        return Ok(None);
+        return Ok((None, None));
     }
     let mut sum: Vec<(String, f64)> = Vec::new();
+    let mut work: Vec<crate::model::backend::DispatchTime> = Vec::new();
     for _ in 0..PROFILED_TOKENS {
         let next = crate::sampling::argmax(state.logits().expect("the prompt was decoded")).unwrap_or(0);
         state.decode(next)?;
@@ -277,10 +297,32 @@ fn gpu_stage_times(state: &mut State) -> Result<Option<Vec<(String, f64)>>> {
                 None => sum.push((name.to_string(), ms)),
             }
         }
+        for d in state.dispatch_ms() {
+            match work.iter_mut().find(|w| w.label == d.label) {
+                Some(w) => {
+                    w.dispatches += d.dispatches;
+                    w.ms += d.ms;
+                    w.bytes += d.bytes;
+                }
+                None => work.push(d),
+            }
+        }
     }
-    sum.iter_mut().for_each(|(_, t)| *t /= PROFILED_TOKENS as f64);
+    let n = PROFILED_TOKENS as f64;
+    sum.iter_mut().for_each(|(_, t)| *t /= n);
     sum.sort_by(|a, b| b.1.total_cmp(&a.1));
-    Ok(Some(sum))
+    let mut work: Vec<WorkTime> = work
+        .into_iter()
+        .map(|d| WorkTime {
+            label: d.label,
+            dispatches_per_token: d.dispatches as f64 / n,
+            ms_per_token: d.ms / n,
+            us_per_dispatch: 1e3 * d.ms / d.dispatches.max(1) as f64,
+            gbs: (d.bytes > 0).then(|| d.bytes as f64 / (d.ms * 1e-3).max(1e-12) / 1e9),
+        })
+        .collect();
+    work.sort_by(|a, b| b.ms_per_token.total_cmp(&a.ms_per_token));
+    Ok((Some(sum), Some(work)))
 }
 
 /// What the backend of `state` can tell (nothing, for the CPU).
@@ -398,10 +440,10 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
         profile.save(path)?;
     }
     let decode = Rates::from_seconds(&per_token);
-    let stage_ms = gpu_stage_times(&mut state)?;
+    let (stage_ms, work) = gpu_stage_times(&mut state)?;
     // Before the bandwidth measurement, whose buffer would dominate it.
     let peak_rss = peak_rss_bytes();
-    let stats = BackendStats { stage_ms, expert_cache: cache_stats, ..backend_stats(&model, &state, opts) };
+    let stats = BackendStats { stage_ms, work, expert_cache: cache_stats, ..backend_stats(&model, &state, opts) };
     let threads = if opts.threads == 0 {
         rayon::current_num_threads()
     } else {
@@ -568,6 +610,25 @@ impl BenchReport {
                 opt(&cache)
             ),
         ];
+        let mut lines = lines.to_vec();
+        if let (Some(stages), Some(work)) = (&s.stage_ms, &s.work) {
+            let gpu_ms: f64 = stages.iter().map(|(_, ms)| ms).sum();
+            lines.push(format!(
+                "GPU time per token {gpu_ms:.2} ms of {:.2} ms ({:.2} ms on the host: inputs, submit, wait, logits); by work:",
+                self.decode.median_ms,
+                (self.decode.median_ms - gpu_ms).max(0.0)
+            ));
+            for w in work {
+                lines.push(format!(
+                    "  {:<60} {:>6.1}/token {:>7.3} ms {:>7.1} us each{}",
+                    w.label,
+                    w.dispatches_per_token,
+                    w.ms_per_token,
+                    w.us_per_dispatch,
+                    w.gbs.map_or(String::new(), |g| format!(" {g:>8.1} GB/s"))
+                ));
+            }
+        }
         lines.join("\n")
     }
 

@@ -217,6 +217,19 @@ pub trait BackendModel: Send + Sync {
     }
 }
 
+/// Device time of a pass spent on one kind of work: every dispatch of one
+/// matrix role (`ssm_out (matvec_q8_0)`, across layers) or of one pipeline.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DispatchTime {
+    pub label: String,
+    pub dispatches: u32,
+    /// Milliseconds, each dispatch counted from the end of the one before
+    /// (its barrier and launch included).
+    pub ms: f64,
+    /// Weight bytes those dispatches read.
+    pub bytes: u64,
+}
+
 /// A backend's expert cache: its size, what it measured at load, and its
 /// counts since the load or the last reset.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -289,6 +302,10 @@ pub trait BackendState: Send {
     }
     /// Milliseconds per device stage of the last pass, once profiling is enabled.
     fn stage_ms(&self) -> Vec<(&'static str, f64)> {
+        Vec::new()
+    }
+    /// The last pass's device time by what each dispatch computed, once profiling is enabled.
+    fn dispatch_ms(&self) -> Vec<DispatchTime> {
         Vec::new()
     }
     /// Positions the caches hold now (they grow with the context).

@@ -112,6 +112,11 @@ impl State {
         self.backend.stage_ms()
     }
 
+    /// The last pass's device time by matrix role or pipeline, once profiling is enabled.
+    pub fn dispatch_ms(&self) -> Vec<super::backend::DispatchTime> {
+        self.backend.dispatch_ms()
+    }
+
     /// Positions the backend's caches hold now (they grow with the context).
     pub fn capacity(&self) -> usize {
         self.backend.capacity()

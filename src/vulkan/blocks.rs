@@ -140,7 +140,7 @@ impl<'a> VkPass<'a> {
     }
 
     /// The token's counts (segments submitted included) and the pipelines it timed.
-    pub fn finish(self) -> (TokenStats, Vec<Pipe>) {
+    pub fn finish(self) -> (TokenStats, Vec<super::record::Timed>) {
         let mut stats = self.rec.stats;
         stats.submits += self.submits;
         (stats, self.rec.profiled().to_vec())

@@ -73,7 +73,7 @@ fn time(ctx: &Arc<Context>, pipes: &Pipelines, cmds: &Commands, ts: &Timestamps,
     rec.profile_into(ts.pool);
     record(&mut rec);
     cmds.submit().unwrap();
-    ts.read(rec.profiled()).unwrap().iter().map(|(_, ms)| ms).sum()
+    ts.read(rec.profiled()).unwrap().iter().sum()
 }
 
 struct Point {
@@ -99,6 +99,8 @@ struct Sweep {
     cmds: Commands,
     ts: Timestamps,
     points: Vec<Point>,
+    /// Whether the GPU has been kept busy long enough to leave its idle clocks.
+    warmed: std::cell::Cell<bool>,
 }
 
 /// Scratch floats: expert ids, then x, hidden and outputs.
@@ -170,6 +172,14 @@ impl Sweep {
                         }
                     }
                 };
+                if !self.warmed.get() {
+                    // The GPU idles at low clocks: keep it busy for a second before the first point.
+                    let t0 = std::time::Instant::now();
+                    while t0.elapsed().as_secs_f64() < 1.0 {
+                        time(&self.ctx, pipes, &self.cmds, &self.ts, &record);
+                    }
+                    self.warmed.set(true);
+                }
                 let ms = time(&self.ctx, pipes, &self.cmds, &self.ts, &record) / reps as f64;
                 let t = pipes.tuning[pipe as usize];
                 let t = if tpr > 0 { MatvecTuning { tpr: Some(tpr), ..t } } else { t };
@@ -245,6 +255,7 @@ fn matvec_sweep() {
         cmds,
         ts,
         points: Vec::new(),
+        warmed: std::cell::Cell::new(false),
         ctx: ctx.clone(),
     };
     println!("device {}, subgroup {}, {} tunings, integer dot products {:?}", ctx.name, ctx.subgroup_size, tunings.len(), ctx.int_dot);

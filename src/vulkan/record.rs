@@ -26,10 +26,35 @@ pub(crate) struct Recorder<'a> {
     pipes: &'a Pipelines,
     pub cmd: vk::CommandBuffer,
     pub stats: TokenStats,
-    /// When profiling: the query pool and the pipeline of each timestamp after the first.
-    timestamps: Option<(vk::QueryPool, Vec<Pipe>)>,
+    /// When profiling: the query pool and what each timestamp after the first timed.
+    timestamps: Option<(vk::QueryPool, Vec<Timed>)>,
+    /// When profiling: the label and weight bytes of the next dispatch (set by the matvecs).
+    next_label: Option<(String, u64)>,
     /// Invocations per matvec row set for every matvec (tests), instead of the tuning's choice.
     pub force_tpr: Option<u32>,
+}
+
+/// One timed dispatch: its pipeline, what it computed (a matrix's name
+/// without its layer, `experts gate/up`, or the pipeline's name) and the
+/// weight bytes it read.
+#[derive(Clone, Debug)]
+pub(crate) struct Timed {
+    pub pipe: Pipe,
+    pub label: String,
+    pub bytes: u64,
+}
+
+/// A matrix's name without its layer and suffix: `blk.3.ssm_out.weight` ->
+/// `ssm_out` (fused parts joined by `+`).
+fn role(name: &str) -> String {
+    let part = |p: &str| {
+        let p = p.strip_suffix(".weight").unwrap_or(p);
+        match p.strip_prefix("blk.").and_then(|rest| rest.split_once('.')) {
+            Some((layer, rest)) if layer.bytes().all(|b| b.is_ascii_digit()) => rest.to_string(),
+            _ => p.to_string(),
+        }
+    };
+    name.split('+').map(part).collect::<Vec<_>>().join("+")
 }
 
 /// Timestamps one token may write when profiling (one per dispatch, plus the start).
@@ -44,7 +69,7 @@ fn grid(ctx: &Context, n: usize, y: u32) -> [u32; 3] {
 
 impl<'a> Recorder<'a> {
     pub fn new(ctx: &'a Context, pipes: &'a Pipelines, cmd: vk::CommandBuffer) -> Self {
-        Recorder { ctx, pipes, cmd, stats: TokenStats::default(), timestamps: None, force_tpr: None }
+        Recorder { ctx, pipes, cmd, stats: TokenStats::default(), timestamps: None, next_label: None, force_tpr: None }
     }
 
     /// Writes a timestamp after every dispatch into `pool` (reset here), for
@@ -59,9 +84,16 @@ impl<'a> Recorder<'a> {
         self.timestamps = Some((pool, Vec::new()));
     }
 
-    /// The pipelines timed, in order (empty when not profiling).
-    pub fn profiled(&self) -> &[Pipe] {
+    /// The dispatches timed, in order (empty when not profiling).
+    pub fn profiled(&self) -> &[Timed] {
         self.timestamps.as_ref().map_or(&[], |(_, p)| p)
+    }
+
+    /// Labels the next dispatch when profiling (`name` is computed only then).
+    fn label_next(&mut self, name: impl FnOnce() -> String, bytes: u64) {
+        if self.timestamps.is_some() {
+            self.next_label = Some((name(), bytes));
+        }
     }
 
     pub fn dispatch<P: Push>(&mut self, pipe: Pipe, sets: &[vk::DescriptorSet], push: &P, groups: [u32; 3]) {
@@ -79,8 +111,10 @@ impl<'a> Recorder<'a> {
             d.cmd_push_constants(self.cmd, layout, vk::ShaderStageFlags::COMPUTE, 0, push.bytes());
             d.cmd_dispatch(self.cmd, groups[0], groups[1], groups[2]);
         }
+        let label = self.next_label.take();
         if let Some((pool, timed)) = self.timestamps.as_mut().filter(|(_, t)| (t.len() as u32) < MAX_TIMESTAMPS - 1) {
-            timed.push(pipe);
+            let (label, bytes) = label.unwrap_or_else(|| (spec.name.to_string(), 0));
+            timed.push(Timed { pipe, label, bytes });
             // SAFETY: recording; the query index is below MAX_TIMESTAMPS.
             unsafe {
                 d.cmd_write_timestamp(self.cmd, vk::PipelineStageFlags::COMPUTE_SHADER, *pool, timed.len() as u32)
@@ -141,6 +175,7 @@ impl<'a> Recorder<'a> {
             push.rows = if swiglu { c.rows / 2 } else { c.rows } as u32;
             push.row_base = c.first_row as u32;
             let groups = self.matvec_split(pipe, &c.layout, &mut push, 1);
+            self.label_next(|| role(&m.name), c.layout.bytes as u64);
             self.dispatch(pipe, &[state_set, c.set], &push, groups);
         }
         self.stats.weight_bytes += m.device_bytes();
@@ -164,6 +199,8 @@ impl<'a> Recorder<'a> {
         let pipe = Pipe::matvec(ty, true, self.fast(part.cols));
         push.total_rows = push.rows;
         let g = self.matvec_split(pipe, part, &mut push, experts as u32);
+        let what = if push.mode == 4 { "experts gate/up" } else { "experts down" };
+        self.label_next(|| what.to_string(), (experts * part.bytes) as u64);
         self.dispatch(pipe, &sets, &push, g);
         self.stats.weight_bytes += (experts * part.bytes) as u64;
     }
@@ -233,9 +270,9 @@ impl Timestamps {
         Ok(Timestamps { ctx: ctx.clone(), pool })
     }
 
-    /// Milliseconds spent in each pipeline, summed over its dispatches, in
-    /// order of first use, for the dispatches `timed` of the finished token.
-    pub fn read(&self, timed: &[Pipe]) -> Result<Vec<(&'static str, f64)>> {
+    /// Milliseconds of each of the dispatches `timed` of the finished token
+    /// (from the end of the one before: the barrier and the launch count).
+    pub fn read(&self, timed: &[Timed]) -> Result<Vec<f64>> {
         let mut ticks = vec![0u64; timed.len() + 1];
         // SAFETY: the token's submission was waited for; the queries were written.
         unsafe {
@@ -243,17 +280,41 @@ impl Timestamps {
         }
         .map_err(err("reading GPU timestamps"))?;
         let ms_per_tick = self.ctx.limits.timestamp_period as f64 * 1e-6;
-        let mut stages: Vec<(&'static str, f64)> = Vec::new();
-        for (pipe, w) in timed.iter().zip(ticks.windows(2)) {
-            let ms = w[1].saturating_sub(w[0]) as f64 * ms_per_tick;
-            let name = pipe.spec().name;
-            match stages.iter_mut().find(|(n, _)| *n == name) {
-                Some((_, t)) => *t += ms,
-                None => stages.push((name, ms)),
-            }
-        }
-        Ok(stages)
+        Ok(ticks.windows(2).map(|w| w[1].saturating_sub(w[0]) as f64 * ms_per_tick).collect())
     }
+}
+
+/// Milliseconds per pipeline, summed over its dispatches, in order of first use.
+pub(crate) fn per_pipeline(timed: &[Timed], ms: &[f64]) -> Vec<(&'static str, f64)> {
+    let mut stages: Vec<(&'static str, f64)> = Vec::new();
+    for (t, &ms) in timed.iter().zip(ms) {
+        let name = t.pipe.spec().name;
+        match stages.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, s)) => *s += ms,
+            None => stages.push((name, ms)),
+        }
+    }
+    stages
+}
+
+/// Dispatches, milliseconds and weight bytes per label, in order of first use.
+pub(crate) fn per_label(timed: &[Timed], ms: &[f64]) -> Vec<crate::model::backend::DispatchTime> {
+    let mut out: Vec<crate::model::backend::DispatchTime> = Vec::new();
+    for (t, &ms) in timed.iter().zip(ms) {
+        let label = format!("{} ({})", t.label, t.pipe.spec().name);
+        match out.iter_mut().find(|d| d.label == label) {
+            Some(d) => {
+                d.dispatches += 1;
+                d.ms += ms;
+                d.bytes += t.bytes;
+            }
+            None => out.push(crate::model::backend::DispatchTime { label, dispatches: 1, ms, bytes: t.bytes }),
+        }
+    }
+    out
+}
+
+impl Timestamps {
 }
 
 impl Drop for Timestamps {

@@ -30,6 +30,7 @@ pub struct GpuState {
     timestamps: Option<Timestamps>,
     /// Milliseconds per pipeline of the last token, when profiling.
     stage_ms: Vec<(&'static str, f64)>,
+    dispatch_ms: Vec<crate::model::backend::DispatchTime>,
     pub(crate) upload: Buffer,
     readback: Buffer,
     pub(crate) scratch: Buffer,
@@ -106,6 +107,7 @@ impl GpuState {
             stats: TokenStats::default(),
             timestamps: None,
             stage_ms: Vec::new(),
+            dispatch_ms: Vec::new(),
             upload,
             readback,
             scratch,
@@ -169,7 +171,9 @@ impl BackendState for GpuState {
         }
         self.stats = stats;
         if let Some(t) = &self.timestamps {
-            self.stage_ms = t.read(&profiled)?;
+            let ms = t.read(&profiled)?;
+            self.stage_ms = super::record::per_pipeline(&profiled, &ms);
+            self.dispatch_ms = super::record::per_label(&profiled, &ms);
         }
         let bytes = &self.readback.mapped()[..model.config.vocab * 4];
         Ok(bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect())
@@ -223,6 +227,10 @@ impl BackendState for GpuState {
 
     fn stage_ms(&self) -> Vec<(&'static str, f64)> {
         self.stage_ms.clone()
+    }
+
+    fn dispatch_ms(&self) -> Vec<crate::model::backend::DispatchTime> {
+        self.dispatch_ms.clone()
     }
 
     fn capacity(&self) -> usize {

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# GPU decode on the H200 machine: the Vulkan kernel tests, the matvec sweep
+# at the real shapes on both kernel families, and `flashnext bench --backend
+# vulkan` on the two real-shape benchmark models with the exact and the fast
+# kernels (FNX_GPU_KERNELS), in one call.
+#
+#   On the build machine:  TESTS="vulkan_decode" bash scripts/h200-vulkan.sh prepare
+#                          bash scripts/h200-gpu-decode.sh pack
+#   On the GPU machine:    OUT=/some/dir bash scripts/h200-gpu-decode.sh [q4|q2|all]
+#
+# `pack` strips and xz-compresses .vk into .vkz (excluded from git; the
+# device tool carries at most 64 MiB with the checkout, which is most of
+# that); carry .vkz, and the run unpacks it.
+#
+# Models are synthesised on the GPU machine into $WORK (not $OUT), one at a
+# time (the disk holds one), and deleted after. Environment: GEN, WARMUP,
+# SWEEP=0 (skip the sweep), TESTS=0 (skip the tests), KERNELS ("exact fast").
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+which=${1:-all}
+if [ "$which" = pack ]; then
+    grep -qx '/.vkz/' "$(git rev-parse --git-path info/exclude)" || echo /.vkz/ >> "$(git rev-parse --git-path info/exclude)"
+    rm -rf .vkz && mkdir -p .vkz
+    for f in .vk/bin/*; do strip -s "$f"; xz -9 -c "$f" > ".vkz/$(basename "$f").xz"; done
+    # The NVIDIA ICD needs libglvnd's libraries besides the loader (see the device notes).
+    cp .vk/debs/*.deb .vkz/
+    [ -d .gl ] && cp .gl/*.deb .vkz/
+    du -sh .vkz
+    exit 0
+fi
+if [ -d .vkz ]; then
+    mkdir -p .vk/bin .vk/debs
+    for f in .vkz/*.xz; do xz -dc "$f" > ".vk/bin/$(basename "$f" .xz)"; chmod +x ".vk/bin/$(basename "$f" .xz)"; done
+    cp .vkz/*.deb .vk/debs/
+fi
+out=${OUT:?set OUT to the directory for reports}
+work=${WORK:-/tmp/flashnext-bench}
+gen=${GEN:-64}
+warmup=${WARMUP:-4}
+kernels=${KERNELS:-exact fast}
+bin=.vk/bin/flashnext
+mkdir -p "$out" "$work"
+log=$out/gpu-decode.log
+say() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$log"; }
+
+for f in .vk/debs/*.deb; do dpkg -x "$f" /; done
+ldconfig
+export VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json}
+export FNX_REQUIRE_VULKAN=1 FNX_REPO_DIR=$PWD
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$log"
+
+if [ "${TESTS:-1}" != 0 ]; then
+    say "tests: kernel twins and vulkan_decode (validation layer on)"
+    .vk/bin/unit vulkan:: --test-threads=1 --nocapture 2>&1 | grep -E "twin|test result|panicked|FAILED|validation" | tee -a "$log"
+    [ -x .vk/bin/vulkan_decode ] && .vk/bin/vulkan_decode --test-threads=1 --nocapture 2>&1 \
+        | grep -E "GPU|test result|panicked|FAILED|validation" | tee -a "$log"
+fi
+
+if [ "${SWEEP:-1}" != 0 ]; then
+    say "matvec sweep (WG 128, ROWS 1,2,4, TPR auto), exact and fast kernels"
+    FNX_VK_SWEEP_WG=128 FNX_VK_SWEEP_ROWS=1,2,4 FNX_VK_SWEEP_UNROLL=1 FNX_VK_SWEEP_TPR=0,8,16,32 \
+        timeout 240 .vk/bin/unit matvec_sweep --ignored --nocapture 2>&1 | sed -n '/best per case/,$p' | tee -a "$log"
+fi
+
+bench_model() {
+    local name=$1 layers=$2
+    shift 2
+    local model=$work/$name.gguf
+    say "synth $name: --layers $layers $*"
+    timeout 300 "$bin" synth -o "$model" --layers "$layers" -q "$@" 2>&1 | tail -n 2 | tee -a "$log"
+    for k in $kernels; do
+        say "bench $name --backend vulkan, FNX_GPU_KERNELS=$k"
+        FNX_GPU_KERNELS=$k timeout 300 "$bin" bench --model "$model" --backend vulkan --prompt "The quick brown fox" \
+            --gen "$gen" --warmup "$warmup" --device-gbs 4400 --json "$out/bench-$name-$k.json" 2>&1 | tee -a "$log"
+    done
+    rm -f "$model"
+}
+
+case $which in
+    q4 | all) bench_model q4ref-24L 24 --type q8_0 --tensor-type '_exps=q4_k' --tensor-type '^output\.weight=q6_k' ;;&
+    q2 | all) bench_model q2_k-48L 48 --type q2_k ;;
+    q4) ;;
+    *) echo "usage: $0 [q4|q2|all]" >&2; exit 2 ;;
+esac
+say "done"
