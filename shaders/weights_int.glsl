@@ -52,32 +52,40 @@ uint pack_levels(ivec4 q) {
 }
 
 // Rounds x[0..pc.cols] (pc.cols a multiple of 32) into shared memory; every
-// invocation of the workgroup must call it.
+// invocation of the workgroup must call it. Four invocations share a block
+// of 32 (eight values each; the maximum and the sums meet by shuffles within
+// the four, which the subgroup size, at least 4, keeps together).
 void prepare_x(uint x) {
     uint nb = pc.cols >> 5;
-    for (uint b = gl_LocalInvocationIndex; b < nb; b += gl_WorkGroupSize.x) {
-        vec4 v[8];
-        float amax = 0.0;
-        bool finite = true;
-        [[unroll]] for (uint i = 0u; i < 8u; i++) {
-            v[i] = xv(x + 32u * b + 4u * i);
-            vec4 a = abs(v[i]);
-            amax = max(amax, max(max(a.x, a.y), max(a.z, a.w)));
-            finite = finite && !any(isnan(v[i])) && !any(isinf(v[i]));
+    // Numbered by subgroup, as in matvec.comp, so each four share a subgroup.
+    uint t = gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
+    uint quarter = t & 3u;
+    for (uint b0 = 0u; b0 < nb; b0 += gl_WorkGroupSize.x >> 2) {
+        uint b = b0 + (t >> 2);
+        // Every invocation runs the shuffles; those past the end take a zero block.
+        bool live = b < nb;
+        uint at = x + 32u * min(b, nb - 1u) + 8u * quarter;
+        vec4 v0 = live ? xv(at) : vec4(0.0), v1 = live ? xv(at + 4u) : vec4(0.0);
+        vec4 a = max(abs(v0), abs(v1));
+        float amax = max(max(a.x, a.y), max(a.z, a.w));
+        bool finite = !any(isnan(v0)) && !any(isinf(v0)) && !any(isnan(v1)) && !any(isinf(v1));
+        amax = max(amax, subgroupShuffleXor(amax, 1u));
+        amax = max(amax, subgroupShuffleXor(amax, 2u));
+        uint bad = finite ? 0u : 1u;
+        bad |= subgroupShuffleXor(bad, 1u);
+        bad |= subgroupShuffleXor(bad, 2u);
+        float id = bad == 0u && amax > 0.0 ? 127.0 / amax : 0.0;
+        ivec4 q0 = clamp(ivec4(roundEven(v0 * id)), -127, 127), q1 = clamp(ivec4(roundEven(v1 * id)), -127, 127);
+        int sum = (q0.x + q0.y) + (q0.z + q0.w) + (q1.x + q1.y) + (q1.z + q1.w);
+        // The 16-value halves: quarters 0 and 1, 2 and 3.
+        sum += subgroupShuffleXor(sum, 1u);
+        if (live) {
+            uint e = 2u * b + (quarter >> 1), w = 2u * (quarter & 1u);
+            xq[e][w] = pack_levels(q0);
+            xq[e][w + 1u] = pack_levels(q1);
+            if ((quarter & 1u) == 0u) xs[e] = sum;
+            if (quarter == 0u) xd[b] = bad == 0u ? amax / 127.0 : uintBitsToFloat(0x7fc00000u);
         }
-        float id = finite && amax > 0.0 ? 127.0 / amax : 0.0;
-        [[unroll]] for (uint h = 0u; h < 2u; h++) {
-            uvec4 packed;
-            int sum = 0;
-            [[unroll]] for (uint i = 0u; i < 4u; i++) {
-                ivec4 q = clamp(ivec4(roundEven(v[4u * h + i] * id)), -127, 127);
-                packed[i] = pack_levels(q);
-                sum += (q.x + q.y) + (q.z + q.w);
-            }
-            xq[2u * b + h] = packed;
-            xs[2u * b + h] = sum;
-        }
-        xd[b] = finite ? amax / 127.0 : uintBitsToFloat(0x7fc00000u);
     }
     barrier();
 }
