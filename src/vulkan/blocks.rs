@@ -169,9 +169,9 @@ impl<'a> VkPass<'a> {
     }
 
     /// The expert dispatches of `layer` for the first `experts` ids (expert
-    /// ids through the slot table, or slots with the cache) and the shared
-    /// expert when it runs apart.
-    fn record_experts(&mut self, layer: usize, set: vk::DescriptorSet, experts: usize) {
+    /// ids through the slot table, or slots with the cache) and, with
+    /// `shared`, the shared expert when it runs apart.
+    fn record_experts(&mut self, layer: usize, set: vk::DescriptorSet, experts: usize, shared: bool) {
         let (cfg, gpu) = (self.cfg, self.gpu);
         let l = &self.state.layout;
         let w = &gpu.layers[layer].moe;
@@ -202,10 +202,18 @@ impl<'a> VkPass<'a> {
             };
             self.rec.expert_matvec(part.down_ty, sets, down, &part.down, experts);
         }
-        if let Some(sh) = &w.shared {
+        if let Some(sh) = w.shared.as_ref().filter(|_| shared) {
             self.rec.matvec(&sh.gate_up, set, MatvecPush { x_off: l.input, y_off: l.sh_h, mode: 4, ..Default::default() });
             self.rec.matvec(&sh.down, set, MatvecPush { x_off: l.sh_h, y_off: l.sh_y, ..Default::default() });
         }
+    }
+
+    /// Whether `layer`'s shared expert runs apart beside the router (all
+    /// resident: its two dispatches join the router's and the top-k's, which
+    /// neither read nor write what it does) rather than after the routed
+    /// experts (with the expert cache, in the segment of the GPU's experts).
+    fn shared_beside_router(&self, layer: usize) -> bool {
+        self.state.offload.is_none() && self.gpu.layers[layer].moe.shared.is_some()
     }
 
     /// Ends the main segment, submits it and waits; then begins the next one.
@@ -491,7 +499,13 @@ impl Blocks for VkPass<'_> {
         let (cfg, gpu, set) = (self.cfg, self.gpu, self.set(layer));
         let l = &self.state.layout;
         let w = &gpu.layers[layer].moe;
-        self.rec.matvec(&w.router, set, MatvecPush { x_off: l.input, y_off: l.router, ..Default::default() });
+        let shared = w.shared.as_ref().filter(|_| self.shared_beside_router(layer));
+        self.rec.independent(|rec| {
+            rec.matvec(&w.router, set, MatvecPush { x_off: l.input, y_off: l.router, ..Default::default() });
+            if let Some(sh) = shared {
+                rec.matvec(&sh.gate_up, set, MatvecPush { x_off: l.input, y_off: l.sh_h, mode: 4, ..Default::default() });
+            }
+        });
         let route = MoeRoutePush {
             logits_off: l.router,
             ids_off: l.ids,
@@ -503,7 +517,12 @@ impl Blocks for VkPass<'_> {
             shared_gate: w.shared_gate,
             h: cfg.hidden as u32,
         };
-        self.rec.dispatch(Pipe::MoeRoute, &[set], &route, [1, 1, 1]);
+        self.rec.independent(|rec| {
+            rec.dispatch(Pipe::MoeRoute, &[set], &route, [1, 1, 1]);
+            if let Some(sh) = shared {
+                rec.matvec(&sh.down, set, MatvecPush { x_off: l.sh_h, y_off: l.sh_y, ..Default::default() });
+            }
+        });
         let Some(o) = self.state.offload.as_ref() else { return Ok(Routes { host: None }) };
         // The choice and the input go to the host.
         let (k, h) = (cfg.n_experts_used, cfg.hidden);
@@ -541,7 +560,8 @@ impl Blocks for VkPass<'_> {
         let (cfg, gpu, set) = (self.cfg, self.gpu, self.set(layer));
         let Some(host) = &routes.host else {
             let experts = cfg.n_experts_used + gpu.arena.shared_in_arena as usize;
-            self.record_experts(layer, set, experts);
+            let shared = !self.shared_beside_router(layer);
+            self.record_experts(layer, set, experts, shared);
             return Ok(Experts { on_gpu: experts, host_sum: false });
         };
         self.model.report_routing(layer, &host.ids);
@@ -613,7 +633,7 @@ impl Blocks for VkPass<'_> {
             d.cmd_pipeline_barrier(cmd, vk::PipelineStageFlags::TRANSFER, vk::PipelineStageFlags::COMPUTE_SHADER, vk::DependencyFlags::empty(), &copied, &[], &[])
         };
         self.rec.cmd = cmd;
-        self.record_experts(layer, set, on_gpu);
+        self.record_experts(layer, set, on_gpu, true);
         self.rec.cmd = self.state.cmds.cmd;
         let o = self.state.offload.as_mut().expect("checked above");
         o.cmds.submit_async()?;

@@ -2,6 +2,13 @@
 //! which checks the pipeline table (descriptor sets, push-constant size,
 //! workgroup count limits), binds, pushes, dispatches and puts a
 //! compute-to-compute barrier after it; the counts are the token's stats.
+//!
+//! Dispatches that do not depend on each other run together: inside
+//! [`Recorder::independent`] no barrier follows a dispatch, one follows the
+//! group. The caller vouches that no dispatch of the group reads or writes
+//! what another writes: the chunks and type-split parts of one projection
+//! (disjoint output rows of one input), and the shared expert beside the
+//! router and its top-k (`blocks.rs`).
 
 use super::device::{err, Context};
 use super::layout::PartLayout;
@@ -32,6 +39,8 @@ pub(crate) struct Recorder<'a> {
     next_label: Option<(String, u64)>,
     /// Invocations per matvec row set for every matvec (tests), instead of the tuning's choice.
     pub force_tpr: Option<u32>,
+    /// Inside [`Recorder::independent`]: no barrier after each dispatch.
+    grouped: bool,
 }
 
 /// One timed dispatch: its pipeline, what it computed (a matrix's name
@@ -69,7 +78,7 @@ fn grid(ctx: &Context, n: usize, y: u32) -> [u32; 3] {
 
 impl<'a> Recorder<'a> {
     pub fn new(ctx: &'a Context, pipes: &'a Pipelines, cmd: vk::CommandBuffer) -> Self {
-        Recorder { ctx, pipes, cmd, stats: TokenStats::default(), timestamps: None, next_label: None, force_tpr: None }
+        Recorder { ctx, pipes, cmd, stats: TokenStats::default(), timestamps: None, next_label: None, force_tpr: None, grouped: false }
     }
 
     /// Writes a timestamp after every dispatch into `pool` (reset here), for
@@ -121,7 +130,22 @@ impl<'a> Recorder<'a> {
             };
         }
         self.stats.dispatches += 1;
-        self.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
+        if !self.grouped {
+            self.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
+        }
+    }
+
+    /// Records `f`'s dispatches with no barrier between them and one after
+    /// them all (nested groups join the outer one). None of them may read or
+    /// write what another of them writes.
+    pub fn independent<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        let outer = std::mem::replace(&mut self.grouped, true);
+        let r = f(self);
+        self.grouped = outer;
+        if !outer {
+            self.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
+        }
+        r
     }
 
     /// Whether rows of `cols` run the fast kernels (when the pipelines have them).
@@ -171,25 +195,31 @@ impl<'a> Recorder<'a> {
         let pipe = Pipe::matvec(m.ty, false, self.fast(m.chunks[0].layout.cols));
         push.total_rows = m.rows as u32;
         push.scale = if push.scale == 0.0 { 1.0 } else { push.scale };
-        for c in &m.chunks {
-            push.rows = if swiglu { c.rows / 2 } else { c.rows } as u32;
-            push.row_base = c.first_row as u32;
-            let groups = self.matvec_split(pipe, &c.layout, &mut push, 1);
-            self.label_next(|| role(&m.name), c.layout.bytes as u64);
-            self.dispatch(pipe, &[state_set, c.set], &push, groups);
-        }
+        // The chunks write disjoint rows.
+        self.independent(|rec| {
+            for c in &m.chunks {
+                push.rows = if swiglu { c.rows / 2 } else { c.rows } as u32;
+                push.row_base = c.first_row as u32;
+                let groups = rec.matvec_split(pipe, &c.layout, &mut push, 1);
+                rec.label_next(|| role(&m.name), c.layout.bytes as u64);
+                rec.dispatch(pipe, &[state_set, c.set], &push, groups);
+            }
+        });
         self.stats.weight_bytes += m.device_bytes();
     }
 
     /// Matvecs of matrices whose rows are consecutive outputs (one fused
     /// projection, split where the parts' types differ).
     pub fn matvecs(&mut self, ms: &[GpuMatrix], state_set: vk::DescriptorSet, push: MatvecPush) {
-        let mut rows = 0;
-        for m in ms {
-            let p = MatvecPush { y_off: push.y_off + rows, split_row: push.split_row.saturating_sub(rows), ..push };
-            self.matvec(m, state_set, p);
-            rows += m.rows as u32;
-        }
+        // The parts write disjoint rows.
+        self.independent(|rec| {
+            let mut rows = 0;
+            for m in ms {
+                let p = MatvecPush { y_off: push.y_off + rows, split_row: push.split_row.saturating_sub(rows), ..push };
+                rec.matvec(m, state_set, p);
+                rows += m.rows as u32;
+            }
+        });
     }
 
     /// A matvec of the arena part `part` (at `push.part_off` of each slot) for
