@@ -28,7 +28,19 @@
 //! (`FNX_VK_MATVEC_TPR`). A workgroup covers `WG / TPR * ROWS` rows. For the
 //! real model's 2560-wide rows that gives TPR 16 (Q4_K, Q5_K, Q6_K, Q4_0,
 //! Q5_0: 80 items of 16 bytes), 32 (Q8_0: 160 items) and 8 (Q2_K, Q3_K: 40
-//! items of 64 weights); for the 640-wide expert down rows TPR 4.
+//! items of 64 weights); for the 640-wide expert down rows TPR 4. A
+//! dispatch that would then have fewer than `FILL` workgroups (default 256,
+//! `FNX_VK_MATVEC_FILL`, 0 = off: a small matrix, which is latency-bound)
+//! doubles TPR until it has them: the shared expert's gate/up goes from 80
+//! workgroups of TPR 32 to 320 of TPR 128.
+//!
+//! The quantized types have a second family of pipelines, the fast kernels
+//! (`matvec_<t>_fast`, `expert_<t>_fast`: 8-bit activations, integer dot
+//! products; shaders/weights_int.glsl), created where the device has
+//! integer dot products and they are chosen (`FNX_GPU_KERNELS`, the load
+//! option `gpu_kernels`; by default where 8-bit dot products are
+//! accelerated). Rows longer than [`FAST_MAX_COLS`] use the exact ones. A
+//! type's entries in the lists below tune both families.
 //!
 //! Each variable holds a number for every matvec pipeline, or a list such
 //! as `FNX_VK_MATVEC_ROWS=4,q8_0=2,expert_q5_0=1,expert=2`: an entry names a
@@ -338,16 +350,22 @@ pub(crate) struct MatvecTuning {
     pub tpr: Option<u32>,
     /// The least work items per invocation when the recorder picks TPR.
     pub min_items: u32,
+    /// Workgroups a dispatch should have at least: when the items rule
+    /// leaves fewer (a small matrix, few long rows), the recorder doubles
+    /// TPR until it has them (or TPR reaches the workgroup or the row's
+    /// items), so a latency-bound matvec has more loads in flight. 0 = off.
+    pub fill: u32,
 }
 
 /// The defaults, in the syntax of the environment overrides:
 /// (variable, default list).
-const DEFAULTS: [(&str, &str); 5] = [
+const DEFAULTS: [(&str, &str); 6] = [
     ("FNX_VK_MATVEC_WG", "128"),
     ("FNX_VK_MATVEC_ROWS", "2"),
     ("FNX_VK_MATVEC_UNROLL", "1"),
     ("FNX_VK_MATVEC_TPR", ""),
     ("FNX_VK_MATVEC_ITEMS", "4"),
+    ("FNX_VK_MATVEC_FILL", "256"),
 ];
 
 impl MatvecTuning {
@@ -365,6 +383,7 @@ impl MatvecTuning {
             unroll: get(2).unwrap_or(1),
             tpr: get(3),
             min_items: get(4).unwrap_or(4),
+            fill: get(5).unwrap_or(256),
         }
     }
 
@@ -392,6 +411,7 @@ impl MatvecTuning {
             unroll: self.unroll.clamp(1, 8),
             tpr: self.tpr.map(|t| pow2_floor(t).min(wg)),
             min_items: self.min_items.max(1),
+            fill: self.fill,
         }
     }
 
@@ -410,6 +430,20 @@ impl MatvecTuning {
     /// Output rows one workgroup covers with `1 << tpr_shift` invocations per row set.
     pub fn rows_per_workgroup(&self, tpr_shift: u32) -> u32 {
         (self.wg >> tpr_shift).max(1) * self.rows
+    }
+
+    /// log2 of TPR for `rows` rows of `items` items, `grids` times (experts):
+    /// [`MatvecTuning::tpr_shift`], doubled while the dispatch has fewer than
+    /// `fill` workgroups (see the field).
+    pub fn tpr_shift_filled(&self, items: usize, rows: usize, grids: usize) -> u32 {
+        let mut shift = self.tpr_shift(items);
+        if self.tpr.is_none() && self.fill > 0 {
+            let groups = |s: u32| rows.div_ceil(self.rows_per_workgroup(s) as usize) * grids;
+            while (1usize << shift) < (self.wg as usize).min(items) && groups(shift) < self.fill as usize {
+                shift += 1;
+            }
+        }
+        shift
     }
 }
 
@@ -605,7 +639,7 @@ mod tests {
     #[test]
     fn defaults_per_type() {
         let q4 = MatvecTuning::for_pipeline("matvec_q4_k", false);
-        assert_eq!((q4.wg, q4.rows, q4.unroll, q4.tpr, q4.min_items), (128, 2, 1, None, 4));
+        assert_eq!((q4.wg, q4.rows, q4.unroll, q4.tpr, q4.min_items, q4.fill), (128, 2, 1, None, 4, 256));
         assert_eq!(MatvecTuning::for_pipeline("expert_q2_k", false).unroll, 1);
         assert_eq!(MatvecTuning::for_pipeline("matvec_q8_0", false).unroll, 1);
     }
@@ -619,5 +653,23 @@ mod tests {
         let forced = MatvecTuning { tpr: Some(8), ..t };
         assert_eq!(forced.tpr_shift(80), 3);
         assert_eq!(forced.rows_per_workgroup(3), 128 / 8 * 2);
+        assert_eq!(forced.tpr_shift_filled(80, 10, 1), 3, "a forced TPR stays");
+    }
+
+    #[test]
+    fn small_dispatches_fill_the_device() {
+        let t = MatvecTuning::for_pipeline("matvec_q8_0", false);
+        // The shared expert's gate/up (1280 rows of 160 items): 32 -> 128 per set, 80 -> 320 workgroups.
+        assert_eq!(1 << t.tpr_shift_filled(160, 640, 1), 128);
+        // Its down (2560 rows of 40 items): 8 -> 32.
+        assert_eq!(1 << t.tpr_shift_filled(40, 2560, 1), 32);
+        // Large or many: unchanged (the LM head; eleven experts' gate/up).
+        assert_eq!(1 << t.tpr_shift_filled(160, 248_320, 1), 32);
+        assert_eq!(1 << t.tpr_shift_filled(80, 640, 11), 16);
+        // Never past the row's items or the workgroup.
+        assert_eq!(1 << t.tpr_shift_filled(3, 10, 1), 4);
+        assert_eq!(1 << t.tpr_shift_filled(100_000, 1, 1), 128);
+        let off = MatvecTuning { fill: 0, ..t };
+        assert_eq!(1 << off.tpr_shift_filled(160, 640, 1), 32);
     }
 }

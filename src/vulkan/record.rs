@@ -178,7 +178,7 @@ impl<'a> Recorder<'a> {
             Some(t) => MatvecTuning { tpr: Some(t), ..self.pipes.tuning[pipe as usize] },
             None => self.pipes.tuning[pipe as usize],
         };
-        let shift = tuning.tpr_shift(part.items);
+        let shift = tuning.tpr_shift_filled(part.items, push.rows as usize, experts as usize);
         push.tpr_shift = shift;
         push.cols = part.cols as u32;
         push.row_bytes = part.row_bytes as u32;

@@ -331,8 +331,8 @@ fn every_type(ctx: &Arc<Context>, fast: bool) {
 fn matvec_other_tunings_and_split_matrices() {
     let Some(ctx) = context() else { return };
     for tuning in [
-        MatvecTuning { wg: 64, rows: 1, unroll: 1, tpr: None, min_items: 2 },
-        MatvecTuning { wg: 256, rows: 3, unroll: 3, tpr: None, min_items: 8 },
+        MatvecTuning { wg: 64, rows: 1, unroll: 1, tpr: None, min_items: 2, fill: 0 },
+        MatvecTuning { wg: 256, rows: 3, unroll: 3, tpr: None, min_items: 8, fill: 4096 },
     ] {
         let pipes = Pipelines::tuned(&ctx, false, |_| tuning).unwrap();
         let twin = Twin { ctx: &ctx, pipes: &pipes };
