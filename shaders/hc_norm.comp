@@ -1,5 +1,9 @@
 #version 450
-// Grouped RMSNorm of the hyper-connection streams: one workgroup per stream.
+// Grouped RMSNorm of the hyper-connection streams. Workgroup (c, p) writes
+// elements [WG p, WG (p + 1)) of stream c: each sums the squares of its
+// whole stream (every workgroup of a stream the same sum, in the same
+// order), so a stream's elements are written by many workgroups at once
+// rather than one looping over them.
 #define WG 256
 #include "common.glsl"
 
@@ -16,6 +20,6 @@ void main() {
     float ss = 0.0;
     for (uint i = gl_LocalInvocationIndex; i < pc.n; i += WG) ss += s[pc.x_off + base + i] * s[pc.x_off + base + i];
     float r = rms_scale(wg_sum(ss), pc.n, pc.eps);
-    for (uint i = gl_LocalInvocationIndex; i < pc.n; i += WG)
-        s[pc.y_off + base + i] = s[pc.x_off + base + i] * r * prm[pc.gamma + base + i];
+    uint i = gl_WorkGroupID.y * WG + gl_LocalInvocationIndex;
+    if (i < pc.n) s[pc.y_off + base + i] = s[pc.x_off + base + i] * r * prm[pc.gamma + base + i];
 }

@@ -270,7 +270,7 @@ impl<'a> VkPass<'a> {
         let (cfg, l) = (self.cfg, &self.state.layout);
         let (h, c) = (cfg.hidden as u32, cfg.hc as u32);
         let norm = HcNormPush { x_off: l.residual, gamma: hc.norm, y_off: l.xn, n: h, eps: cfg.eps };
-        self.rec.dispatch(Pipe::HcNorm, &[set], &norm, [c, 1, 1]);
+        self.rec.dispatch(Pipe::HcNorm, &[set], &norm, norm.groups(c));
         // Down rows get silu(v/C), injection rows 2*sigmoid(v/C).
         let down = MatvecPush { x_off: l.xn, y_off: l.low, mode: 1, scale: 1.0 / c as f32, split_row: hc.rank as u32, ..Default::default() };
         self.rec.matvecs(&hc.down_inject, set, down);

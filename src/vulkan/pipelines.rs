@@ -150,6 +150,14 @@ push_block!(/// shaders/moe_combine.comp
 MoeCombinePush { y_off: u32, w_off: u32, shared_off: u32, x_off: u32, shared_gate: u32, res_off: u32, inject_off: u32,
     h: u32, k: u32, streams: u32, shared_separate: u32, partial_off: u32 });
 
+impl HcNormPush {
+    /// The grid of `streams` streams: a workgroup per stream and slice of
+    /// its elements (shaders/hc_norm.comp).
+    pub fn groups(&self, streams: u32) -> [u32; 3] {
+        [streams, self.n.div_ceil(Pipe::HcNorm.spec().workgroup), 1]
+    }
+}
+
 /// `MatvecPush::slot_table` of the expert cache: the ids are slots.
 pub(crate) const SLOTS_DIRECT: u32 = u32::MAX;
 /// `MoeCombinePush::partial_off` when the host computed no expert.

@@ -23,7 +23,7 @@ fn hc_norm() {
         let y_off = b.s.out(c * h);
         let gamma_off = b.prm.put(&gamma);
         let push = HcNormPush { x_off, gamma: gamma_off, y_off, n: h as u32, eps: EPS };
-        let out = g.run(Pipe::HcNorm, &push, Groups::Fixed([c as u32, 1, 1]), &b, &[(y_off, c * h)], &[]);
+        let out = g.run(Pipe::HcNorm, &push, Groups::Fixed(push.groups(c as u32)), &b, &[(y_off, c * h)], &[]);
         check(&format!("hc_norm C={c} H={h} |x|<{scale}"), out.s(y_off, c * h), &want, 4e-6);
     }
 }
