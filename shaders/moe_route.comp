@@ -1,7 +1,7 @@
 #version 450
 // MoE router after its matvec, one workgroup: softmax over the expert
 // logits (in place, and in shared memory), top-k by probability (ties to
-// the lower expert id; k rounds of a subgroup-reduced argmax),
+// the lower expert id; per subgroup, then over the subgroups' picks),
 // weights renormalised over the chosen k. Writes ids (as float bits) and
 // weights. With `shared_in_arena` the shared expert follows as expert k:
 // id n_experts (its slot-table entry), weight sigmoid(shared_gate . x).
@@ -24,8 +24,11 @@ layout(push_constant) uniform Push {
 
 shared float prob[MAX_EXPERTS];
 shared float chosen[MAX_K];
-shared float red_v[WG / 4];
-shared uint red_i[WG / 4];
+// Each subgroup's k best, at MAX_K apart: subgroups x k must be at most
+// MAX_CAND (the host checks: MOE_ROUTE_CANDIDATES in src/vulkan/pipelines.rs).
+#define MAX_CAND 2048
+shared float cand_v[MAX_CAND];
+shared uint cand_i[MAX_CAND];
 
 void main() {
     uint t = gl_LocalInvocationIndex, n = pc.n_experts, l = pc.logits_off;
@@ -44,11 +47,14 @@ void main() {
         s[l + i] = prob[i];
     }
     barrier();
-    // k rounds of a workgroup argmax: each invocation scans the experts it
-    // owns (i = t mod WG, ascending, so a tie keeps the lower id), subgroups
-    // reduce (max value, then the lowest id holding it), and every
-    // invocation merges the subgroups' winners; the owner marks the winner
-    // taken. Two barriers a round.
+    // Top-k in two stages, with no workgroup barrier between rounds: each
+    // subgroup picks the k best of the experts its invocations own (k rounds
+    // of a subgroup argmax over i = t mod WG, the owner marking the winner
+    // taken), then subgroup 0 picks the k best of those candidates the same
+    // way. Order: probability descending, then expert id ascending (a tie
+    // keeps the lower id, as the CPU); every global top-k expert is among its
+    // subgroup's top-k, so the two stages choose what one would.
+    uint sg = gl_SubgroupID, lane = gl_SubgroupInvocationID, sgs = gl_SubgroupSize;
     for (uint r = 0u; r < pc.k; r++) {
         float bv = -1.0;
         uint bi = 0xffffffffu;
@@ -59,22 +65,33 @@ void main() {
         float sv = subgroupMax(bv);
         uint si = subgroupMin(bv == sv ? bi : 0xffffffffu);
         if (subgroupElect()) {
-            red_v[gl_SubgroupID] = sv;
-            red_i[gl_SubgroupID] = si;
+            cand_v[sg * pc.k + r] = sv;
+            cand_i[sg * pc.k + r] = si;
         }
-        barrier();
-        float wv = red_v[0];
-        uint wi = red_i[0];
-        for (uint g = 1u; g < gl_NumSubgroups; g++) {
-            if (red_v[g] > wv || (red_v[g] == wv && red_i[g] < wi)) { wv = red_v[g]; wi = red_i[g]; }
-        }
-        if (t == 0u) {
-            chosen[r] = wv;
-            s[pc.ids_off + r] = uintBitsToFloat(wi);
-        }
-        if (wi % WG == t) prob[wi] = -1.0;
-        barrier();
+        if (si != 0xffffffffu && si % WG == t) prob[si] = -1.0;
     }
+    barrier();
+    if (sg == 0u) {
+        uint nc = gl_NumSubgroups * pc.k;
+        for (uint r = 0u; r < pc.k; r++) {
+            // Lane `lane` owns candidates c = lane mod sgs and marks those taken -4.
+            float bv = -3.0;
+            uint bi = 0xffffffffu, bc = 0xffffffffu;
+            for (uint c = lane; c < nc; c += sgs) {
+                float v = cand_v[c];
+                uint i = cand_i[c];
+                if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; bc = c; }
+            }
+            float sv = subgroupMax(bv);
+            uint si = subgroupMin(bv == sv ? bi : 0xffffffffu);
+            if (bv == sv && bi == si && bc != 0xffffffffu) cand_v[bc] = -4.0;
+            if (lane == 0u) {
+                chosen[r] = sv;
+                s[pc.ids_off + r] = uintBitsToFloat(si);
+            }
+        }
+    }
+    barrier();
     if (pc.shared_in_arena == 1u) {
         float g = 0.0;
         for (uint i = t; i < pc.h; i += WG) g += prm[pc.shared_gate + i] * s[pc.x_off + i];
