@@ -14,7 +14,8 @@
 #
 # Models are synthesised on the GPU machine into $WORK (not $OUT), one at a
 # time (the disk holds one), and deleted after. Environment: GEN, WARMUP,
-# SWEEP=0 (skip the sweep), TESTS=0 (skip the tests), KERNELS ("exact fast").
+# SWEEP=0 (skip the sweep), TESTS=0 (skip the tests), KERNELS ("exact fast"),
+# VARIANT (one more bench per model: "NAME:VAR=VALUE ...").
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 which=${1:-all}
@@ -73,6 +74,12 @@ bench_model() {
         FNX_GPU_KERNELS=$k timeout 300 "$bin" bench --model "$model" --backend vulkan --prompt "The quick brown fox" \
             --gen "$gen" --warmup "$warmup" --device-gbs 4400 --json "$out/bench-$name-$k.json" 2>&1 | tee -a "$log"
     done
+    # VARIANT="NAME:VAR=VALUE ..." benchmarks once more with those variables set (e.g. a tuning off).
+    if [ -n "${VARIANT:-}" ]; then
+        say "bench $name --backend vulkan, ${VARIANT#*:}"
+        env ${VARIANT#*:} timeout 300 "$bin" bench --model "$model" --backend vulkan --prompt "The quick brown fox" \
+            --gen "$gen" --warmup "$warmup" --device-gbs 4400 --json "$out/bench-$name-${VARIANT%%:*}.json" 2>&1 | tee -a "$log"
+    fi
     rm -f "$model"
 }
 

@@ -247,24 +247,24 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
 }
 
 #elif defined(WEIGHT_Q4_K) || defined(WEIGHT_Q5_K)
-// Eight items per block: item k takes the 16 qs bytes 16k; with c = k / 2
-// and l0 = 16 (k & 1) byte l holds value 64c + l0 + l (low nibble, scale
-// 2c) and 64c + 32 + l0 + l (high nibble, scale 2c + 1). Q5_K: bits 2c and
-// 2c + 1 of qh byte l0 + l are their fifth bits. Field 0 is the 16-byte
-// header (d, dmin, 12 bytes of six-bit scales and minima).
+// Four items per block, one per group c of 64 values: item c takes the 32
+// qs bytes 32c; byte l holds value 64c + l (low nibble, scale 2c) and
+// 64c + 32 + l (high nibble, scale 2c + 1). Q5_K: bits 2c and 2c + 1 of qh
+// byte l are their fifth bits. Field 0 is the 16-byte header (d, dmin, 12
+// bytes of six-bit scales and minima), read once per item.
 #define QK 256u
-#define IPB 8u
-#define XV 8
+#define IPB 4u
+#define XV 16
 struct Xs { vec4 v[XV]; vec2 sum; };
 
 Xs load_x(uint x, uint b, uint k) {
     Xs r;
-    uint c0 = x + 256u * b + 64u * (k >> 1) + 16u * (k & 1u);
+    uint c0 = x + 256u * b + 64u * k;
     r.sum = vec2(0.0);
-    [[unroll]] for (uint i = 0u; i < 4u; i++) {
+    [[unroll]] for (uint i = 0u; i < 8u; i++) {
         r.v[i] = xv(c0 + 4u * i);
-        r.v[4u + i] = xv(c0 + 32u + 4u * i);
-        r.sum += vec2(hsum(r.v[i]), hsum(r.v[4u + i]));
+        r.v[8u + i] = xv(c0 + 32u + 4u * i);
+        r.sum += vec2(hsum(r.v[i]), hsum(r.v[8u + i]));
     }
     return r;
 }
@@ -279,27 +279,30 @@ vec2 scale_min(uvec3 s, uint j) {
 }
 
 float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
-    uint c = k >> 1;
+    uint c = k;
 #ifdef WEIGHT_Q4_K
-    uvec4 q = P4(row + 128u * b + 16u * k);
+    uint at = row + 128u * b + 32u * k;
 #else
     uint blk = row + 160u * b;
-    uvec4 q = P4(blk + 32u + 16u * k);
-    uvec4 qh = P4(blk + 16u * (k & 1u));
+    uint at = blk + 32u + 32u * k;
+    uvec4 qh[2] = uvec4[2](P4(blk), P4(blk + 16u));
 #endif
+    uvec4 q[2] = uvec4[2](P4(at), P4(at + 16u));
     float lo = 0.0, hi = 0.0;
-    [[unroll]] for (uint i = 0u; i < 4u; i++) {
-        uint a = q[i] & 0x0F0F0F0Fu, e = (q[i] >> 4) & 0x0F0F0F0Fu;
+    [[unroll]] for (uint h = 0u; h < 2u; h++) {
+        [[unroll]] for (uint i = 0u; i < 4u; i++) {
+            uint a = q[h][i] & 0x0F0F0F0Fu, e = (q[h][i] >> 4) & 0x0F0F0F0Fu;
 #ifdef WEIGHT_Q5_K
-        a |= ((qh[i] >> (2u * c)) & 0x01010101u) << 4;
-        e |= ((qh[i] >> (2u * c + 1u)) & 0x01010101u) << 4;
+            a |= ((qh[h][i] >> (2u * c)) & 0x01010101u) << 4;
+            e |= ((qh[h][i] >> (2u * c + 1u)) & 0x01010101u) << 4;
 #endif
-        lo += dot(f4(a, 0.0), xs.v[i]);
-        hi += dot(f4(e, 0.0), xs.v[4u + i]);
+            lo += dot(f4(a, 0.0), xs.v[4u * h + i]);
+            hi += dot(f4(e, 0.0), xs.v[8u + 4u * h + i]);
+        }
     }
-    uvec4 h = P4(F0 + 16u * g);
-    vec2 dm = unpackHalf2x16(h.x);
-    vec2 sm1 = scale_min(h.yzw, 2u * c), sm2 = scale_min(h.yzw, 2u * c + 1u);
+    uvec4 hd = P4(F0 + 16u * g);
+    vec2 dm = unpackHalf2x16(hd.x);
+    vec2 sm1 = scale_min(hd.yzw, 2u * c), sm2 = scale_min(hd.yzw, 2u * c + 1u);
     return dm.x * (sm1.x * lo + sm2.x * hi) - dm.y * (sm1.y * xs.sum.x + sm2.y * xs.sum.y);
 }
 

@@ -191,16 +191,17 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
 }
 
 #elif defined(WEIGHT_Q4_K) || defined(WEIGHT_Q5_K)
-// Eight items per block (weights.glsl): item k's low nibbles are values
-// 64c + l0 + l (activation run 16b + 4c + (k & 1)), its high nibbles 32 further
-// (two runs further), c = k / 2.
+// Four items per block (weights.glsl): item c's low nibbles are values
+// 64c + l (activation runs 16b + 4c and the next), its high nibbles 32
+// further (two runs further).
 #define QK 256u
-#define IPB 8u
-struct Xs { uvec4 lo, hi; vec2 d; ivec2 s; };
+#define IPB 4u
+struct Xs { uvec4 lo0, lo1, hi0, hi1; vec2 d; ivec2 s; };
 
 Xs load_x(uint x, uint b, uint k) {
-    uint i = 16u * b + 4u * (k >> 1) + (k & 1u);
-    return Xs(xq[i], xq[i + 2u], vec2(xd[i >> 1], xd[(i >> 1) + 1u]), ivec2(xs[i], xs[i + 2u]));
+    uint i = 16u * b + 4u * k;
+    return Xs(xq[i], xq[i + 1u], xq[i + 2u], xq[i + 3u], vec2(xd[i >> 1], xd[(i >> 1) + 1u]),
+              ivec2(xs[i] + xs[i + 1u], xs[i + 2u] + xs[i + 3u]));
 }
 
 uint byte_of(uvec3 s, uint i) { return (s[i >> 2] >> (8u * (i & 3u))) & 0xFFu; }
@@ -212,20 +213,24 @@ vec2 scale_min(uvec3 s, uint j) {
 }
 
 float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
-    uint c = k >> 1;
+    uint c = k;
 #ifdef WEIGHT_Q4_K
-    uvec4 q = P4(row + 128u * b + 16u * k);
+    uint at = row + 128u * b + 32u * k;
 #else
     uint blk = row + 160u * b;
-    uvec4 q = P4(blk + 32u + 16u * k);
-    uvec4 qh = P4(blk + 16u * (k & 1u));
+    uint at = blk + 32u + 32u * k;
+    uvec4 qh0 = P4(blk), qh1 = P4(blk + 16u);
 #endif
-    uvec4 a = q & 0x0F0F0F0Fu, e = (q >> 4) & 0x0F0F0F0Fu;
+    uvec4 q0 = P4(at), q1 = P4(at + 16u);
+    uvec4 a0 = q0 & 0x0F0F0F0Fu, e0 = (q0 >> 4) & 0x0F0F0F0Fu;
+    uvec4 a1 = q1 & 0x0F0F0F0Fu, e1 = (q1 >> 4) & 0x0F0F0F0Fu;
 #ifdef WEIGHT_Q5_K
-    a |= ((qh >> (2u * c)) & 0x01010101u) << 4;
-    e |= ((qh >> (2u * c + 1u)) & 0x01010101u) << 4;
+    a0 |= ((qh0 >> (2u * c)) & 0x01010101u) << 4;
+    e0 |= ((qh0 >> (2u * c + 1u)) & 0x01010101u) << 4;
+    a1 |= ((qh1 >> (2u * c)) & 0x01010101u) << 4;
+    e1 |= ((qh1 >> (2u * c + 1u)) & 0x01010101u) << 4;
 #endif
-    vec2 t = xs.d * vec2(sudot16(xs.lo, a), sudot16(xs.hi, e));
+    vec2 t = xs.d * vec2(sudot16(xs.lo0, a0) + sudot16(xs.lo1, a1), sudot16(xs.hi0, e0) + sudot16(xs.hi1, e1));
     vec2 sums = xs.d * vec2(xs.s);
     uvec4 h = P4(F0 + 16u * g);
     vec2 dm = unpackHalf2x16(h.x);

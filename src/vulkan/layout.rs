@@ -22,14 +22,16 @@
 //! | Q8_0 | 34 | qs (32) | d (2) | - | 2 |
 //! | Q2_K | 84 | scales, qs (80) | d, dmin (4) | - | 4 |
 //! | Q3_K | 110 | hmask, qs (96) | scales (12) | d (2) | 4 |
-//! | Q4_K | 144 | qs (128) | d, dmin, scales (16) | - | 8 |
-//! | Q5_K | 176 | qh, qs (160) | d, dmin, scales (16) | - | 8 |
+//! | Q4_K | 144 | qs (128) | d, dmin, scales (16) | - | 4 |
+//! | Q5_K | 176 | qh, qs (160) | d, dmin, scales (16) | - | 4 |
 //! | Q6_K | 210 | ql, qh, scales (208) | d (2) | - | 8 |
 //!
 //! The byte order inside each piece is the file's, so the shaders decode
 //! exactly what the CPU's dequantizers decode (`src/quant/`). An *item* is
 //! what one shader invocation handles at a time (16 bytes of quants, 16 to
-//! 64 weights); shaders/weights.glsl documents each type's.
+//! 64 weights; 32 bytes and 64 weights for Q4_K and Q5_K, whose per-item
+//! scale decoding then serves twice the weights); shaders/weights.glsl
+//! documents each type's.
 
 use crate::gguf::GgmlType;
 
@@ -61,8 +63,8 @@ pub(crate) fn type_layout(ty: GgmlType) -> Option<TypeLayout> {
         GgmlType::Q8_0 => l(&[(2, 32)], &[(0, 2)], 2),
         GgmlType::Q2K => l(&[(0, 80)], &[(80, 4)], 4),
         GgmlType::Q3K => l(&[(0, 96)], &[(96, 12), (108, 2)], 4),
-        GgmlType::Q4K => l(&[(16, 128)], &[(0, 16)], 8),
-        GgmlType::Q5K => l(&[(16, 160)], &[(0, 16)], 8),
+        GgmlType::Q4K => l(&[(16, 128)], &[(0, 16)], 4),
+        GgmlType::Q5K => l(&[(16, 160)], &[(0, 16)], 4),
         GgmlType::Q6K => l(&[(0, 208)], &[(208, 2)], 8),
     }
 }

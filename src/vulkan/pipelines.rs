@@ -26,9 +26,9 @@
 //! that leaves each invocation at least `MIN_ITEMS` work items of the row
 //! (default 4, `FNX_VK_MATVEC_ITEMS`), or a fixed power of two
 //! (`FNX_VK_MATVEC_TPR`). A workgroup covers `WG / TPR * ROWS` rows. For the
-//! real model's 2560-wide rows that gives TPR 16 (Q4_K, Q5_K, Q6_K, Q4_0,
-//! Q5_0: 80 items of 16 bytes), 32 (Q8_0: 160 items) and 8 (Q2_K, Q3_K: 40
-//! items of 64 weights); for the 640-wide expert down rows TPR 4. A
+//! real model's 2560-wide rows that gives TPR 16 (Q6_K, Q4_0, Q5_0: 80
+//! items of 16 bytes), 32 (Q8_0: 160 items) and 8 (Q2_K, Q3_K, Q4_K, Q5_K:
+//! 40 items of 64 weights); for the 640-wide expert down rows TPR 4. A
 //! dispatch that would then have fewer than `FILL` workgroups (default 256,
 //! `FNX_VK_MATVEC_FILL`, 0 = off: a small matrix, which is latency-bound)
 //! doubles TPR until it has them: the shared expert's gate/up goes from 80
@@ -658,7 +658,7 @@ mod tests {
     #[test]
     fn threads_per_row_leave_min_items_each() {
         let t = MatvecTuning::for_pipeline("matvec_q4_k", false);
-        // 2560-wide rows: Q4_K 80 items, Q8_0 160, Q2_K 40; 640-wide Q5_0 20.
+        // 2560-wide rows: Q6_K 80 items, Q8_0 160, Q2_K and Q4_K 40; 640-wide Q5_0 20.
         assert_eq!([80, 160, 40, 20, 1].map(|n| 1u32 << t.tpr_shift(n)), [16, 32, 8, 4, 1]);
         assert_eq!(1 << t.tpr_shift(100_000), t.wg);
         let forced = MatvecTuning { tpr: Some(8), ..t };
