@@ -347,6 +347,17 @@ pub(crate) fn per_label(timed: &[Timed], ms: &[f64]) -> Vec<crate::model::backen
 impl Timestamps {
 }
 
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn roles_drop_the_layer_and_suffix() {
+        assert_eq!(super::role("blk.3.ssm_out.weight"), "ssm_out");
+        assert_eq!(super::role("blk.12.hc_attn_down.weight+blk.12.hc_attn_inject.weight"), "hc_attn_down+hc_attn_inject");
+        assert_eq!(super::role("output.weight"), "output");
+        assert_eq!(super::role("blk.x.odd"), "blk.x.odd");
+    }
+}
+
 impl Drop for Timestamps {
     fn drop(&mut self) {
         // SAFETY: no submission using the pool is pending (every token is waited for).
