@@ -53,6 +53,20 @@ fn bench_on_vulkan_reports_the_backend() {
     assert!(stages.iter().all(|(_, ms)| ms.is_finite() && *ms >= 0.0), "{stages:?}");
     assert!(stages.iter().map(|(_, ms)| ms).sum::<f64>() > 0.0, "{stages:?}");
     assert!(r.summary().contains("stages: "), "{}", r.summary());
+    // The same time by kind of work: every dispatch of a profiled token in
+    // one row or another, matrices with their bandwidth.
+    let work = s.work.as_ref().expect("work times on Vulkan");
+    let per_token: f64 = work.iter().map(|w| w.dispatches_per_token).sum();
+    assert_eq!(per_token, s.dispatches_per_token.unwrap(), "{work:?}");
+    let work_ms: f64 = work.iter().map(|w| w.ms_per_token).sum();
+    let stage_ms: f64 = stages.iter().map(|(_, ms)| ms).sum();
+    assert!((work_ms - stage_ms).abs() <= 1e-9 * stage_ms.max(1.0), "{work_ms} vs {stage_ms}");
+    assert!(work.iter().any(|w| w.label.starts_with("output") && w.gbs.is_some_and(|g| g > 0.0)), "{work:?}");
+    // At most one barrier per dispatch (independent ones share theirs), plus
+    // one after the token's uploaded inputs and one before the logits' readback.
+    let barriers = s.barriers_per_token.unwrap();
+    assert!(barriers >= 2.0 && barriers <= s.dispatches_per_token.unwrap() + 2.0, "{s:?}");
+    assert!(r.summary().contains("by work:"), "{}", r.summary());
     assert_eq!(flashnext::vulkan::validation_errors(), 0, "Vulkan validation errors (printed above)");
 }
 

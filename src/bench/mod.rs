@@ -171,6 +171,8 @@ pub struct BackendStats {
     pub work: Option<Vec<WorkTime>>,
     pub submits_per_token: Option<f64>,
     pub dispatches_per_token: Option<f64>,
+    /// Pipeline barriers per token (dependent steps; independent dispatches share one).
+    pub barriers_per_token: Option<f64>,
     pub peak_vram_bytes: Option<u64>,
     pub expert_cache: Option<ExpertCacheStats>,
     /// Bytes the load streamed to the device, and at what rate (GB/s).
@@ -359,6 +361,7 @@ fn backend_stats(model: &Model, state: &State, opts: &BenchOptions) -> BackendSt
         bandwidth_gbs: Some(opts.device_bandwidth_gbs.unwrap_or(H200_VULKAN_GBS)),
         submits_per_token: Some(token.submits as f64),
         dispatches_per_token: Some(token.dispatches as f64),
+        barriers_per_token: Some(token.barriers as f64),
         peak_vram_bytes: Some(model.device_bytes_used()),
         ..Default::default()
     }
@@ -603,9 +606,10 @@ impl BenchReport {
                 opt(&s.load_upload_gbs.map(|r| format!("{r:.2} GB/s")))
             ),
             format!(
-                "per token: submits {}, dispatches {}; stages: {}; expert cache: {}",
+                "per token: submits {}, dispatches {}, barriers {}; stages: {}; expert cache: {}",
                 opt(&s.submits_per_token),
                 opt(&s.dispatches_per_token),
+                opt(&s.barriers_per_token),
                 opt(&stages),
                 opt(&cache)
             ),
