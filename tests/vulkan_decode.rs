@@ -109,15 +109,23 @@ fn compare(fixture: &str, ty: OutType) -> Option<Errors> {
     assert_eq!(stats.submits, 1, "one submission per token");
     println!(
         "{fixture} {ty:?}: GPU vs CPU max {:.3e} median {:.3e}; GPU vs transformers max {:.3e} median {:.3e}; \
-         {} positions; {} dispatches, {} submit per token",
+         {} positions; {} dispatches, {} barriers, {} submit per token",
         worst(&errors.vs_cpu),
         median(&errors.vs_cpu),
         worst(&errors.vs_ref),
         median(&errors.vs_ref),
         errors.vs_cpu.len(),
         stats.dispatches,
+        stats.barriers,
         stats.submits
     );
+    if fixture != "tiny_native" {
+        // The shared expert runs apart here, beside the router and the
+        // top-k, sharing their barriers (two per MoE layer saved; one
+        // barrier more after the token's inputs, one before its logits).
+        let moe_layers = gpu_model.config.n_layers as u32;
+        assert!(stats.barriers + 2 * moe_layers <= stats.dispatches + 2, "{fixture}: {stats:?}");
+    }
     assert_eq!(flashnext::vulkan::validation_errors(), 0, "Vulkan validation errors (printed above)");
     std::fs::remove_dir_all(path.parent().unwrap()).ok();
     Some(errors)
