@@ -16,6 +16,13 @@
 //! post, SwiGLU); the expert arena with several experts, slots, slabs and
 //! per-layer types.
 //!
+//! The fast kernels (8-bit activations, integer dot products;
+//! shaders/weights_int.glsl) run the same cases and are held to the same
+//! bound plus the activation rounding's worst case, `sum_b (amax_b / 254)
+//! sum_{i in b} |w_i|` over blocks of 32 (measured at most 0.45 of the sum
+//! on lavapipe and the H200); one activation read from the wrong block
+//! breaks it 37 times over. A NaN activation reaches every row on both.
+//!
 //! Bound: per output row, |gpu - cpu| <= 4e-6 * sum_i |w_i x_i| (f32
 //! summation in another order, and per-block factoring of scales and minima
 //! d * sum(q x) - m * sum(x), whose terms are at most a few times
@@ -466,5 +473,29 @@ fn arena_types(ctx: &Arc<Context>, fast: bool) {
     assert!(e <= 1.0, "mixed layer types: arena GPU vs CPU error {e} x the bound");
     println!("expert arena twin, worst error / bound: {}", report.join(", "));
     drop(pipes);
+    assert_eq!(validation_errors(), 0, "Vulkan validation errors (printed above)");
+}
+
+/// A NaN among the activations makes every output NaN on both kernel
+/// families (the fast kernels give its block the scale NaN), so the
+/// samplers' refusal of NaN logits sees it.
+#[test]
+fn a_nan_activation_reaches_every_row() {
+    let Some(ctx) = context() else { return };
+    for fast in [false, true] {
+        if fast && !ctx.int_dot.supported {
+            continue;
+        }
+        let pipes = Pipelines::tuned(&ctx, fast, |name| MatvecTuning::for_pipeline(name, false)).unwrap();
+        let twin = Twin { ctx: &ctx, pipes: &pipes };
+        for ty in crate::quant::QUANT_TYPES {
+            let cols = shapes(ty)[1];
+            let w = tensor(ty, 37, cols, 3);
+            let mut x = values(cols, cols, 5);
+            x[cols / 2 + 1] = f32::NAN;
+            let got = twin.run(&w, &x, &[Run { tpr: None, mode: 0 }], usize::MAX);
+            assert!(got[0][..37].iter().all(|v| v.is_nan()), "{ty} (fast kernels: {fast}): {:?}", &got[0][..37]);
+        }
+    }
     assert_eq!(validation_errors(), 0, "Vulkan validation errors (printed above)");
 }
