@@ -24,6 +24,11 @@
 // so a set never straddles subgroups unnecessarily; WG must be a power of two
 // and a multiple of the subgroup size (the host ensures both).
 //
+// With FAST (the quantized types' fast kernels, shaders/weights_int.glsl)
+// each workgroup first rounds its activations to 8 bits in shared memory
+// (`prepare_x`) and the items are integer dot products; the exact kernels'
+// `prepare_x` does nothing.
+//
 // With ARENA (routed experts): workgroup y-index k reads expert id
 // s[expert_off + k], finds its arena slot through the slot table, and reads
 // x and writes y at k * stride.
