@@ -344,7 +344,11 @@ pub(crate) fn per_label(timed: &[Timed], ms: &[f64]) -> Vec<crate::model::backen
     out
 }
 
-impl Timestamps {
+impl Drop for Timestamps {
+    fn drop(&mut self) {
+        // SAFETY: no submission using the pool is pending (every token is waited for).
+        unsafe { self.ctx.device.destroy_query_pool(self.pool, None) };
+    }
 }
 
 #[cfg(test)]
@@ -355,12 +359,5 @@ mod tests {
         assert_eq!(super::role("blk.12.hc_attn_down.weight+blk.12.hc_attn_inject.weight"), "hc_attn_down+hc_attn_inject");
         assert_eq!(super::role("output.weight"), "output");
         assert_eq!(super::role("blk.x.odd"), "blk.x.odd");
-    }
-}
-
-impl Drop for Timestamps {
-    fn drop(&mut self) {
-        // SAFETY: no submission using the pool is pending (every token is waited for).
-        unsafe { self.ctx.device.destroy_query_pool(self.pool, None) };
     }
 }
