@@ -65,6 +65,21 @@ vec4 xv(uint i) { return s4[i >> 2]; }
 
 float hsum(vec4 v) { return (v.x + v.y) + (v.z + v.w); }
 
+// Shared by both kernel families:
+
+// Bits 0..3 of h moved to bit 4 of bytes 0..3.
+uint spread4(uint h) { return (((h & 0xFu) * 0x00204081u) & 0x01010101u) << 4; }
+
+// Byte i of the 12 packed K-quant scale bytes.
+uint byte_of(uvec3 s, uint i) { return (s[i >> 2] >> (8u * (i & 3u))) & 0xFFu; }
+
+// Scale and minimum j of the 12 packed bytes (as the CPU's scale_min_k4).
+vec2 scale_min(uvec3 s, uint j) {
+    if (j < 4u) return vec2(byte_of(s, j) & 63u, byte_of(s, j + 4u) & 63u);
+    return vec2((byte_of(s, j + 4u) & 0xFu) | ((byte_of(s, j - 4u) >> 6) << 4),
+                (byte_of(s, j + 4u) >> 4) | ((byte_of(s, j) >> 6) << 4));
+}
+
 #ifdef FAST
 #include "weights_int.glsl"
 #else
@@ -133,9 +148,6 @@ Xs load_x(uint x, uint b, uint k) {
     }
     return r;
 }
-
-// Bits 0..3 of h moved to bit 4 of bytes 0..3.
-uint spread4(uint h) { return (((h & 0xFu) * 0x00204081u) & 0x01010101u) << 4; }
 
 float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
     uvec4 q = P4(row + 16u * b);
@@ -267,15 +279,6 @@ Xs load_x(uint x, uint b, uint k) {
         r.sum += vec2(hsum(r.v[i]), hsum(r.v[8u + i]));
     }
     return r;
-}
-
-uint byte_of(uvec3 s, uint i) { return (s[i >> 2] >> (8u * (i & 3u))) & 0xFFu; }
-
-// Scale and minimum j of the 12 packed bytes (as the CPU's scale_min_k4).
-vec2 scale_min(uvec3 s, uint j) {
-    if (j < 4u) return vec2(byte_of(s, j) & 63u, byte_of(s, j + 4u) & 63u);
-    return vec2((byte_of(s, j + 4u) & 0xFu) | ((byte_of(s, j - 4u) >> 6) << 4),
-                (byte_of(s, j + 4u) >> 4) | ((byte_of(s, j) >> 6) << 4));
 }
 
 float item_dot(uint row, uint g, uint b, uint k, Xs xs) {

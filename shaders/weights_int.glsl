@@ -100,9 +100,6 @@ Xs load_x(uint x, uint b, uint k) {
     return Xs(xq[2u * b], xq[2u * b + 1u], xd[b], xs[2u * b] + xs[2u * b + 1u]);
 }
 
-// Bits 0..3 of h moved to bit 4 of bytes 0..3.
-uint spread4(uint h) { return (((h & 0xFu) * 0x00204081u) & 0x01010101u) << 4; }
-
 float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
     uvec4 q = P4(row + 16u * b);
     uvec4 lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
@@ -202,14 +199,6 @@ Xs load_x(uint x, uint b, uint k) {
     uint i = 16u * b + 4u * k;
     return Xs(xq[i], xq[i + 1u], xq[i + 2u], xq[i + 3u], vec2(xd[i >> 1], xd[(i >> 1) + 1u]),
               ivec2(xs[i] + xs[i + 1u], xs[i + 2u] + xs[i + 3u]));
-}
-
-uint byte_of(uvec3 s, uint i) { return (s[i >> 2] >> (8u * (i & 3u))) & 0xFFu; }
-
-vec2 scale_min(uvec3 s, uint j) {
-    if (j < 4u) return vec2(byte_of(s, j) & 63u, byte_of(s, j + 4u) & 63u);
-    return vec2((byte_of(s, j + 4u) & 0xFu) | ((byte_of(s, j - 4u) >> 6) << 4),
-                (byte_of(s, j + 4u) >> 4) | ((byte_of(s, j) >> 6) << 4));
 }
 
 float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
