@@ -65,7 +65,10 @@ vec4 xv(uint i) { return s4[i >> 2]; }
 
 float hsum(vec4 v) { return (v.x + v.y) + (v.z + v.w); }
 
-// Shared by both kernel families:
+// Shared by both kernel families: each quantized type's item decoded to
+// its levels (the stored codes as bytes of 32-bit words, before any offset)
+// and the factors that scale them; the exact kernels turn the levels into
+// floats (`f4`), the fast ones multiply them as bytes.
 
 // Bits 0..3 of h moved to bit 4 of bytes 0..3.
 uint spread4(uint h) { return (((h & 0xFu) * 0x00204081u) & 0x01010101u) << 4; }
@@ -79,6 +82,120 @@ vec2 scale_min(uvec3 s, uint j) {
     return vec2((byte_of(s, j + 4u) & 0xFu) | ((byte_of(s, j - 4u) >> 6) << 4),
                 (byte_of(s, j + 4u) >> 4) | ((byte_of(s, j) >> 6) << 4));
 }
+
+#if defined(WEIGHT_Q4_0) || defined(WEIGHT_Q4_1) || defined(WEIGHT_Q5_0) || defined(WEIGHT_Q5_1)
+// One item per block: its 16 bytes of qs hold values j (low nibble of byte
+// j) and j + 16 (high nibble). Q5: bit j of qh is the fifth bit of value j.
+// Levels of values 4i.. in lo[i], of 16 + 4i.. in hi[i].
+void levels32(uint row, uint g, uint b, out uvec4 lo, out uvec4 hi) {
+    uvec4 q = P4(row + 16u * b);
+    lo = q & 0x0F0F0F0Fu;
+    hi = (q >> 4) & 0x0F0F0F0Fu;
+#if defined(WEIGHT_Q5_0) || defined(WEIGHT_Q5_1)
+    uint qh = W(F0 + 4u * g);
+    [[unroll]] for (uint i = 0u; i < 4u; i++) {
+        lo[i] |= spread4(qh >> (4u * i));
+        hi[i] |= spread4(qh >> (16u + 4u * i));
+    }
+#endif
+}
+
+// The block's scale d and minimum m (0 for the types with an offset).
+vec2 dm32(uint g) {
+#if defined(WEIGHT_Q4_0)
+    return vec2(half_at(F0 + 2u * g), 0.0);
+#elif defined(WEIGHT_Q5_0)
+    return vec2(half_at(F1 + 2u * g), 0.0);
+#elif defined(WEIGHT_Q4_1)
+    return unpackHalf2x16(W(F0 + 4u * g));
+#else
+    return unpackHalf2x16(W(F1 + 4u * g));
+#endif
+}
+
+#elif defined(WEIGHT_Q2_K) || defined(WEIGHT_Q3_K)
+// Four items per block: item k = 2n + kk takes the 16 qs bytes 32n + 16kk,
+// whose bits 2j..2j+1 are value 128n + 32j + 16kk + l (l the byte), with
+// scale 8n + 2j + kk. Q3_K: bit 4n + j of hmask byte 16kk + l is the
+// value's third bit. Levels of group j in lv[j]; Q2_K: sc[j] the scale
+// byte (low nibble the scale, high nibble the minimum); Q3_K: sc[j] the
+// signed six-bit scale.
+void levels_k23(uint row, uint g, uint b, uint k, out uvec4 lv[4], out ivec4 sc) {
+    uint n = k >> 1, kk = k & 1u;
+#ifdef WEIGHT_Q2_K
+    uint blk = row + 80u * b;
+    uvec4 q = P4(blk + 16u + 16u * k);
+    uvec2 w = uvec2(W(blk + 8u * n), W(blk + 8u * n + 4u));
+    [[unroll]] for (uint j = 0u; j < 4u; j++) {
+        lv[j] = (q >> (2u * j)) & 0x03030303u;
+        sc[j] = int((w[j >> 1] >> (8u * (kk + 2u * (j & 1u)))) & 0xFFu);
+    }
+#else
+    uint blk = row + 96u * b;
+    uvec4 q = P4(blk + 32u + 16u * k);
+    uvec4 hm = P4(blk + 16u * kk);
+    uvec3 w = uvec3(W(F0 + 12u * g), W(F0 + 12u * g + 4u), W(F0 + 12u * g + 8u));
+    [[unroll]] for (uint j = 0u; j < 4u; j++) {
+        // Six-bit scale 8n + m: four low bits from byte m (high nibble when n = 1), two high from byte 8 + (m & 3).
+        uint m = 2u * j + kk, idx = 8u * n + m;
+        uint low = (w[m >> 2] >> (8u * (m & 3u) + 4u * n)) & 0xFu;
+        uint high = (w.z >> (8u * (idx & 3u) + 2u * (idx >> 2))) & 3u;
+        lv[j] = ((q >> (2u * j)) & 0x03030303u) | (((hm >> (4u * n + j)) & 0x01010101u) << 2);
+        sc[j] = int(low | (high << 4)) - 32;
+    }
+#endif
+}
+
+#elif defined(WEIGHT_Q4_K) || defined(WEIGHT_Q5_K)
+// Four items per block, one per group c of 64 values: item c takes the 32
+// qs bytes 32c; byte l holds value 64c + l (low nibble, scale 2c) and
+// 64c + 32 + l (high nibble, scale 2c + 1). Q5_K: bits 2c and 2c + 1 of qh
+// byte l are their fifth bits. Field 0 is the 16-byte header (d, dmin, 12
+// bytes of six-bit scales and minima), decoded once per item. Levels of
+// values 64c + 16h.. in lo[h], 32 further in hi[h]; f = (d sc_2c,
+// d sc_2c+1, dmin m_2c, dmin m_2c+1).
+void levels_k45(uint row, uint g, uint b, uint c, out uvec4 lo[2], out uvec4 hi[2], out vec4 f) {
+#ifdef WEIGHT_Q4_K
+    uint at = row + 128u * b + 32u * c;
+#else
+    uint blk = row + 160u * b;
+    uint at = blk + 32u + 32u * c;
+    uvec4 qh[2] = uvec4[2](P4(blk), P4(blk + 16u));
+#endif
+    [[unroll]] for (uint h = 0u; h < 2u; h++) {
+        uvec4 q = P4(at + 16u * h);
+        lo[h] = q & 0x0F0F0F0Fu;
+        hi[h] = (q >> 4) & 0x0F0F0F0Fu;
+#ifdef WEIGHT_Q5_K
+        lo[h] |= ((qh[h] >> (2u * c)) & 0x01010101u) << 4;
+        hi[h] |= ((qh[h] >> (2u * c + 1u)) & 0x01010101u) << 4;
+#endif
+    }
+    uvec4 hd = P4(F0 + 16u * g);
+    vec2 dm = unpackHalf2x16(hd.x);
+    vec2 sm1 = scale_min(hd.yzw, 2u * c), sm2 = scale_min(hd.yzw, 2u * c + 1u);
+    f = vec4(dm.x * sm1.x, dm.x * sm2.x, dm.y * sm1.y, dm.y * sm2.y);
+}
+
+#elif defined(WEIGHT_Q6_K)
+// Eight items per block: item k = 4hh + 2p + (k & 1) takes the 16 ql bytes
+// 64hh + 32p + l0 (l0 = 16 (k & 1)) and the 16 qh bytes 128 + 32hh + l0:
+// byte l holds value 128hh + 32p + l0 + l (low nibble, qh bits 2p, scale
+// 8hh + (k & 1) + 2p) and the value 64 further (high nibble, qh bits
+// 2p + 4, scale 4 further). The 16 int8 scales sit at 192 in the payload.
+// Levels (six bits, offset 32) in lo and hi; sc = d times their scales.
+void levels_q6k(uint row, uint g, uint b, uint k, out uvec4 lo, out uvec4 hi, out vec2 sc) {
+    uint hh = k >> 2, p = (k >> 1) & 1u, l0 = 16u * (k & 1u);
+    uint blk = row + 208u * b;
+    uvec4 q = P4(blk + 64u * hh + 32u * p + l0);
+    uvec4 qh = P4(blk + 128u + 32u * hh + l0);
+    uint m = 8u * ((k & 1u) + 2u * p);
+    sc = half_at(F0 + 2u * g)
+       * vec2(bitfieldExtract(int(W(blk + 192u + 8u * hh)), int(m), 8), bitfieldExtract(int(W(blk + 196u + 8u * hh)), int(m), 8));
+    lo = (q & 0x0F0F0F0Fu) | (((qh >> (2u * p)) & 0x03030303u) << 4);
+    hi = ((q >> 4) & 0x0F0F0F0Fu) | (((qh >> (2u * p + 4u)) & 0x03030303u) << 4);
+}
+#endif
 
 #ifdef FAST
 #include "weights_int.glsl"
@@ -125,8 +242,7 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
 }
 
 #elif defined(WEIGHT_Q4_0) || defined(WEIGHT_Q4_1) || defined(WEIGHT_Q5_0) || defined(WEIGHT_Q5_1)
-// One item per block: its 16 bytes of qs hold values j (low nibble of byte
-// j) and j + 16 (high nibble). Q5: bit j of qh is the fifth bit of value j.
+// One item per block (levels32).
 #define QK 32u
 #define IPB 1u
 #define XV 8
@@ -150,30 +266,12 @@ Xs load_x(uint x, uint b, uint k) {
 }
 
 float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
-    uvec4 q = P4(row + 16u * b);
+    uvec4 lo, hi;
+    levels32(row, g, b, lo, hi);
     float acc = 0.0;
-#if defined(WEIGHT_Q5_0) || defined(WEIGHT_Q5_1)
-    uint qh = W(F0 + 4u * g);
-#endif
-    [[unroll]] for (uint i = 0u; i < 4u; i++) {
-        uint lo = q[i] & 0x0F0F0F0Fu, hi = (q[i] >> 4) & 0x0F0F0F0Fu;
-#if defined(WEIGHT_Q5_0) || defined(WEIGHT_Q5_1)
-        lo |= spread4(qh >> (4u * i));
-        hi |= spread4(qh >> (16u + 4u * i));
-#endif
-        acc += dot(f4(lo, BIAS), xs.v[i]) + dot(f4(hi, BIAS), xs.v[4u + i]);
-    }
-#if defined(WEIGHT_Q4_0)
-    return half_at(F0 + 2u * g) * acc;
-#elif defined(WEIGHT_Q5_0)
-    return half_at(F1 + 2u * g) * acc;
-#elif defined(WEIGHT_Q4_1)
-    vec2 dm = unpackHalf2x16(W(F0 + 4u * g));
+    [[unroll]] for (uint i = 0u; i < 4u; i++) acc += dot(f4(lo[i], BIAS), xs.v[i]) + dot(f4(hi[i], BIAS), xs.v[4u + i]);
+    vec2 dm = dm32(g);
     return dm.x * acc + dm.y * xs.sum;
-#else
-    vec2 dm = unpackHalf2x16(W(F1 + 4u * g));
-    return dm.x * acc + dm.y * xs.sum;
-#endif
 }
 
 #elif defined(WEIGHT_Q8_0)
@@ -198,10 +296,7 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
 }
 
 #elif defined(WEIGHT_Q2_K) || defined(WEIGHT_Q3_K)
-// Four items per block: item k = 2n + kk takes the 16 qs bytes 32n + 16kk,
-// whose bits 2j..2j+1 are value 128n + 32j + 16kk + l (l the byte), with
-// scale 8n + 2j + kk. Q3_K: bit 4n + j of hmask byte 16kk + l is the
-// value's third bit.
+// Four items per block (levels_k23).
 #define QK 256u
 #define IPB 4u
 #define XV 16
@@ -221,49 +316,31 @@ Xs load_x(uint x, uint b, uint k) {
 }
 
 float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
-    uint n = k >> 1, kk = k & 1u;
-#ifdef WEIGHT_Q2_K
-    uint blk = row + 80u * b;
-    uvec4 q = P4(blk + 16u + 16u * k);
-    uvec2 sc = uvec2(W(blk + 8u * n), W(blk + 8u * n + 4u));
+    uvec4 lv[4];
+    ivec4 sc;
+    levels_k23(row, g, b, k, lv, sc);
     float acc = 0.0, mins = 0.0;
     [[unroll]] for (uint j = 0u; j < 4u; j++) {
-        uint s = (sc[j >> 1] >> (8u * (kk + 2u * (j & 1u)))) & 0xFFu;
         float t = 0.0;
-        [[unroll]] for (uint i = 0u; i < 4u; i++) t += dot(f4((q[i] >> (2u * j)) & 0x03030303u, 0.0), xs.v[4u * j + i]);
-        acc += float(s & 0xFu) * t;
-        mins += float(s >> 4) * xs.sum[j];
+#ifdef WEIGHT_Q2_K
+        [[unroll]] for (uint i = 0u; i < 4u; i++) t += dot(f4(lv[j][i], 0.0), xs.v[4u * j + i]);
+        acc += float(sc[j] & 0xF) * t;
+        mins += float(sc[j] >> 4) * xs.sum[j];
+#else
+        [[unroll]] for (uint i = 0u; i < 4u; i++) t += dot(f4(lv[j][i], 4.0), xs.v[4u * j + i]);
+        acc += float(sc[j]) * t;
+#endif
     }
+#ifdef WEIGHT_Q2_K
     vec2 dm = unpackHalf2x16(W(F0 + 4u * g));
     return dm.x * acc - dm.y * mins;
 #else
-    uint blk = row + 96u * b;
-    uvec4 q = P4(blk + 32u + 16u * k);
-    uvec4 hm = P4(blk + 16u * kk);
-    uvec3 sc = uvec3(W(F0 + 12u * g), W(F0 + 12u * g + 4u), W(F0 + 12u * g + 8u));
-    float acc = 0.0;
-    [[unroll]] for (uint j = 0u; j < 4u; j++) {
-        // Six-bit scale 8n + m: four low bits from byte m (high nibble when n = 1), two high from byte 8 + (m & 3).
-        uint m = 2u * j + kk, idx = 8u * n + m;
-        uint low = (sc[m >> 2] >> (8u * (m & 3u) + 4u * n)) & 0xFu;
-        uint high = (sc.z >> (8u * (idx & 3u) + 2u * (idx >> 2))) & 3u;
-        float t = 0.0;
-        [[unroll]] for (uint i = 0u; i < 4u; i++) {
-            uint v = ((q[i] >> (2u * j)) & 0x03030303u) | (((hm[i] >> (4u * n + j)) & 0x01010101u) << 2);
-            t += dot(f4(v, 4.0), xs.v[4u * j + i]);
-        }
-        acc += float(int(low | (high << 4)) - 32) * t;
-    }
     return half_at(F1 + 2u * g) * acc;
 #endif
 }
 
 #elif defined(WEIGHT_Q4_K) || defined(WEIGHT_Q5_K)
-// Four items per block, one per group c of 64 values: item c takes the 32
-// qs bytes 32c; byte l holds value 64c + l (low nibble, scale 2c) and
-// 64c + 32 + l (high nibble, scale 2c + 1). Q5_K: bits 2c and 2c + 1 of qh
-// byte l are their fifth bits. Field 0 is the 16-byte header (d, dmin, 12
-// bytes of six-bit scales and minima), read once per item.
+// Four items per block, one per group of 64 values (levels_k45).
 #define QK 256u
 #define IPB 4u
 #define XV 16
@@ -282,39 +359,21 @@ Xs load_x(uint x, uint b, uint k) {
 }
 
 float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
-    uint c = k;
-#ifdef WEIGHT_Q4_K
-    uint at = row + 128u * b + 32u * k;
-#else
-    uint blk = row + 160u * b;
-    uint at = blk + 32u + 32u * k;
-    uvec4 qh[2] = uvec4[2](P4(blk), P4(blk + 16u));
-#endif
-    uvec4 q[2] = uvec4[2](P4(at), P4(at + 16u));
-    float lo = 0.0, hi = 0.0;
-    [[unroll]] for (uint h = 0u; h < 2u; h++) {
+    uvec4 lo[2], hi[2];
+    vec4 f;
+    levels_k45(row, g, b, k, lo, hi, f);
+    float l = 0.0, h = 0.0;
+    [[unroll]] for (uint s = 0u; s < 2u; s++) {
         [[unroll]] for (uint i = 0u; i < 4u; i++) {
-            uint a = q[h][i] & 0x0F0F0F0Fu, e = (q[h][i] >> 4) & 0x0F0F0F0Fu;
-#ifdef WEIGHT_Q5_K
-            a |= ((qh[h][i] >> (2u * c)) & 0x01010101u) << 4;
-            e |= ((qh[h][i] >> (2u * c + 1u)) & 0x01010101u) << 4;
-#endif
-            lo += dot(f4(a, 0.0), xs.v[4u * h + i]);
-            hi += dot(f4(e, 0.0), xs.v[8u + 4u * h + i]);
+            l += dot(f4(lo[s][i], 0.0), xs.v[4u * s + i]);
+            h += dot(f4(hi[s][i], 0.0), xs.v[8u + 4u * s + i]);
         }
     }
-    uvec4 hd = P4(F0 + 16u * g);
-    vec2 dm = unpackHalf2x16(hd.x);
-    vec2 sm1 = scale_min(hd.yzw, 2u * c), sm2 = scale_min(hd.yzw, 2u * c + 1u);
-    return dm.x * (sm1.x * lo + sm2.x * hi) - dm.y * (sm1.y * xs.sum.x + sm2.y * xs.sum.y);
+    return (f.x * l + f.y * h) - (f.z * xs.sum.x + f.w * xs.sum.y);
 }
 
 #elif defined(WEIGHT_Q6_K)
-// Eight items per block: item k = 4hh + 2p + (k & 1) takes the 16 ql bytes
-// 64hh + 32p + l0 (l0 = 16 (k & 1)) and the 16 qh bytes 128 + 32hh + l0:
-// byte l holds value 128hh + 32p + l0 + l (low nibble, qh bits 2p, scale
-// 8hh + (k & 1) + 2p) and the value 64 further (high nibble, qh bits
-// 2p + 4, scale 4 further). The 16 int8 scales sit at 192 in the payload.
+// Eight items per block (levels_q6k).
 #define QK 256u
 #define IPB 8u
 #define XV 8
@@ -331,21 +390,15 @@ Xs load_x(uint x, uint b, uint k) {
 }
 
 float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
-    uint hh = k >> 2, p = (k >> 1) & 1u, l0 = 16u * (k & 1u);
-    uint blk = row + 208u * b;
-    uvec4 q = P4(blk + 64u * hh + 32u * p + l0);
-    uvec4 qh = P4(blk + 128u + 32u * hh + l0);
-    uint m = 8u * ((k & 1u) + 2u * p);
-    float sc_lo = float(bitfieldExtract(int(W(blk + 192u + 8u * hh)), int(m), 8));
-    float sc_hi = float(bitfieldExtract(int(W(blk + 196u + 8u * hh)), int(m), 8));
-    float lo = 0.0, hi = 0.0;
+    uvec4 lo, hi;
+    vec2 sc;
+    levels_q6k(row, g, b, k, lo, hi, sc);
+    float l = 0.0, h = 0.0;
     [[unroll]] for (uint i = 0u; i < 4u; i++) {
-        uint a = (q[i] & 0x0F0F0F0Fu) | (((qh[i] >> (2u * p)) & 0x03030303u) << 4);
-        uint e = ((q[i] >> 4) & 0x0F0F0F0Fu) | (((qh[i] >> (2u * p + 4u)) & 0x03030303u) << 4);
-        lo += dot(f4(a, 32.0), xs.v[i]);
-        hi += dot(f4(e, 32.0), xs.v[4u + i]);
+        l += dot(f4(lo[i], 32.0), xs.v[i]);
+        h += dot(f4(hi[i], 32.0), xs.v[4u + i]);
     }
-    return half_at(F0 + 2u * g) * (sc_lo * lo + sc_hi * hi);
+    return sc.x * l + sc.y * h;
 }
 
 #else

@@ -91,7 +91,7 @@ void prepare_x(uint x) {
 }
 
 #if defined(WEIGHT_Q4_0) || defined(WEIGHT_Q4_1) || defined(WEIGHT_Q5_0) || defined(WEIGHT_Q5_1)
-// One item per block: values j (low nibbles) and 16 + j (high nibbles).
+// One item per block (levels32): values j and 16 + j.
 #define QK 32u
 #define IPB 1u
 struct Xs { uvec4 lo, hi; float d; int sum; };
@@ -101,27 +101,16 @@ Xs load_x(uint x, uint b, uint k) {
 }
 
 float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
-    uvec4 q = P4(row + 16u * b);
-    uvec4 lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
-#if defined(WEIGHT_Q5_0) || defined(WEIGHT_Q5_1)
-    uint qh = W(F0 + 4u * g);
-    [[unroll]] for (uint i = 0u; i < 4u; i++) {
-        lo[i] |= spread4(qh >> (4u * i));
-        hi[i] |= spread4(qh >> (16u + 4u * i));
-    }
-#endif
+    uvec4 lo, hi;
+    levels32(row, g, b, lo, hi);
     int s = sudot16(xs.lo, lo) + sudot16(xs.hi, hi);
+    vec2 dm = dm32(g);
 #if defined(WEIGHT_Q4_0)
-    return half_at(F0 + 2u * g) * xs.d * float(s - 8 * xs.sum);
+    s -= 8 * xs.sum;
 #elif defined(WEIGHT_Q5_0)
-    return half_at(F1 + 2u * g) * xs.d * float(s - 16 * xs.sum);
-#elif defined(WEIGHT_Q4_1)
-    vec2 dm = unpackHalf2x16(W(F0 + 4u * g));
-    return xs.d * (dm.x * float(s) + dm.y * float(xs.sum));
-#else
-    vec2 dm = unpackHalf2x16(W(F1 + 4u * g));
-    return xs.d * (dm.x * float(s) + dm.y * float(xs.sum));
+    s -= 16 * xs.sum;
 #endif
+    return xs.d * (dm.x * float(s) + dm.y * float(xs.sum));
 }
 
 #elif defined(WEIGHT_Q8_0)
@@ -137,8 +126,8 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
 }
 
 #elif defined(WEIGHT_Q2_K) || defined(WEIGHT_Q3_K)
-// Four items per block (weights.glsl): item k = 2n + kk, bits 2j..2j+1 of its
-// 16 bytes are the values 128n + 32j + 16kk + l, activation run 16b + 8n + 2j + kk.
+// Four items per block (levels_k23): group j of item k = 2n + kk is the
+// activation run 16b + 8n + 2j + kk.
 #define QK 256u
 #define IPB 4u
 struct Xs { uvec4 q[4]; vec4 d; ivec4 s; };
@@ -155,82 +144,53 @@ Xs load_x(uint x, uint b, uint k) {
 }
 
 float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
-    uint n = k >> 1, kk = k & 1u;
-#ifdef WEIGHT_Q2_K
-    uint blk = row + 80u * b;
-    uvec4 q = P4(blk + 16u + 16u * k);
-    uvec2 sc = uvec2(W(blk + 8u * n), W(blk + 8u * n + 4u));
+    uvec4 lv[4];
+    ivec4 sc;
+    levels_k23(row, g, b, k, lv, sc);
     float acc = 0.0, mins = 0.0;
     [[unroll]] for (uint j = 0u; j < 4u; j++) {
-        uint s = (sc[j >> 1] >> (8u * (kk + 2u * (j & 1u)))) & 0xFFu;
-        int t = sudot16(xs.q[j], (q >> (2u * j)) & 0x03030303u);
-        acc += xs.d[j] * float(int(s & 0xFu) * t);
-        mins += xs.d[j] * float(int(s >> 4) * xs.s[j]);
+        int t = sudot16(xs.q[j], lv[j]);
+#ifdef WEIGHT_Q2_K
+        acc += xs.d[j] * float((sc[j] & 0xF) * t);
+        mins += xs.d[j] * float((sc[j] >> 4) * xs.s[j]);
+#else
+        acc += xs.d[j] * float(sc[j] * (t - 4 * xs.s[j]));
+#endif
     }
+#ifdef WEIGHT_Q2_K
     vec2 dm = unpackHalf2x16(W(F0 + 4u * g));
     return dm.x * acc - dm.y * mins;
 #else
-    uint blk = row + 96u * b;
-    uvec4 q = P4(blk + 32u + 16u * k);
-    uvec4 hm = P4(blk + 16u * kk);
-    uvec3 sc = uvec3(W(F0 + 12u * g), W(F0 + 12u * g + 4u), W(F0 + 12u * g + 8u));
-    float acc = 0.0;
-    [[unroll]] for (uint j = 0u; j < 4u; j++) {
-        uint m = 2u * j + kk, idx = 8u * n + m;
-        uint low = (sc[m >> 2] >> (8u * (m & 3u) + 4u * n)) & 0xFu;
-        uint high = (sc.z >> (8u * (idx & 3u) + 2u * (idx >> 2))) & 3u;
-        uvec4 v = ((q >> (2u * j)) & 0x03030303u) | (((hm >> (4u * n + j)) & 0x01010101u) << 2);
-        int t = sudot16(xs.q[j], v) - 4 * xs.s[j];
-        acc += xs.d[j] * float((int(low | (high << 4)) - 32) * t);
-    }
     return half_at(F1 + 2u * g) * acc;
 #endif
 }
 
 #elif defined(WEIGHT_Q4_K) || defined(WEIGHT_Q5_K)
-// Four items per block (weights.glsl): item c's low nibbles are values
-// 64c + l (activation runs 16b + 4c and the next), its high nibbles 32
-// further (two runs further).
+// Four items per block (levels_k45): item c's low values are the
+// activation runs 16b + 4c and the next, its high values two runs further.
 #define QK 256u
 #define IPB 4u
-struct Xs { uvec4 lo0, lo1, hi0, hi1; vec2 d; ivec2 s; };
+struct Xs { uvec4 lo[2], hi[2]; vec2 d; ivec2 s; };
 
 Xs load_x(uint x, uint b, uint k) {
     uint i = 16u * b + 4u * k;
-    return Xs(xq[i], xq[i + 1u], xq[i + 2u], xq[i + 3u], vec2(xd[i >> 1], xd[(i >> 1) + 1u]),
+    return Xs(uvec4[2](xq[i], xq[i + 1u]), uvec4[2](xq[i + 2u], xq[i + 3u]), vec2(xd[i >> 1], xd[(i >> 1) + 1u]),
               ivec2(xs[i] + xs[i + 1u], xs[i + 2u] + xs[i + 3u]));
 }
 
 float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
-    uint c = k;
-#ifdef WEIGHT_Q4_K
-    uint at = row + 128u * b + 32u * k;
-#else
-    uint blk = row + 160u * b;
-    uint at = blk + 32u + 32u * k;
-    uvec4 qh0 = P4(blk), qh1 = P4(blk + 16u);
-#endif
-    uvec4 q0 = P4(at), q1 = P4(at + 16u);
-    uvec4 a0 = q0 & 0x0F0F0F0Fu, e0 = (q0 >> 4) & 0x0F0F0F0Fu;
-    uvec4 a1 = q1 & 0x0F0F0F0Fu, e1 = (q1 >> 4) & 0x0F0F0F0Fu;
-#ifdef WEIGHT_Q5_K
-    a0 |= ((qh0 >> (2u * c)) & 0x01010101u) << 4;
-    e0 |= ((qh0 >> (2u * c + 1u)) & 0x01010101u) << 4;
-    a1 |= ((qh1 >> (2u * c)) & 0x01010101u) << 4;
-    e1 |= ((qh1 >> (2u * c + 1u)) & 0x01010101u) << 4;
-#endif
-    vec2 t = xs.d * vec2(sudot16(xs.lo0, a0) + sudot16(xs.lo1, a1), sudot16(xs.hi0, e0) + sudot16(xs.hi1, e1));
+    uvec4 lo[2], hi[2];
+    vec4 f;
+    levels_k45(row, g, b, k, lo, hi, f);
+    vec2 t = xs.d * vec2(sudot16(xs.lo[0], lo[0]) + sudot16(xs.lo[1], lo[1]), sudot16(xs.hi[0], hi[0]) + sudot16(xs.hi[1], hi[1]));
     vec2 sums = xs.d * vec2(xs.s);
-    uvec4 h = P4(F0 + 16u * g);
-    vec2 dm = unpackHalf2x16(h.x);
-    vec2 sm1 = scale_min(h.yzw, 2u * c), sm2 = scale_min(h.yzw, 2u * c + 1u);
-    return dm.x * (sm1.x * t.x + sm2.x * t.y) - dm.y * (sm1.y * sums.x + sm2.y * sums.y);
+    return (f.x * t.x + f.y * t.y) - (f.z * sums.x + f.w * sums.y);
 }
 
 #elif defined(WEIGHT_Q6_K)
-// Eight items per block (weights.glsl): item k = 4hh + 2p + (k & 1), low
-// values 128hh + 32p + l0 + l (activation run 16b + 8hh + 2p + (k & 1)), high
-// values 64 further (four runs further).
+// Eight items per block (levels_q6k): item k = 4hh + 2p + (k & 1), low
+// values in activation run 16b + 8hh + 2p + (k & 1), high values four runs
+// further.
 #define QK 256u
 #define IPB 8u
 struct Xs { uvec4 lo, hi; vec2 d; ivec2 s; };
@@ -241,17 +201,11 @@ Xs load_x(uint x, uint b, uint k) {
 }
 
 float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
-    uint hh = k >> 2, p = (k >> 1) & 1u, l0 = 16u * (k & 1u);
-    uint blk = row + 208u * b;
-    uvec4 q = P4(blk + 64u * hh + 32u * p + l0);
-    uvec4 qh = P4(blk + 128u + 32u * hh + l0);
-    uint m = 8u * ((k & 1u) + 2u * p);
-    float sc_lo = float(bitfieldExtract(int(W(blk + 192u + 8u * hh)), int(m), 8));
-    float sc_hi = float(bitfieldExtract(int(W(blk + 196u + 8u * hh)), int(m), 8));
-    uvec4 a = (q & 0x0F0F0F0Fu) | (((qh >> (2u * p)) & 0x03030303u) << 4);
-    uvec4 e = ((q >> 4) & 0x0F0F0F0Fu) | (((qh >> (2u * p + 4u)) & 0x03030303u) << 4);
-    vec2 t = xs.d * vec2(sudot16(xs.lo, a) - 32 * xs.s.x, sudot16(xs.hi, e) - 32 * xs.s.y);
-    return half_at(F0 + 2u * g) * (sc_lo * t.x + sc_hi * t.y);
+    uvec4 lo, hi;
+    vec2 sc;
+    levels_q6k(row, g, b, k, lo, hi, sc);
+    vec2 t = xs.d * vec2(sudot16(xs.lo, lo) - 32 * xs.s.x, sudot16(xs.hi, hi) - 32 * xs.s.y);
+    return sc.x * t.x + sc.y * t.y;
 }
 
 #else
