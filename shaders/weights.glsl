@@ -146,6 +146,15 @@ void levels_k23(uint row, uint g, uint b, uint k, out uvec4 lv[4], out ivec4 sc)
 #endif
 }
 
+// The block's scale d and (Q2_K) minimum scale dmin.
+vec2 dm_k23(uint g) {
+#ifdef WEIGHT_Q2_K
+    return unpackHalf2x16(W(F0 + 4u * g));
+#else
+    return vec2(half_at(F1 + 2u * g), 0.0);
+#endif
+}
+
 #elif defined(WEIGHT_Q4_K) || defined(WEIGHT_Q5_K)
 // Four items per block, one per group c of 64 values: item c takes the 32
 // qs bytes 32c; byte l holds value 64c + l (low nibble, scale 2c) and
@@ -319,7 +328,7 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
     uvec4 lv[4];
     ivec4 sc;
     levels_k23(row, g, b, k, lv, sc);
-    float acc = 0.0, mins = 0.0;
+    float acc = 0.0, mins = 0.0;  // mins: Q2_K only
     [[unroll]] for (uint j = 0u; j < 4u; j++) {
         float t = 0.0;
 #ifdef WEIGHT_Q2_K
@@ -331,12 +340,8 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
         acc += float(sc[j]) * t;
 #endif
     }
-#ifdef WEIGHT_Q2_K
-    vec2 dm = unpackHalf2x16(W(F0 + 4u * g));
+    vec2 dm = dm_k23(g);
     return dm.x * acc - dm.y * mins;
-#else
-    return half_at(F1 + 2u * g) * acc;
-#endif
 }
 
 #elif defined(WEIGHT_Q4_K) || defined(WEIGHT_Q5_K)

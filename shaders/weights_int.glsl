@@ -147,7 +147,7 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
     uvec4 lv[4];
     ivec4 sc;
     levels_k23(row, g, b, k, lv, sc);
-    float acc = 0.0, mins = 0.0;
+    float acc = 0.0, mins = 0.0;  // mins: Q2_K only
     [[unroll]] for (uint j = 0u; j < 4u; j++) {
         int t = sudot16(xs.q[j], lv[j]);
 #ifdef WEIGHT_Q2_K
@@ -157,12 +157,8 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
         acc += xs.d[j] * float(sc[j] * (t - 4 * xs.s[j]));
 #endif
     }
-#ifdef WEIGHT_Q2_K
-    vec2 dm = unpackHalf2x16(W(F0 + 4u * g));
+    vec2 dm = dm_k23(g);
     return dm.x * acc - dm.y * mins;
-#else
-    return half_at(F1 + 2u * g) * acc;
-#endif
 }
 
 #elif defined(WEIGHT_Q4_K) || defined(WEIGHT_Q5_K)
