@@ -15,7 +15,10 @@
 # Models are synthesised on the GPU machine into $WORK (not $OUT), one at a
 # time (the disk holds one), and deleted after. Environment: GEN, WARMUP,
 # SWEEP=0 (skip the sweep), TESTS=0 (skip the tests), KERNELS ("exact fast"),
-# VARIANT (one more bench per model: "NAME:VAR=VALUE ...").
+# VARIANT (one more bench per model: "NAME:VAR=VALUE ..."), PROMPT_TOKENS
+# (prefill benches per model and kernel family, e.g. "512 2000"), MICRO_BATCH
+# (their micro-batch, default 512), BUDGETS (MiB list: expert-cache decode
+# benches of the 48-layer model with the fast kernels, random tokens).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 which=${1:-all}
@@ -55,6 +58,8 @@ if [ "${TESTS:-1}" != 0 ]; then
     .vk/bin/unit vulkan:: --test-threads=1 --nocapture 2>&1 | grep -E "twin|test result|panicked|FAILED|validation" | tee -a "$log"
     [ -x .vk/bin/vulkan_decode ] && .vk/bin/vulkan_decode --test-threads=1 --nocapture 2>&1 \
         | grep -E "GPU|test result|panicked|FAILED|validation" | tee -a "$log"
+    [ -x .vk/bin/prefill ] && .vk/bin/prefill vulkan --test-threads=1 --nocapture 2>&1 \
+        | grep -E "Vulkan|test result|panicked|FAILED|validation" | tee -a "$log"
 fi
 
 if [ "${SWEEP:-1}" != 0 ]; then
@@ -74,6 +79,21 @@ bench_model() {
         FNX_GPU_KERNELS=$k timeout 300 "$bin" bench --model "$model" --backend vulkan --prompt "The quick brown fox" \
             --gen "$gen" --warmup "$warmup" --device-gbs 4400 --json "$out/bench-$name-$k.json" 2>&1 | tee -a "$log"
     done
+    for p in ${PROMPT_TOKENS:-}; do
+        for k in $kernels; do
+            say "bench $name --backend vulkan --prompt-tokens $p --micro-batch ${MICRO_BATCH:-512}, FNX_GPU_KERNELS=$k"
+            FNX_GPU_KERNELS=$k timeout 300 "$bin" bench --model "$model" --backend vulkan --prompt-tokens "$p" \
+                --micro-batch "${MICRO_BATCH:-512}" --gen 8 --warmup 1 --device-gbs 4400 \
+                --json "$out/prefill-$name-$k-$p.json" 2>&1 | tee -a "$log"
+        done
+    done
+    if [ "$layers" = 48 ]; then
+        for b in ${BUDGETS:-}; do
+            say "bench $name --backend vulkan --vram-budget-mb $b --tokens random, fast kernels"
+            FNX_GPU_KERNELS=fast timeout 300 "$bin" bench --model "$model" --backend vulkan --vram-budget-mb "$b" \
+                --tokens random --gen 32 --warmup 3 --json "$out/budget-$name-$b.json" 2>&1 | tee -a "$log"
+        done
+    fi
     # VARIANT="NAME:VAR=VALUE ..." benchmarks once more with those variables set (e.g. a tuning off).
     if [ -n "${VARIANT:-}" ]; then
         say "bench $name --backend vulkan, ${VARIANT#*:}"

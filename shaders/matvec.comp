@@ -29,9 +29,14 @@
 // (`prepare_x`) and the items are integer dot products; the exact kernels'
 // `prepare_x` does nothing.
 //
-// With ARENA (routed experts): workgroup y-index k reads expert id
-// s[expert_off + k], finds its arena slot through the slot table, and reads
-// x and writes y at k * stride.
+// Workgroup y-index k reads x at x_off + k * x_stride and writes y at
+// y_off + k * y_stride: a batch of tokens for a plain matrix (the residual
+// epilogue's injection weights at aux_off + k * y_stride too).
+// With ARENA (routed experts): k reads expert id s[expert_off + k], finds
+// its arena slot through the slot table, and reads x and writes y at
+// k * stride. With kdiv > 0 (a batch of tokens' experts) k is a pair:
+// token k / kdiv's expert k % kdiv, the token's ids, x and y tok_stride
+// floats further per token.
 #define WG 128
 #include "common.glsl"
 layout(local_size_x_id = 1) in;
@@ -61,6 +66,8 @@ layout(push_constant) uniform Push {
     uint tpr_shift;   // log2 of the invocations per row set
     uint fld0;        // byte offsets of the field arrays (layout.rs)
     uint fld1;
+    uint kdiv;        // ARENA: experts per token of a batch (0: one token)
+    uint tok_stride;  // ARENA with kdiv: floats between tokens' activations
 } pc;
 
 #include "weights.glsl"
@@ -79,18 +86,22 @@ void main() {
     uint lane = t & (tpr - 1u);
     uint r0 = (wg * sets + (t >> pc.tpr_shift)) * ROWS;
     uint k = gl_WorkGroupID.y;
-    uint base = 0u;
+    uint base = 0u, tok = 0u;
 #ifdef ARENA
+    if (pc.kdiv != 0u) {
+        tok = (k / pc.kdiv) * pc.tok_stride;
+        k = k % pc.kdiv;
+    }
     // An expert id through the layer's slot table, or (slot_table = ~0, the
     // expert cache's host-chosen slots) the slot itself.
-    uint id = floatBitsToUint(s[pc.expert_off + k]);
+    uint id = floatBitsToUint(s[pc.expert_off + tok + k]);
     uint slot = pc.slot_table == 0xffffffffu ? id : floatBitsToUint(prm[pc.slot_table + id]);
     g_slab = slot / pc.slots_per_slab;
     base = (slot % pc.slots_per_slab) * pc.slot_bytes + pc.part_off;
 #endif
     F0 = base + pc.fld0;
     F1 = base + pc.fld1;
-    uint x = pc.x_off + k * pc.x_stride;
+    uint x = pc.x_off + tok + k * pc.x_stride;
     prepare_x(x);
     bool swiglu = pc.mode == 4u;
     // Blocks per row (the float types: 16-byte items per row).
@@ -154,13 +165,13 @@ void main() {
         uint r = r0 + i;
         if (r >= pc.rows) break;
         float v = acc[i];
-        uint y = pc.y_off + k * pc.y_stride + pc.row_base + r;
+        uint y = pc.y_off + tok + k * pc.y_stride + pc.row_base + r;
         if (pc.mode == 0u) {
             s[y] = v;
         } else if (pc.mode == 1u) {
             s[y] = pc.row_base + r < pc.split_row ? silu(v * pc.scale) : 2.0 * sigmoid(v * pc.scale);
         } else if (pc.mode == 3u) {
-            for (uint c = 0u; c < pc.aux_n; c++) s[y + c * pc.total_rows] += s[pc.aux_off + c] * v;
+            for (uint c = 0u; c < pc.aux_n; c++) s[y + c * pc.total_rows] += s[pc.aux_off + k * pc.y_stride + c] * v;
         } else {
             s[y] = silu(v) * acc[ROWS + i];
         }

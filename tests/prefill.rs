@@ -1,7 +1,6 @@
 //! Prefill: a prompt decoded in one call, in micro-batches, gives the logits
 //! of token-by-token decoding. One test body, every backend (as in
-//! tests/backends.rs): `cpu::name` and `vulkan::name` (the Vulkan backend
-//! takes one token per pass today, so there it prefills token by token).
+//! tests/backends.rs): `cpu::name` and `vulkan::name`.
 //!
 //! - `golden_at_every_split`: each reference fixture converted to F32, its
 //!   sequences prefilled in one call at micro-batches of 1, 7, 64 and the
@@ -12,8 +11,9 @@
 //!   before a flagged QSA tie.
 //! - `batched_equals_token_by_token`: beside the golden check, the batch
 //!   equals this engine's own token-by-token decoding bit for bit (the same
-//!   kernels on the same inputs), on F32 and on Q8_0 with the CPU's integer
-//!   kernels, whose bounds against transformers tests/reference.rs states.
+//!   kernels on the same inputs, each token's sums in the same order), on
+//!   F32 and on Q8_0 with the CPU's integer kernels, whose bounds against
+//!   transformers tests/reference.rs states.
 //!
 //! Without a Vulkan device the `vulkan::` tests print why and pass, unless
 //! `FNX_REQUIRE_VULKAN=1`.

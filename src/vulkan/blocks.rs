@@ -1,10 +1,20 @@
 //! The Vulkan backend's blocks: each call of the walk records its
-//! dispatches into the state's command buffer (one token per pass). The
-//! activations live at fixed offsets of the scratch buffer
-//! ([`super::scratch`]), so the walk's handles are markers: the residual
-//! streams at `residual`, a hyper-connection's output at `input` and
-//! `inject`, the router's choice at `ids` and `weights`, the expert outputs
-//! at `exp_y` and `sh_y`.
+//! dispatches into the state's command buffer. The activations live at
+//! fixed offsets of the scratch buffer ([`super::scratch`]), one block of
+//! them per token of the pass, so the walk's handles are markers: the
+//! residual streams at `residual`, a hyper-connection's output at `input`
+//! and `inject`, the router's choice at `ids` and `weights`, the expert
+//! outputs at `exp_y` and `sh_y`.
+//!
+//! A pass of `T` tokens (a prompt's micro-batch) records every matrix once
+//! for all of them: one dispatch whose workgroup y-index is the token (the
+//! routed experts: a (token, expert) pair), reading and writing each
+//! token's block. The stages that carry state from one token to the next
+//! (the convolutions, the delta rule, attention with its cache appends and
+//! block selection, the PLE mix) are recorded token after token, each
+//! ordered after the one before; the per-token stages between matrices
+//! (norms, routing, combines) are recorded for every token with no barrier
+//! between them. One token is the same recording as before batches.
 //!
 //! Where the CPU adds a block's output back into the streams in a separate
 //! step, the GPU fuses it into the block's last dispatch: the mixers' out
@@ -31,7 +41,7 @@ use super::state::GpuState;
 use crate::cpu::moe::{expert_outputs, Expert};
 use crate::cpu::ops::Rope;
 use crate::error::Result;
-use crate::model::backend::{Blocks, Site};
+use crate::model::backend::{Batch, Blocks, LogitsFor, Site};
 use crate::model::{Config, GateActivation, LayerKind, Model};
 use ash::vk;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -67,7 +77,12 @@ pub(crate) struct VkPass<'a> {
     model: &'a Model,
     cfg: &'a Config,
     rec: Recorder<'a>,
+    /// The first token's position.
     pos: usize,
+    /// Tokens in the pass (at positions `pos..pos + n`).
+    n: usize,
+    /// Which of them get logits.
+    logits: LogitsFor,
     /// Index among the attention layers, per layer (for its block RoPE table).
     attn_index: Vec<usize>,
     /// The expert cache's hold for this step, when the model has one.
@@ -92,51 +107,54 @@ pub(crate) fn rope_table(rope: &Rope, dims: usize, pos: usize, out: &mut [f32]) 
 }
 
 impl<'a> VkPass<'a> {
-    /// Starts recording the token at `pos`: the upload of the host's inputs
+    /// Starts recording the batch's tokens: the upload of the host's inputs
     /// (written by the blocks as they are called, read when the command
-    /// buffer runs) and the RoPE tables of this position and of any block
-    /// it completes.
+    /// buffer runs) and, per token, the RoPE tables of its position and of
+    /// any block it completes.
     pub fn begin(
         state: &'a mut GpuState,
         gpu: &'a GpuModel,
         model: &'a Model,
-        pos: usize,
+        batch: &Batch,
         mut rec: Recorder<'a>,
         cache: Option<Token<'a>>,
     ) -> Self {
         let cfg = &model.config;
+        let (pos, n) = (batch.pos, batch.tokens.len());
+        assert!(n <= state.layout.batch as usize && batch.n_logits() <= state.layout.logit_rows as usize, "the scratch fits the pass");
+        assert!(n == 1 || cache.is_none(), "with the expert cache a pass is one token");
         let l = &state.layout;
-        let input_bytes = (l.input_len * 4) as u64;
-        // SAFETY: recording; the region lies inside both buffers.
-        unsafe {
-            gpu.ctx.device.cmd_copy_buffer(
-                rec.cmd,
-                state.upload.raw,
-                state.scratch.raw,
-                &[vk::BufferCopy { src_offset: 0, dst_offset: 0, size: input_bytes }],
-            );
-        }
+        let (len, tok) = (l.input_len as usize, l.tok as u64);
+        let regions: Vec<_> = (0..n)
+            .map(|t| vk::BufferCopy { src_offset: (t * len * 4) as u64, dst_offset: t as u64 * tok * 4, size: (len * 4) as u64 })
+            .collect();
+        // SAFETY: recording; every region lies inside both buffers.
+        unsafe { gpu.ctx.device.cmd_copy_buffer(rec.cmd, state.upload.raw, state.scratch.raw, &regions) };
         rec.barrier(vk::PipelineStageFlags::TRANSFER, vk::AccessFlags::TRANSFER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
         let rope = Rope::new(cfg.rope_dims, cfg.rope_theta);
-        let (at, dims) = (l.rope as usize, cfg.rope_dims);
-        let (block_rope, mut inputs) = (l.block_rope as usize, vec![0f32; l.input_len as usize]);
-        rope_table(&rope, dims, pos, &mut inputs[at..at + dims]);
+        let (at, dims, block_rope) = (l.rope as usize, cfg.rope_dims, l.block_rope as usize);
+        let mut inputs = vec![0f32; n * len];
         let mut attn_index = vec![0; cfg.n_layers];
-        let mut n_attn = 0;
-        for (i, kind) in cfg.layers.iter().enumerate() {
-            if let LayerKind::Attention { compress_ratio } = *kind {
-                attn_index[i] = n_attn;
-                if compress_ratio > 0 && (pos + 1).is_multiple_of(compress_ratio) {
-                    let at = block_rope + n_attn * dims;
-                    rope_table(&rope, dims, pos + 1 - compress_ratio, &mut inputs[at..at + dims]);
+        for (t, inputs) in inputs.chunks_exact_mut(len).enumerate() {
+            let pos = pos + t;
+            rope_table(&rope, dims, pos, &mut inputs[at..at + dims]);
+            let mut n_attn = 0;
+            for (i, kind) in cfg.layers.iter().enumerate() {
+                if let LayerKind::Attention { compress_ratio } = *kind {
+                    attn_index[i] = n_attn;
+                    if compress_ratio > 0 && (pos + 1).is_multiple_of(compress_ratio) {
+                        let at = block_rope + n_attn * dims;
+                        rope_table(&rope, dims, pos + 1 - compress_ratio, &mut inputs[at..at + dims]);
+                    }
+                    n_attn += 1;
                 }
-                n_attn += 1;
             }
         }
         state.write_upload(0, &inputs);
         let measure_prediction = cache.is_some() && std::env::var("FNX_MEASURE_PREDICTION").is_ok_and(|v| v == "1");
         let spin_wait = cache.is_some() && gpu.spin_wait;
-        VkPass { state, gpu, model, cfg, rec, pos, attn_index, cache, submits: 0, measure_prediction, spin_wait }
+        let logits = batch.logits;
+        VkPass { state, gpu, model, cfg, rec, pos, n, logits, attn_index, cache, submits: 0, measure_prediction, spin_wait }
     }
 
     /// The token's counts (segments submitted included) and the pipelines it timed.
@@ -179,7 +197,10 @@ impl<'a> VkPass<'a> {
         let (h, f) = (cfg.hidden, cfg.expert_ff);
         if experts > 0 {
             let part = &ar.layers[layer];
+            // (token, expert) pairs: each token's ids and activations in its block.
             let base = MatvecPush {
+                kdiv: experts as u32,
+                tok_stride: l.tok,
                 expert_off: l.ids,
                 slot_table: w.slot_table,
                 slots_per_slab: ar.slots_per_slab as u32,
@@ -190,7 +211,7 @@ impl<'a> VkPass<'a> {
             let f_stride = exp_h_stride(cfg);
             let gate_up = MatvecPush { rows: f as u32, x_off: l.input, y_off: l.exp_h, y_stride: f_stride, mode: 4, ..base };
             let sets = [set, ar.set];
-            self.rec.expert_matvec(part.gate_ty, sets, gate_up, &part.gate, experts);
+            self.rec.expert_matvec(part.gate_ty, sets, gate_up, &part.gate, self.n * experts);
             let down = MatvecPush {
                 rows: h as u32,
                 x_off: l.exp_h,
@@ -200,12 +221,20 @@ impl<'a> VkPass<'a> {
                 part_off: part.gate.bytes as u32,
                 ..base
             };
-            self.rec.expert_matvec(part.down_ty, sets, down, &part.down, experts);
+            self.rec.expert_matvec(part.down_ty, sets, down, &part.down, self.n * experts);
         }
         if let Some(sh) = w.shared.as_ref().filter(|_| shared) {
-            self.rec.matvec(&sh.gate_up, set, MatvecPush { x_off: l.input, y_off: l.sh_h, mode: 4, ..Default::default() });
-            self.rec.matvec(&sh.down, set, MatvecPush { x_off: l.sh_h, y_off: l.sh_y, ..Default::default() });
+            let (gate_up, down) = (self.batched(l.input, l.sh_h, 4), self.batched(l.sh_h, l.sh_y, 0));
+            self.rec.matvec_n(&sh.gate_up, set, gate_up, self.n);
+            self.rec.matvec_n(&sh.down, set, down, self.n);
         }
+    }
+
+    /// A matvec push for every token of the pass: `x` and `y` (token 0's
+    /// offsets) a block apart per token, epilogue `mode`.
+    fn batched(&self, x_off: u32, y_off: u32, mode: u32) -> MatvecPush {
+        let tok = self.state.layout.tok;
+        MatvecPush { x_off, y_off, mode, x_stride: tok, y_stride: tok, ..Default::default() }
     }
 
     /// Whether `layer`'s shared expert runs apart beside the router (all
@@ -265,25 +294,39 @@ impl<'a> VkPass<'a> {
         self.state.caches.bindings.sets[layer]
     }
 
-    /// Hyper-connection pre step: residual -> block input (and injection weights).
-    fn hyper(&mut self, set: vk::DescriptorSet, hc: &GpuHyper) {
-        let (cfg, l) = (self.cfg, &self.state.layout);
+    /// Hyper-connection pre step of tokens `first..first + n`: residual ->
+    /// block input (and injection weights).
+    fn hyper(&mut self, set: vk::DescriptorSet, hc: &GpuHyper, first: usize, n: usize) {
+        let cfg = self.cfg;
         let (h, c) = (cfg.hidden as u32, cfg.hc as u32);
-        let norm = HcNormPush { x_off: l.residual, gamma: hc.norm, y_off: l.xn, n: h, eps: cfg.eps };
-        self.rec.dispatch(Pipe::HcNorm, &[set], &norm, norm.groups(c));
+        let layout = &self.state.layout;
+        self.rec.independent(|rec| {
+            for t in first..first + n {
+                let l = layout.at(t);
+                let norm = HcNormPush { x_off: l.residual, gamma: hc.norm, y_off: l.xn, n: h, eps: cfg.eps };
+                rec.dispatch(Pipe::HcNorm, &[set], &norm, norm.groups(c));
+            }
+        });
+        let l = layout.at(first);
         // Down rows get silu(v/C), injection rows 2*sigmoid(v/C).
-        let down = MatvecPush { x_off: l.xn, y_off: l.low, mode: 1, scale: 1.0 / c as f32, split_row: hc.rank as u32, ..Default::default() };
-        self.rec.matvecs(&hc.down_inject, set, down);
-        self.rec.matvec(&hc.up, set, MatvecPush { x_off: l.low, y_off: l.mix, ..Default::default() });
-        let combine = HcCombinePush { mix_off: l.mix, xn_off: l.xn, y_off: l.input, n: h, streams: c };
+        let down = MatvecPush { scale: 1.0 / c as f32, split_row: hc.rank as u32, ..self.batched(l.xn, l.low, 1) };
+        self.rec.matvecs_n(&hc.down_inject, set, down, n);
+        self.rec.matvec_n(&hc.up, set, self.batched(l.low, l.mix, 0), n);
         let groups = self.rec.threads(Pipe::HcCombine, cfg.hidden);
-        self.rec.dispatch(Pipe::HcCombine, &[set], &combine, groups);
+        self.rec.independent(|rec| {
+            for t in first..first + n {
+                let l = layout.at(t);
+                let combine = HcCombinePush { mix_off: l.mix, xn_off: l.xn, y_off: l.input, n: h, streams: c };
+                rec.dispatch(Pipe::HcCombine, &[set], &combine, groups);
+            }
+        });
     }
 
-    /// `X_c += inject_c * (W x)`: a block's out projection written back to the streams.
+    /// `X_c += inject_c * (W x)` for every token: a block's out projection
+    /// written back to the streams.
     fn post(&self, x_off: u32) -> MatvecPush {
         let l = &self.state.layout;
-        MatvecPush { x_off, y_off: l.residual, mode: 3, aux_off: l.inject, aux_n: self.cfg.hc as u32, ..Default::default() }
+        MatvecPush { aux_off: l.inject, aux_n: self.cfg.hc as u32, ..self.batched(x_off, l.residual, 3) }
     }
 }
 
@@ -305,9 +348,11 @@ impl Blocks for VkPass<'_> {
 
     fn embed(&mut self, rows: &[f32]) -> Result<Streams> {
         let h = self.cfg.hidden;
-        let at = self.state.layout.residual as usize;
-        for c in 0..self.cfg.hc {
-            self.state.write_upload(at + c * h, &rows[..h]);
+        let (at, len) = (self.state.layout.residual as usize, self.state.layout.input_len as usize);
+        for (t, row) in rows.chunks_exact(h).take(self.n).enumerate() {
+            for c in 0..self.cfg.hc {
+                self.state.write_upload(t * len + at + c * h, row);
+            }
         }
         Ok(Streams)
     }
@@ -315,8 +360,10 @@ impl Blocks for VkPass<'_> {
     fn ple(&mut self, layer: usize, rows: &[f32], _x: &mut Streams) -> Result<()> {
         let (cfg, gpu) = (self.cfg, self.gpu);
         let (Some(p), Some(pc)) = (&gpu.layers[layer].ple, &cfg.ple) else { return Ok(()) };
-        let at = self.state.layout.ple_rows as usize;
-        self.state.write_upload(at, &rows[..cfg.hidden]);
+        let (at, len) = (self.state.layout.ple_rows as usize, self.state.layout.input_len as usize);
+        for (t, row) in rows.chunks_exact(cfg.hidden).take(self.n).enumerate() {
+            self.state.write_upload(t * len + at, row);
+        }
         let l = &self.state.layout;
         if self.submits > 0 {
             // The token's first segment, which uploaded its inputs, has run: these rows go up now.
@@ -324,27 +371,31 @@ impl Blocks for VkPass<'_> {
             self.rec.barrier(vk::PipelineStageFlags::TRANSFER, vk::AccessFlags::TRANSFER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
         }
         let (set, ple_set) = (self.set(layer), *self.state.caches.bindings.sets.last().expect("the PLE layer's set"));
-        let mv = |x_off, y_off| MatvecPush { x_off, y_off, ..Default::default() };
-        self.rec.matvec(&p.key, set, mv(l.ple_rows, l.ple_key));
-        self.rec.matvec(&p.value, set, mv(l.ple_rows, l.ple_value));
-        let push = PleMixPush {
-            key_off: l.ple_key,
-            value_off: l.ple_value,
-            res_off: l.residual,
-            tmp_off: l.ple_tmp,
-            norm_key: p.norm_key,
-            norm_query: p.norm_query,
-            norm_conv: p.norm_conv,
-            conv: p.conv,
-            h: cfg.hidden as u32,
-            streams: cfg.hc as u32,
-            kernel: pc.conv_kernel as u32,
-            dilation: pc.ngram as u32,
-            rows: crate::cpu::ple::conv_rows(pc, self.state.caches.window) as u32,
-            pos: self.pos as u32,
-            eps: cfg.eps,
-        };
-        self.rec.dispatch(Pipe::PleMix, &[ple_set], &push, [cfg.hc as u32, 1, 1]);
+        let (key, value) = (self.batched(l.ple_rows, l.ple_key, 0), self.batched(l.ple_rows, l.ple_value, 0));
+        self.rec.matvec_n(&p.key, set, key, self.n);
+        self.rec.matvec_n(&p.value, set, value, self.n);
+        // Token after token: each writes its row of the conv history the next reads.
+        for t in 0..self.n {
+            let l = self.state.layout.at(t);
+            let push = PleMixPush {
+                key_off: l.ple_key,
+                value_off: l.ple_value,
+                res_off: l.residual,
+                tmp_off: l.ple_tmp,
+                norm_key: p.norm_key,
+                norm_query: p.norm_query,
+                norm_conv: p.norm_conv,
+                conv: p.conv,
+                h: cfg.hidden as u32,
+                streams: cfg.hc as u32,
+                kernel: pc.conv_kernel as u32,
+                dilation: pc.ngram as u32,
+                rows: crate::cpu::ple::conv_rows(pc, self.state.caches.window) as u32,
+                pos: (self.pos + t) as u32,
+                eps: cfg.eps,
+            };
+            self.rec.dispatch(Pipe::PleMix, &[ple_set], &push, [cfg.hc as u32, 1, 1]);
+        }
         Ok(())
     }
 
@@ -356,7 +407,7 @@ impl Blocks for VkPass<'_> {
             Site::Mixer(l) => &gpu.layers[l].attn_hc,
             Site::Moe(l) => &gpu.layers[l].ffn_hc,
         };
-        self.hyper(self.set(layer), hc);
+        self.hyper(self.set(layer), hc, 0, self.n);
         Ok(Branch)
     }
 
@@ -365,133 +416,148 @@ impl Blocks for VkPass<'_> {
         let GpuMixer::Gdn(w) = &gpu.layers[layer].mixer else { unreachable!("weights and config agree on layer kinds") };
         let l = &self.state.layout;
         let g = self.state.caches.gdn;
-        self.rec.matvecs(&w.input, set, MatvecPush { x_off: l.input, y_off: l.qkv, ..Default::default() });
+        let input = self.batched(l.input, l.qkv, 0);
+        self.rec.matvecs_n(&w.input, set, input, self.n);
         let dc = cfg.ssm_conv_dim();
-        let conv = GdnConvPush {
-            x_off: l.qkv,
-            y_off: l.conv_out,
-            taps: w.conv,
-            dc: dc as u32,
-            kc: cfg.ssm_conv as u32,
-            rows: g.conv_rows as u32,
-            pos: self.pos as u32,
-        };
         let groups = self.rec.threads(Pipe::GdnConv, dc);
-        self.rec.dispatch(Pipe::GdnConv, &[set], &conv, groups);
-        let push = GdnRecurrentPush {
-            conv_off: l.conv_out,
-            z_off: l.z,
-            b_off: l.beta,
-            a_off: l.alpha,
-            y_off: l.gdn_out,
-            nk: cfg.ssm_k_heads as u32,
-            nv: cfg.ssm_v_heads as u32,
-            d: cfg.ssm_head_dim as u32,
-            rec_in: g.plane_at(self.pos),
-            rec_out: g.plane_at(self.pos + 1),
-            decay_a: w.decay_a,
-            dt_bias: w.dt_bias,
-            norm: w.norm,
-            gate_silu: (cfg.ssm_gate == GateActivation::Silu) as u32,
-            eps: cfg.eps,
-        };
-        self.rec.dispatch(Pipe::GdnRecurrent, &[set], &push, [cfg.ssm_v_heads as u32, 1, 1]);
-        let post = self.post(l.gdn_out);
-        self.rec.matvec(&w.out, set, post);
+        // Token after token: the conv ring and the recurrent planes carry over.
+        for t in 0..self.n {
+            let l = self.state.layout.at(t);
+            let conv = GdnConvPush {
+                x_off: l.qkv,
+                y_off: l.conv_out,
+                taps: w.conv,
+                dc: dc as u32,
+                kc: cfg.ssm_conv as u32,
+                rows: g.conv_rows as u32,
+                pos: (self.pos + t) as u32,
+            };
+            self.rec.dispatch(Pipe::GdnConv, &[set], &conv, groups);
+        }
+        for t in 0..self.n {
+            let (l, pos) = (self.state.layout.at(t), self.pos + t);
+            let push = GdnRecurrentPush {
+                conv_off: l.conv_out,
+                z_off: l.z,
+                b_off: l.beta,
+                a_off: l.alpha,
+                y_off: l.gdn_out,
+                nk: cfg.ssm_k_heads as u32,
+                nv: cfg.ssm_v_heads as u32,
+                d: cfg.ssm_head_dim as u32,
+                rec_in: g.plane_at(pos),
+                rec_out: g.plane_at(pos + 1),
+                decay_a: w.decay_a,
+                dt_bias: w.dt_bias,
+                norm: w.norm,
+                gate_silu: (cfg.ssm_gate == GateActivation::Silu) as u32,
+                eps: cfg.eps,
+            };
+            self.rec.dispatch(Pipe::GdnRecurrent, &[set], &push, [cfg.ssm_v_heads as u32, 1, 1]);
+        }
+        let post = self.post(self.state.layout.gdn_out);
+        self.rec.matvec_n(&w.out, set, post, self.n);
         Ok(())
     }
 
     fn attention(&mut self, layer: usize, _branch: &Branch, _x: &mut Streams) -> Result<()> {
-        let (cfg, gpu, set, pos) = (self.cfg, self.gpu, self.set(layer), self.pos);
+        let (cfg, gpu, set) = (self.cfg, self.gpu, self.set(layer));
         let (GpuMixer::Attention(w), LayerKind::Attention { compress_ratio: ratio }) = (&gpu.layers[layer].mixer, &cfg.layers[layer])
         else {
             unreachable!("weights and config agree on layer kinds")
         };
-        let (l, a) = (&self.state.layout, self.state.caches.attn);
-        self.rec.matvecs(&w.input, set, MatvecPush { x_off: l.input, y_off: l.qg, ..Default::default() });
-        let (nh, nkv, hd) = (cfg.n_heads as u32, cfg.n_kv_heads as u32, cfg.head_dim as u32);
-        let prep = AttnPrepPush {
-            qg_off: l.qg,
-            k_off: l.k,
-            v_off: l.v,
-            q_off: l.q,
-            q_norm: w.q_norm,
-            k_norm: w.k_norm,
-            rope: l.rope,
-            half_dims: (cfg.rope_dims / 2) as u32,
-            hd,
-            nh,
-            nkv,
-            keys_off: a.keys,
-            values_off: a.values,
-            pos: pos as u32,
-            eps: cfg.eps,
-        };
-        self.rec.dispatch(Pipe::AttnPrep, &[set], &prep, [nh + nkv, 1, 1]);
-        let n_tokens = pos + 1;
-        // Dense attention reads every token as the "tail".
-        let (mut keep, mut ratio_used, mut tail_start) = (0usize, 1usize, 0usize);
-        if let (Some(ix), Some(q)) = (&w.indexer, &cfg.qsa) {
-            let n_complete = n_tokens / ratio;
-            let index = QsaIndexPush {
-                key_off: l.ik,
-                query_off: l.iq,
-                q_norm: ix.q_norm,
-                k_norm: ix.k_norm,
+        let a = self.state.caches.attn;
+        let input = self.batched(self.state.layout.input, self.state.layout.qg, 0);
+        self.rec.matvecs_n(&w.input, set, input, self.n);
+        // Token after token: each appends to the caches and the block keys
+        // the next one reads (the score, selection and weight regions are
+        // shared by the tokens of a pass).
+        for t in 0..self.n {
+            let (l, pos) = (self.state.layout.at(t), self.pos + t);
+            let (nh, nkv, hd) = (cfg.n_heads as u32, cfg.n_kv_heads as u32, cfg.head_dim as u32);
+            let prep = AttnPrepPush {
+                qg_off: l.qg,
+                k_off: l.k,
+                v_off: l.v,
+                q_off: l.q,
+                q_norm: w.q_norm,
+                k_norm: w.k_norm,
                 rope: l.rope,
-                block_rope: l.block_rope + (self.attn_index[layer] * cfg.rope_dims) as u32,
                 half_dims: (cfg.rope_dims / 2) as u32,
-                id: q.head_dim as u32,
-                heads: if n_complete > 0 { q.n_heads as u32 } else { 0 },
-                ratio: *ratio as u32,
-                raw_keys: a.raw_keys,
-                block_keys: a.block_keys,
+                hd,
+                nh,
+                nkv,
+                keys_off: a.keys,
+                values_off: a.values,
                 pos: pos as u32,
-                block: if n_tokens.is_multiple_of(*ratio) { (n_complete - 1) as u32 } else { u32::MAX },
                 eps: cfg.eps,
             };
-            self.rec.dispatch(Pipe::QsaIndex, &[set], &index, [1, 1, 1]);
-            if n_complete > 0 {
-                let n_blocks = n_complete as u32;
-                let score = QsaScorePush {
+            self.rec.dispatch(Pipe::AttnPrep, &[set], &prep, [nh + nkv, 1, 1]);
+            let n_tokens = pos + 1;
+            // Dense attention reads every token as the "tail".
+            let (mut keep, mut ratio_used, mut tail_start) = (0usize, 1usize, 0usize);
+            if let (Some(ix), Some(q)) = (&w.indexer, &cfg.qsa) {
+                let n_complete = n_tokens / ratio;
+                let index = QsaIndexPush {
+                    key_off: l.ik,
                     query_off: l.iq,
-                    block_keys: a.block_keys,
-                    score_off: l.scores,
-                    n_blocks,
-                    heads: q.n_heads as u32,
+                    q_norm: ix.q_norm,
+                    k_norm: ix.k_norm,
+                    rope: l.rope,
+                    block_rope: l.block_rope + (self.attn_index[layer] * cfg.rope_dims) as u32,
+                    half_dims: (cfg.rope_dims / 2) as u32,
                     id: q.head_dim as u32,
-                    scale: 1.0 / (q.head_dim as f32).sqrt(),
+                    heads: if n_complete > 0 { q.n_heads as u32 } else { 0 },
+                    ratio: *ratio as u32,
+                    raw_keys: a.raw_keys,
+                    block_keys: a.block_keys,
+                    pos: pos as u32,
+                    block: if n_tokens.is_multiple_of(*ratio) { (n_complete - 1) as u32 } else { u32::MAX },
+                    eps: cfg.eps,
                 };
-                let groups = self.rec.threads(Pipe::QsaScore, n_complete);
-                self.rec.dispatch(Pipe::QsaScore, &[set], &score, groups);
-                keep = (q.budget / ratio).min(n_complete);
-                let topk = QsaTopkPush { score_off: l.scores, sel_off: l.sel, n_blocks, keep: keep as u32 };
-                self.rec.dispatch(Pipe::QsaTopk, &[set], &topk, [1, 1, 1]);
+                self.rec.dispatch(Pipe::QsaIndex, &[set], &index, [1, 1, 1]);
+                if n_complete > 0 {
+                    let n_blocks = n_complete as u32;
+                    let score = QsaScorePush {
+                        query_off: l.iq,
+                        block_keys: a.block_keys,
+                        score_off: l.scores,
+                        n_blocks,
+                        heads: q.n_heads as u32,
+                        id: q.head_dim as u32,
+                        scale: 1.0 / (q.head_dim as f32).sqrt(),
+                    };
+                    let groups = self.rec.threads(Pipe::QsaScore, n_complete);
+                    self.rec.dispatch(Pipe::QsaScore, &[set], &score, groups);
+                    keep = (q.budget / ratio).min(n_complete);
+                    let topk = QsaTopkPush { score_off: l.scores, sel_off: l.sel, n_blocks, keep: keep as u32 };
+                    self.rec.dispatch(Pipe::QsaTopk, &[set], &topk, [1, 1, 1]);
+                }
+                ratio_used = *ratio;
+                tail_start = n_complete * ratio;
             }
-            ratio_used = *ratio;
-            tail_start = n_complete * ratio;
+            let att = AttentionPush {
+                q_off: l.q,
+                qg_off: l.qg,
+                keys_off: a.keys,
+                values_off: a.values,
+                sel_off: l.sel,
+                tmp_off: l.att_tmp,
+                tmp_stride: self.state.caches.capacity as u32,
+                y_off: l.att_out,
+                keep: keep as u32,
+                ratio: ratio_used as u32,
+                tail_start: tail_start as u32,
+                n_tail: (n_tokens - tail_start) as u32,
+                hd,
+                nh,
+                nkv,
+                scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+            };
+            self.rec.dispatch(Pipe::Attention, &[set], &att, [nh, 1, 1]);
         }
-        let att = AttentionPush {
-            q_off: l.q,
-            qg_off: l.qg,
-            keys_off: a.keys,
-            values_off: a.values,
-            sel_off: l.sel,
-            tmp_off: l.att_tmp,
-            tmp_stride: self.state.caches.capacity as u32,
-            y_off: l.att_out,
-            keep: keep as u32,
-            ratio: ratio_used as u32,
-            tail_start: tail_start as u32,
-            n_tail: (n_tokens - tail_start) as u32,
-            hd,
-            nh,
-            nkv,
-            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
-        };
-        self.rec.dispatch(Pipe::Attention, &[set], &att, [nh, 1, 1]);
-        let post = self.post(l.att_out);
-        self.rec.matvec(&w.o, set, post);
+        let post = self.post(self.state.layout.att_out);
+        self.rec.matvec_n(&w.o, set, post, self.n);
         Ok(())
     }
 
@@ -500,27 +566,32 @@ impl Blocks for VkPass<'_> {
         let l = &self.state.layout;
         let w = &gpu.layers[layer].moe;
         let shared = w.shared.as_ref().filter(|_| self.shared_beside_router(layer));
+        let (n, router) = (self.n, self.batched(l.input, l.router, 0));
+        let (sh_gate_up, sh_down) = (self.batched(l.input, l.sh_h, 4), self.batched(l.sh_h, l.sh_y, 0));
         self.rec.independent(|rec| {
-            rec.matvec(&w.router, set, MatvecPush { x_off: l.input, y_off: l.router, ..Default::default() });
+            rec.matvec_n(&w.router, set, router, n);
             if let Some(sh) = shared {
-                rec.matvec(&sh.gate_up, set, MatvecPush { x_off: l.input, y_off: l.sh_h, mode: 4, ..Default::default() });
+                rec.matvec_n(&sh.gate_up, set, sh_gate_up, n);
             }
         });
-        let route = MoeRoutePush {
-            logits_off: l.router,
-            ids_off: l.ids,
-            w_off: l.weights,
-            n_experts: cfg.n_experts as u32,
-            k: cfg.n_experts_used as u32,
-            shared_in_arena: gpu.arena.shared_in_arena as u32,
-            x_off: l.input,
-            shared_gate: w.shared_gate,
-            h: cfg.hidden as u32,
-        };
         self.rec.independent(|rec| {
-            rec.dispatch(Pipe::MoeRoute, &[set], &route, [1, 1, 1]);
+            for t in 0..n {
+                let l = l.at(t);
+                let route = MoeRoutePush {
+                    logits_off: l.router,
+                    ids_off: l.ids,
+                    w_off: l.weights,
+                    n_experts: cfg.n_experts as u32,
+                    k: cfg.n_experts_used as u32,
+                    shared_in_arena: gpu.arena.shared_in_arena as u32,
+                    x_off: l.input,
+                    shared_gate: w.shared_gate,
+                    h: cfg.hidden as u32,
+                };
+                rec.dispatch(Pipe::MoeRoute, &[set], &route, [1, 1, 1]);
+            }
             if let Some(sh) = shared {
-                rec.matvec(&sh.down, set, MatvecPush { x_off: l.sh_h, y_off: l.sh_y, ..Default::default() });
+                rec.matvec_n(&sh.down, set, sh_down, n);
             }
         });
         let Some(o) = self.state.offload.as_ref() else { return Ok(Routes { host: None }) };
@@ -672,35 +743,46 @@ impl Blocks for VkPass<'_> {
 
     fn moe_combine(&mut self, layer: usize, _branch: &Branch, _routes: &Routes, experts: Experts, _x: &mut Streams) -> Result<()> {
         let (cfg, gpu, set) = (self.cfg, self.gpu, self.set(layer));
-        let l = &self.state.layout;
+        let (layout, n) = (&self.state.layout, self.n);
         let w = &gpu.layers[layer].moe;
-        let combine = MoeCombinePush {
-            y_off: l.exp_y,
-            w_off: l.weights,
-            shared_off: l.sh_y,
-            x_off: l.input,
-            shared_gate: w.shared_gate,
-            res_off: l.residual,
-            inject_off: l.inject,
-            h: cfg.hidden as u32,
-            k: experts.on_gpu as u32,
-            streams: cfg.hc as u32,
-            shared_separate: w.shared.is_some() as u32,
-            partial_off: if experts.host_sum { l.partial } else { NO_PARTIAL },
-        };
         let groups = self.rec.threads(Pipe::MoeCombine, cfg.hidden);
-        self.rec.dispatch(Pipe::MoeCombine, &[set], &combine, groups);
+        self.rec.independent(|rec| {
+            for t in 0..n {
+                let l = layout.at(t);
+                let combine = MoeCombinePush {
+                    y_off: l.exp_y,
+                    w_off: l.weights,
+                    shared_off: l.sh_y,
+                    x_off: l.input,
+                    shared_gate: w.shared_gate,
+                    res_off: l.residual,
+                    inject_off: l.inject,
+                    h: cfg.hidden as u32,
+                    k: experts.on_gpu as u32,
+                    streams: cfg.hc as u32,
+                    shared_separate: w.shared.is_some() as u32,
+                    partial_off: if experts.host_sum { l.partial } else { NO_PARTIAL },
+                };
+                rec.dispatch(Pipe::MoeCombine, &[set], &combine, groups);
+            }
+        });
         Ok(())
     }
 
     fn head(&mut self, _x: &Streams) -> Result<()> {
         let (cfg, gpu) = (self.cfg, self.gpu);
         let set = self.set(cfg.n_layers);
-        self.hyper(set, &gpu.output_hc);
+        // The tokens that get logits: the last, or all.
+        let (first, rows) = match self.logits {
+            LogitsFor::Last => (self.n - 1, 1),
+            LogitsFor::All => (0, self.n),
+        };
+        self.hyper(set, &gpu.output_hc, first, rows);
         let l = &self.state.layout;
-        self.rec.matvec(&gpu.output, set, MatvecPush { x_off: l.input, y_off: l.logits, ..Default::default() });
+        let head = MatvecPush { x_off: l.at(first).input, y_off: l.logits, x_stride: l.tok, y_stride: cfg.vocab as u32, ..Default::default() };
+        self.rec.matvec_n(&gpu.output, set, head, rows);
         self.rec.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::TRANSFER);
-        let logits_bytes = (cfg.vocab * 4) as u64;
+        let logits_bytes = (rows * cfg.vocab * 4) as u64;
         // SAFETY: recording; the regions lie inside both buffers.
         unsafe {
             gpu.ctx.device.cmd_copy_buffer(

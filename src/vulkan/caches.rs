@@ -161,6 +161,12 @@ impl Caches {
         }
     }
 
+    /// Binds `scratch` in place of the state's scratch buffer (on error nothing has changed).
+    pub fn rebind(&mut self, g: &GpuModel, cfg: &Config, scratch: &Buffer) -> Result<()> {
+        self.bindings = Bindings::new(g, scratch, &self.buffers.iter().collect::<Vec<_>>(), cfg.n_layers, &self.dummy)?;
+        Ok(())
+    }
+
     /// Reallocates the attention buffers for `capacity` positions (and binds
     /// `scratch`, allocated by the caller for that capacity), copying the
     /// first `min(old, new)` positions of every cache when `keep`. On error

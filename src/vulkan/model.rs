@@ -468,7 +468,7 @@ fn dense_bytes(w: &Weights, shared_in_arena: bool) -> u64 {
 /// and 1 MiB for the allocator's rounding.
 fn state_bytes(cfg: &Config, placement: &ExpertPlacement) -> u64 {
     let positions = placement.state_positions.max(1);
-    let scratch = super::scratch::ScratchLayout::new(cfg, positions).map_or(0, |l| l.total as u64 * 4);
+    let scratch = super::scratch::ScratchLayout::new(cfg, positions, 1, 1).map_or(0, |l| l.total as u64 * 4);
     let layers: u64 = cfg.layers.iter().map(|k| 4 * super::caches::layer_len(cfg, k, placement.window, positions) as u64).sum();
     let ple = cfg.ple.as_ref().map_or(0, |p| 4 * (crate::cpu::ple::conv_rows(p, placement.window) * cfg.hc * cfg.hidden) as u64);
     let g = super::caches::GdnLayout::new(cfg, placement.window);

@@ -171,8 +171,10 @@ impl<'a> Recorder<'a> {
     }
 
     /// Fills the work split and layout fields of a matvec push for `part`
-    /// and returns the workgroup grid for `experts` (grid y).
-    fn matvec_split(&self, pipe: Pipe, part: &PartLayout, push: &mut MatvecPush, experts: u32) -> [u32; 3] {
+    /// and returns the workgroup grid for `experts` per token and `n` tokens
+    /// (grid y). The split is the one token's, so a token's sums are added
+    /// in the same order in a batch as alone.
+    fn matvec_split(&self, pipe: Pipe, part: &PartLayout, push: &mut MatvecPush, experts: u32, n: u32) -> [u32; 3] {
         assert!(push.x_off.is_multiple_of(4) && push.x_stride.is_multiple_of(4), "matvec activations must start at multiples of 4 floats");
         let tuning = match self.force_tpr {
             Some(t) => MatvecTuning { tpr: Some(t), ..self.pipes.tuning[pipe as usize] },
@@ -185,11 +187,18 @@ impl<'a> Recorder<'a> {
         push.fld0 = part.fields[0] as u32;
         push.fld1 = part.fields[1] as u32;
         let per_group = tuning.rows_per_workgroup(shift) as usize;
-        grid(self.ctx, (push.rows as usize).div_ceil(per_group), experts)
+        grid(self.ctx, (push.rows as usize).div_ceil(per_group), experts * n)
     }
 
     /// `y = W x` over every chunk of `m`. The caller fills the offsets and epilogue of `push`.
-    pub fn matvec(&mut self, m: &GpuMatrix, state_set: vk::DescriptorSet, mut push: MatvecPush) {
+    #[cfg(test)]
+    pub fn matvec(&mut self, m: &GpuMatrix, state_set: vk::DescriptorSet, push: MatvecPush) {
+        self.matvec_n(m, state_set, push, 1);
+    }
+
+    /// [`Recorder::matvec`] for `n` tokens: token `k` reads x at
+    /// `x_off + k * x_stride` and writes y at `y_off + k * y_stride`.
+    pub fn matvec_n(&mut self, m: &GpuMatrix, state_set: vk::DescriptorSet, mut push: MatvecPush, n: usize) {
         let swiglu = push.mode == 4;
         assert!(!swiglu || m.chunks.len() == 1, "{}: a SwiGLU matrix is never split", m.name);
         let pipe = Pipe::matvec(m.ty, false, self.fast(m.chunks[0].layout.cols));
@@ -200,7 +209,7 @@ impl<'a> Recorder<'a> {
             for c in &m.chunks {
                 push.rows = if swiglu { c.rows / 2 } else { c.rows } as u32;
                 push.row_base = c.first_row as u32;
-                let groups = rec.matvec_split(pipe, &c.layout, &mut push, 1);
+                let groups = rec.matvec_split(pipe, &c.layout, &mut push, 1, n as u32);
                 rec.label_next(|| role(&m.name), c.layout.bytes as u64);
                 rec.dispatch(pipe, &[state_set, c.set], &push, groups);
             }
@@ -209,26 +218,29 @@ impl<'a> Recorder<'a> {
     }
 
     /// Matvecs of matrices whose rows are consecutive outputs (one fused
-    /// projection, split where the parts' types differ).
-    pub fn matvecs(&mut self, ms: &[GpuMatrix], state_set: vk::DescriptorSet, push: MatvecPush) {
+    /// projection, split where the parts' types differ), for `n` tokens (as
+    /// [`Recorder::matvec_n`]).
+    pub fn matvecs_n(&mut self, ms: &[GpuMatrix], state_set: vk::DescriptorSet, push: MatvecPush, n: usize) {
         // The parts write disjoint rows.
         self.independent(|rec| {
             let mut rows = 0;
             for m in ms {
                 let p = MatvecPush { y_off: push.y_off + rows, split_row: push.split_row.saturating_sub(rows), ..push };
-                rec.matvec(m, state_set, p);
+                rec.matvec_n(m, state_set, p, n);
                 rows += m.rows as u32;
             }
         });
     }
 
     /// A matvec of the arena part `part` (at `push.part_off` of each slot) for
-    /// `experts` experts (ids in scratch at `push.expert_off`); `push.rows` is
-    /// the part's output rows (its gate rows with SwiGLU).
+    /// `experts` experts (ids in scratch at `push.expert_off`; with
+    /// `push.kdiv`, (token, expert) pairs); `push.rows` is the part's output
+    /// rows (its gate rows with SwiGLU).
     pub fn expert_matvec(&mut self, ty: GgmlType, sets: [vk::DescriptorSet; 2], mut push: MatvecPush, part: &PartLayout, experts: usize) {
         let pipe = Pipe::matvec(ty, true, self.fast(part.cols));
         push.total_rows = push.rows;
-        let g = self.matvec_split(pipe, part, &mut push, experts as u32);
+        let per_token = if push.kdiv > 0 { push.kdiv as usize } else { experts };
+        let g = self.matvec_split(pipe, part, &mut push, per_token as u32, (experts / per_token) as u32);
         let what = if push.mode == 4 { "experts gate/up" } else { "experts down" };
         self.label_next(|| what.to_string(), (experts * part.bytes) as u64);
         self.dispatch(pipe, &sets, &push, g);

@@ -1,14 +1,19 @@
 //! The scratch buffer of a GPU state: every activation of a token at a
-//! fixed float offset. The host uploads the first `input_len` floats
-//! (residual seed, PLE rows, RoPE tables) each token; the regions that scale
-//! with the context (block scores, selection, attention weights) sit at the
-//! end, so every other offset is the same at any capacity.
+//! fixed float offset. A pass of `T` tokens (up to the layout's `batch`)
+//! keeps token `t`'s activations in block `t`, `tok` floats after token
+//! `t - 1`'s: [`ScratchLayout::at`] gives token `t`'s offsets, so the same
+//! push constants serve any token, and a batched matvec reads and writes
+//! every token's block at a stride of `tok`. The host uploads the first
+//! `input_len` floats of each block (residual seed, PLE rows, RoPE tables).
+//! After the blocks: the logits of the tokens that get them, then the
+//! regions that scale with the context (block scores, selection, attention
+//! weights), which the tokens of a pass use one after another.
 
 use crate::error::{Error, Result};
 use crate::model::{Config, LayerKind};
 
 /// Float offsets of every activation in the scratch buffer.
-#[derive(Default, Debug)]
+#[derive(Clone, Default, Debug)]
 pub(crate) struct ScratchLayout {
     pub residual: u32,
     pub ple_rows: u32,
@@ -50,12 +55,20 @@ pub(crate) struct ScratchLayout {
     pub sh_y: u32,
     /// The host's weighted sum of the experts it computed (expert cache): [H]
     pub partial: u32,
+    /// Floats between consecutive tokens' blocks (a multiple of 64).
+    pub tok: u32,
+    /// Tokens a pass may hold.
+    pub batch: u32,
+    /// The logits of up to `logit_rows` tokens, [logit_rows][V].
     pub logits: u32,
+    pub logit_rows: u32,
     pub total: u32,
 }
 
 impl ScratchLayout {
-    pub fn new(cfg: &Config, n_ctx: usize) -> Result<Self> {
+    /// The layout for `n_ctx` positions, passes of up to `batch` tokens and
+    /// logits for up to `logit_rows` of them.
+    pub fn new(cfg: &Config, n_ctx: usize, batch: usize, logit_rows: usize) -> Result<Self> {
         let (h, c) = (cfg.hidden, cfg.hc);
         let n_attn = cfg.layers.iter().filter(|k| **k != LayerKind::Linear).count();
         let (ih, id) = cfg.qsa.as_ref().map_or((0, 0), |q| (q.n_heads, q.head_dim));
@@ -107,7 +120,17 @@ impl ScratchLayout {
         l.sh_h = next(cfg.shared_ff);
         l.sh_y = next(h);
         l.partial = next(h);
-        l.logits = next(cfg.vocab);
+        let tok = next(0).div_ceil(64) * 64;
+        l.tok = tok;
+        l.batch = batch.max(1) as u32;
+        at = tok as usize * l.batch as usize;
+        let mut next = |n: usize| {
+            let o = at;
+            at += n.div_ceil(4) * 4;
+            o as u32
+        };
+        l.logit_rows = logit_rows.clamp(1, batch.max(1)) as u32;
+        l.logits = next(l.logit_rows as usize * cfg.vocab);
         // Last: the regions that scale with the capacity.
         l.scores = next(n_ctx);
         l.sel = next(n_ctx);
@@ -117,6 +140,24 @@ impl ScratchLayout {
             return Err(Error::OutOfMemory(format!("GPU scratch of {at} floats is too large; lower n_ctx")));
         }
         Ok(l)
+    }
+
+    /// Token `t`'s offsets: every per-token region moved to block `t` (the
+    /// logits and the context-scaled regions stay).
+    pub fn at(&self, t: usize) -> ScratchLayout {
+        let d = t as u32 * self.tok;
+        debug_assert!(t < self.batch as usize, "token {t} of a pass of at most {}", self.batch);
+        let mut l = self.clone();
+        for f in [
+            &mut l.residual, &mut l.ple_rows, &mut l.rope, &mut l.block_rope, &mut l.xn, &mut l.low, &mut l.mix,
+            &mut l.input, &mut l.inject, &mut l.ple_key, &mut l.ple_value, &mut l.ple_tmp, &mut l.qkv, &mut l.z,
+            &mut l.beta, &mut l.alpha, &mut l.conv_out, &mut l.gdn_out, &mut l.qg, &mut l.k, &mut l.v, &mut l.q,
+            &mut l.iq, &mut l.ik, &mut l.att_out, &mut l.router, &mut l.ids, &mut l.weights, &mut l.exp_h,
+            &mut l.exp_y, &mut l.sh_h, &mut l.sh_y, &mut l.partial,
+        ] {
+            *f += d;
+        }
+        l
     }
 }
 

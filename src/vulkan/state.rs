@@ -3,10 +3,13 @@
 //! host-visible buffer the host writes each token's inputs into (embedding
 //! row, PLE rows, RoPE cos/sin tables), and one command buffer.
 //!
-//! Per token the walk (`model::forward`) records the whole network into the
-//! command buffer through [`super::blocks`]; the state submits it once,
-//! waits on one fence, and reads the logits back. A failure before the
-//! submission changes nothing; one after it (a lost device) loses the state.
+//! Per pass (one token decoding, up to a micro-batch of a prompt) the walk
+//! (`model::forward`) records the whole network into the command buffer
+//! through [`super::blocks`]; the state submits it once, waits on one
+//! fence, and reads the logits back. A failure before the submission
+//! changes nothing; one after it (a lost device) loses the state. The
+//! scratch holds one token at first and grows to the largest pass asked of
+//! it (see [`super::scratch`]).
 
 use super::buffer::{Buffer, Commands};
 use super::caches::{Caches, INITIAL_CAPACITY};
@@ -25,6 +28,10 @@ pub struct GpuState {
     pub(crate) caches: Caches,
     /// Most positions a state may hold.
     n_ctx: usize,
+    /// Most tokens one pass takes: one with the expert cache (a layer's
+    /// experts are placed per token), else the model's micro-batch up to
+    /// [`MAX_BATCH`]. The scratch grows to a pass's size when one needs it.
+    max_batch: usize,
     stats: TokenStats,
     /// Per-dispatch timestamps when profiling ([`BackendState::enable_profiling`]).
     timestamps: Option<Timestamps>,
@@ -72,11 +79,11 @@ impl GpuState {
         let n_ctx = model.n_ctx;
         // Checked at the largest size the state may grow to, so that a
         // context too long for one binding fails now, not mid-sequence.
-        ScratchLayout::new(cfg, n_ctx)?;
+        ScratchLayout::new(cfg, n_ctx, 1, 1)?;
         // `FNX_VULKAN_INITIAL_CAPACITY` lowers the start (tests use it to grow often).
         let initial = std::env::var("FNX_VULKAN_INITIAL_CAPACITY").ok().and_then(|v| v.parse::<usize>().ok());
         let capacity = if capacity > 0 { capacity } else { n_ctx.min(initial.unwrap_or(INITIAL_CAPACITY).max(1)) };
-        let layout = ScratchLayout::new(cfg, capacity)?;
+        let layout = ScratchLayout::new(cfg, capacity, 1, 1)?;
         let f = |n: usize| (n * 4) as u64;
         let scratch = Buffer::new(ctx, "GPU scratch", f(layout.total as usize), MemoryLocation::GpuOnly)?;
         let upload = Buffer::new(ctx, "token upload", f(layout.input_len as usize), MemoryLocation::CpuToGpu)?;
@@ -104,6 +111,7 @@ impl GpuState {
             layout,
             caches,
             n_ctx,
+            max_batch: if gpu.cache.is_some() { 1 } else { model.micro_batch.clamp(1, MAX_BATCH) },
             stats: TokenStats::default(),
             timestamps: None,
             stage_ms: Vec::new(),
@@ -120,30 +128,65 @@ impl GpuState {
     /// to `positions`, at most to `n_ctx`). The filled caches are copied when
     /// `keep`. On error nothing has changed.
     pub(crate) fn grow(&mut self, model: &Model, positions: usize, keep: bool) -> Result<()> {
-        if positions <= self.caches.capacity {
+        let (batch, rows) = (self.layout.batch as usize, self.layout.logit_rows as usize);
+        self.fit(model, positions, batch, rows, keep)
+    }
+
+    /// Makes room for `positions` positions (as [`GpuState::grow`]) and for
+    /// passes of `batch` tokens of which `logit_rows` get logits (the
+    /// scratch, upload and readback buffers are reallocated when a pass needs
+    /// more than they hold; they never shrink). On error nothing has changed.
+    pub(crate) fn fit(&mut self, model: &Model, positions: usize, batch: usize, logit_rows: usize, keep: bool) -> Result<()> {
+        let grow_ctx = positions > self.caches.capacity;
+        let grow_batch = batch > self.layout.batch as usize || logit_rows > self.layout.logit_rows as usize;
+        if !grow_ctx && !grow_batch {
             return Ok(());
         }
-        let capacity = (2 * self.caches.capacity).min(self.n_ctx).max(positions);
+        let capacity = if grow_ctx { (2 * self.caches.capacity).min(self.n_ctx).max(positions) } else { self.caches.capacity };
         let cfg = &model.config;
-        let layout = ScratchLayout::new(cfg, capacity)?;
-        let scratch = Buffer::new(&self.gpu.ctx, "GPU scratch", (layout.total as u64) * 4, MemoryLocation::GpuOnly)?;
-        self.caches.set_capacity(&self.gpu, cfg, &self.cmds, capacity, keep, &scratch)?;
+        let batch = batch.max(self.layout.batch as usize);
+        let layout = ScratchLayout::new(cfg, capacity, batch, logit_rows.max(self.layout.logit_rows as usize))?;
+        let ctx = &self.gpu.ctx;
+        let scratch = Buffer::new(ctx, "GPU scratch", (layout.total as u64) * 4, MemoryLocation::GpuOnly)?;
+        let buffers = if grow_batch {
+            let upload = Buffer::new(ctx, "token upload", (layout.input_len * layout.batch) as u64 * 4, MemoryLocation::CpuToGpu)?;
+            let bytes = (layout.logit_rows as usize * cfg.vocab * 4) as u64;
+            Some((upload, Buffer::new(ctx, "logits readback", bytes, MemoryLocation::GpuToCpu)?))
+        } else {
+            None
+        };
+        if grow_ctx {
+            self.caches.set_capacity(&self.gpu, cfg, &self.cmds, capacity, keep, &scratch)?;
+        } else {
+            self.caches.rebind(&self.gpu, cfg, &scratch)?;
+        }
+        if let Some((upload, readback)) = buffers {
+            self.upload = upload;
+            self.readback = readback;
+        }
         self.scratch = scratch;
         self.layout = layout;
         Ok(())
     }
+
+
 }
+
+/// Most tokens of one pass: the scratch holds every token's activations
+/// (about 0.6 MB per token at the real shapes).
+pub(crate) const MAX_BATCH: usize = 512;
 
 impl BackendState for GpuState {
     fn max_batch(&self) -> usize {
-        1
+        self.max_batch
     }
 
     fn forward(&mut self, model: &Model, batch: &Batch) -> Result<Vec<f32>> {
-        if batch.tokens.len() != 1 {
-            return Err(Error::arg(format!("the Vulkan backend decodes one token per pass, not {}", batch.tokens.len())));
+        let n = batch.tokens.len();
+        if n == 0 || n > self.max_batch {
+            return Err(Error::arg(format!("a Vulkan pass takes 1 to {} tokens, not {n}", self.max_batch)));
         }
-        self.grow(model, batch.pos + 1, true)?;
+        self.fit(model, batch.pos + n, n, batch.n_logits(), true)?;
         let gpu = self.gpu.clone();
         // Steps of states sharing an expert cache take turns.
         let cache = gpu.cache.as_ref().map(|c| c.token());
@@ -153,7 +196,7 @@ impl BackendState for GpuState {
             rec.profile_into(t.pool);
         }
         let (mut stats, profiled) = {
-            let mut pass = super::blocks::VkPass::begin(self, &gpu, model, batch.pos, rec, cache);
+            let mut pass = super::blocks::VkPass::begin(self, &gpu, model, batch, rec, cache);
             let walked = crate::model::forward::forward(model, batch, &mut pass);
             // A pass that submitted part of its work has changed the state.
             let submitted = pass.submits > 0;
@@ -175,7 +218,7 @@ impl BackendState for GpuState {
             self.stage_ms = super::record::per_pipeline(&profiled, &ms);
             self.dispatch_ms = super::record::per_label(&profiled, &ms);
         }
-        let bytes = &self.readback.mapped()[..model.config.vocab * 4];
+        let bytes = &self.readback.mapped()[..batch.n_logits() * model.config.vocab * 4];
         Ok(bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect())
     }
 
