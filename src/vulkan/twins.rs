@@ -499,3 +499,130 @@ fn a_nan_activation_reaches_every_row() {
     }
     assert_eq!(validation_errors(), 0, "Vulkan validation errors (printed above)");
 }
+
+/// Runs `record` into a fresh command buffer over `scratch` (params
+/// `params`) and returns the scratch afterwards.
+fn run_scratch(ctx: &Arc<Context>, pipes: &Pipelines, scratch: &[f32], params: &Buffer, record: impl FnOnce(&mut Recorder, vk::DescriptorSet)) -> Vec<f32> {
+    let cmds = Commands::new(ctx).unwrap();
+    let buf = Buffer::new(ctx, "twin scratch", (scratch.len() * 4) as u64, MemoryLocation::GpuOnly).unwrap();
+    let dummy = Buffer::new(ctx, "twin dummy", 16, MemoryLocation::GpuOnly).unwrap();
+    let pool = DescriptorPool::new(ctx, 1, 3).unwrap();
+    let set = pool.set(pipes.state_layout, &[&[buf.info()], &[dummy.info()], &[params.info()]]).unwrap();
+    cmds.upload(&buf, 0, &bytes(scratch)).unwrap();
+    cmds.begin().unwrap();
+    let mut rec = Recorder::new(ctx, pipes, cmds.cmd);
+    record(&mut rec, set);
+    rec.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::TRANSFER);
+    cmds.submit().unwrap();
+    f32s(&cmds.download(&buf, 0, scratch.len() * 4).unwrap())
+}
+
+/// A batch (a prompt's micro-batch: grid y is the token, each token's
+/// activations a block apart; the routed experts as (token, expert) pairs)
+/// computes every token's rows bit for bit as that token alone, on both
+/// kernel families: the residual epilogue with each token's injection
+/// weights, SwiGLU, and experts chosen differently per token.
+#[test]
+fn batched_matvecs_equal_single_tokens() {
+    let Some(ctx) = context() else { return };
+    const T: usize = 3;
+    for fast in [false, true] {
+        if fast && !ctx.int_dot.supported {
+            continue;
+        }
+        let pipes = Pipelines::new(&ctx, fast).unwrap();
+        let params = Buffer::new(&ctx, "twin params", 16, MemoryLocation::GpuOnly).unwrap();
+        for ty in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
+            let (rows, cols) = (300, 512);
+            let w = tensor(ty, rows, cols, 11);
+            let cmds = Commands::new(&ctx).unwrap();
+            let mut stream = Stream::new(&ctx).unwrap();
+            let m = GpuMatrix::upload_split(&ctx, &pipes, &mut stream, &[&w], usize::MAX).unwrap();
+            stream.finish().unwrap();
+            drop(cmds);
+            // Token block: [x | aux | y (mode 3: STREAMS * rows) | y (mode 0)].
+            let (aux, y3) = (cols, cols + 4);
+            let y0 = y3 + STREAMS * rows;
+            let tok = (y0 + rows).div_ceil(64) * 64;
+            let mut scratch = vec![0f32; T * tok];
+            for t in 0..T {
+                let b = &mut scratch[t * tok..(t + 1) * tok];
+                b[..cols].copy_from_slice(&values(cols, cols, 40 + t as u64));
+                b[aux..aux + STREAMS].copy_from_slice(&[0.5 + t as f32, -1.0 - t as f32]);
+                for (i, v) in b[y3..y0].iter_mut().enumerate() {
+                    *v = (i % 7) as f32 * 0.25 - 0.5;
+                }
+            }
+            let push = |t: usize, mode: u32, y: usize| {
+                let b = (t * tok) as u32;
+                let aux_n = if mode == 3 { STREAMS as u32 } else { 0 };
+                MatvecPush { x_off: b, y_off: b + y as u32, mode, aux_off: b + aux as u32, aux_n, x_stride: tok as u32, y_stride: tok as u32, ..Default::default() }
+            };
+            let batched = run_scratch(&ctx, &pipes, &scratch, &params, |rec, set| {
+                rec.matvec_n(&m, set, push(0, 3, y3), T);
+                rec.matvec_n(&m, set, push(0, 0, y0), T);
+            });
+            let single = run_scratch(&ctx, &pipes, &scratch, &params, |rec, set| {
+                for t in 0..T {
+                    rec.matvec(&m, set, push(t, 3, y3));
+                    rec.matvec(&m, set, push(t, 0, y0));
+                }
+            });
+            assert_eq!(batched.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), single.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{ty} (fast {fast}): a batch of {T} tokens");
+            let (want, abs) = cpu(&w, &single[..cols], fast);
+            assert!(worst(&format!("{ty} token 0"), &single[y0..y0 + rows], &want, &abs) <= 1.0);
+        }
+        // Experts: per token its own ids, pairs (token, expert) in one dispatch.
+        let (h, f, per_layer) = (512, 96, 5);
+        let ty = GgmlType::Q8_0;
+        let experts: Vec<(Tensor, Tensor)> = (0..per_layer).map(|x| (tensor(ty, 2 * f, h, x as u64), tensor(ty, h, f, x as u64 + 50))).collect();
+        let layer = ArenaLayer::new(ty, ty, h, f).unwrap();
+        let slot = layer.gate.bytes + layer.down.bytes;
+        let arena = ExpertArena::alloc(&ctx, &pipes, vec![layer.clone()], per_layer, false, 2 * slot).unwrap();
+        let mut stream = Stream::new(&ctx).unwrap();
+        let table = arena.fill_all(&mut stream, |_, x| (vec![experts[x].0.bytes()], experts[x].1.bytes())).unwrap();
+        stream.finish().unwrap();
+        let slots = Buffer::new(&ctx, "twin params", (table.len() * 4) as u64, MemoryLocation::GpuOnly).unwrap();
+        Commands::new(&ctx).unwrap().upload(&slots, 0, &table.iter().flat_map(|s| s.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+        let ids: [[u32; 3]; T] = [[3, 0, 4], [1, 3, 2], [4, 2, 0]];
+        let (k, fs) = (3usize, f.div_ceil(4) * 4);
+        // Token block: [ids | x | hidden: k * fs | y: k * h].
+        let (x_off, h_off) = (4, 4 + h);
+        let y_off = h_off + k * fs;
+        let tok = (y_off + k * h).div_ceil(64) * 64;
+        let mut scratch = vec![0f32; T * tok];
+        for t in 0..T {
+            let b = &mut scratch[t * tok..(t + 1) * tok];
+            for (i, id) in ids[t].iter().enumerate() {
+                b[i] = f32::from_bits(*id);
+            }
+            b[x_off..x_off + h].copy_from_slice(&values(h, h, 60 + t as u64));
+        }
+        let base = MatvecPush { slot_table: 0, slots_per_slab: arena.slots_per_slab as u32, slot_bytes: arena.slot_bytes as u32, scale: 1.0, ..Default::default() };
+        let record = |rec: &mut Recorder, set: vk::DescriptorSet, t: usize, n: usize, kdiv: u32| {
+            let b = (t * tok) as u32;
+            let base = MatvecPush { expert_off: b, kdiv, tok_stride: tok as u32, ..base };
+            let gate_up = MatvecPush { rows: f as u32, x_off: b + x_off as u32, y_off: b + h_off as u32, y_stride: fs as u32, mode: 4, ..base };
+            rec.expert_matvec(layer.gate_ty, [set, arena.set], gate_up, &layer.gate, n * k);
+            let down = MatvecPush {
+                rows: h as u32,
+                x_off: b + h_off as u32,
+                x_stride: fs as u32,
+                y_off: b + y_off as u32,
+                y_stride: h as u32,
+                part_off: layer.gate.bytes as u32,
+                ..base
+            };
+            rec.expert_matvec(layer.down_ty, [set, arena.set], down, &layer.down, n * k);
+        };
+        let batched = run_scratch(&ctx, &pipes, &scratch, &slots, |rec, set| record(rec, set, 0, T, k as u32));
+        let single = run_scratch(&ctx, &pipes, &scratch, &slots, |rec, set| (0..T).for_each(|t| record(rec, set, t, 1, 0)));
+        assert_eq!(batched.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), single.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "experts (fast {fast}): a batch of {T} tokens");
+        // Token 2's second expert against the CPU.
+        let b = 2 * tok;
+        let (y, abs) = cpu(&experts[2].0, &scratch[b + x_off..b + x_off + h], fast);
+        let (want_h, bound_h) = swiglu_ref(&y, &abs, f);
+        assert!(worst("token 2 expert 2 gate/up", &batched[b + h_off + fs..b + h_off + fs + f], &want_h, &bound_h) <= 1.0);
+    }
+    assert_eq!(validation_errors(), 0, "Vulkan validation errors (printed above)");
+}
