@@ -33,6 +33,7 @@ use crate::model::{Model, State};
 use crate::tokenizer::Tokenizer;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// The prompt when none is given: plain English, about 40 tokens of the real tokenizer.
@@ -169,6 +170,9 @@ pub struct BackendStats {
     /// The same device time by kind of work (each matrix role across the
     /// layers, or a pipeline), most costly first.
     pub work: Option<Vec<WorkTime>>,
+    /// With `--prompt-tokens`: the device time per token of one prefill
+    /// pass (of this many tokens, from position 0) by kind of work.
+    pub prefill_work: Option<(usize, Vec<WorkTime>)>,
     pub submits_per_token: Option<f64>,
     pub dispatches_per_token: Option<f64>,
     /// Pipeline barriers per token (dependent steps; independent dispatches share one).
@@ -313,6 +317,12 @@ fn gpu_stage_times(state: &mut State) -> Result<(Option<Vec<(String, f64)>>, Opt
     let n = PROFILED_TOKENS as f64;
     sum.iter_mut().for_each(|(_, t)| *t /= n);
     sum.sort_by(|a, b| b.1.total_cmp(&a.1));
+    Ok((Some(sum), Some(work_per_token(work, PROFILED_TOKENS))))
+}
+
+/// Device times summed over `tokens` tokens, per token, most costly first.
+fn work_per_token(work: Vec<crate::model::backend::DispatchTime>, tokens: usize) -> Vec<WorkTime> {
+    let n = tokens as f64;
     let mut work: Vec<WorkTime> = work
         .into_iter()
         .map(|d| WorkTime {
@@ -324,7 +334,23 @@ fn gpu_stage_times(state: &mut State) -> Result<(Option<Vec<(String, f64)>>, Opt
         })
         .collect();
     work.sort_by(|a, b| b.ms_per_token.total_cmp(&a.ms_per_token));
-    Ok((Some(sum), Some(work)))
+    work
+}
+
+/// Tokens of the profiled prefill pass (its dispatches fit the timestamp pool).
+const PREFILL_PROFILED_TOKENS: usize = 128;
+
+/// Device time per token of one prefill pass from position 0, by kind of
+/// work (up to [`PREFILL_PROFILED_TOKENS`] tokens, one pass); `None` where
+/// the backend cannot time its stages or takes one token per pass.
+fn gpu_prefill_times(model: &Arc<Model>) -> Result<Option<(usize, Vec<WorkTime>)>> {
+    let mut state = State::new(model.clone())?;
+    let n = state.pass_size().min(PREFILL_PROFILED_TOKENS);
+    if n < 2 || state.pass_stats().is_none() || state.enable_profiling().is_err() {
+        return Ok(None);
+    }
+    crate::generate::decode_tokens(&mut state, &random_tokens(n, model.vocab_size()), &mut || false)?;
+    Ok(Some((n, work_per_token(state.dispatch_ms(), n))))
 }
 
 /// What the backend of `state` can tell (nothing, for the CPU).
@@ -444,9 +470,10 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
     }
     let decode = Rates::from_seconds(&per_token);
     let (stage_ms, work) = gpu_stage_times(&mut state)?;
+    let prefill_work = if opts.prompt_tokens > 1 { gpu_prefill_times(&model)? } else { None };
     // Before the bandwidth measurement, whose buffer would dominate it.
     let peak_rss = peak_rss_bytes();
-    let stats = BackendStats { stage_ms, work, expert_cache: cache_stats, ..backend_stats(&model, &state, opts) };
+    let stats = BackendStats { stage_ms, work, prefill_work, expert_cache: cache_stats, ..backend_stats(&model, &state, opts) };
     let threads = if opts.threads == 0 {
         rayon::current_num_threads()
     } else {
@@ -622,16 +649,12 @@ impl BenchReport {
                 self.decode.median_ms,
                 (self.decode.median_ms - gpu_ms).max(0.0)
             ));
-            for w in work {
-                lines.push(format!(
-                    "  {:<60} {:>6.1}/token {:>7.3} ms {:>7.1} us each{}",
-                    w.label,
-                    w.dispatches_per_token,
-                    w.ms_per_token,
-                    w.us_per_dispatch,
-                    w.gbs.map_or(String::new(), |g| format!(" {g:>8.1} GB/s"))
-                ));
-            }
+            work_lines(&mut lines, work);
+        }
+        if let Some((n, work)) = &s.prefill_work {
+            let ms: f64 = work.iter().map(|w| w.ms_per_token).sum();
+            lines.push(format!("prefill GPU time per token {ms:.3} ms (one pass of {n} tokens from position 0); by work:"));
+            work_lines(&mut lines, work);
         }
         lines.join("\n")
     }
@@ -641,6 +664,20 @@ impl BenchReport {
         let text = serde_json::to_string_pretty(self).expect("the report serializes");
         std::fs::write(path, text + "\n")
             .map_err(|e| Error::io(format!("writing {}", path.display()), e))
+    }
+}
+
+/// One line per kind of work.
+fn work_lines(lines: &mut Vec<String>, work: &[WorkTime]) {
+    for w in work {
+        lines.push(format!(
+            "  {:<60} {:>6.1}/token {:>7.3} ms {:>7.1} us each{}",
+            w.label,
+            w.dispatches_per_token,
+            w.ms_per_token,
+            w.us_per_dispatch,
+            w.gbs.map_or(String::new(), |g| format!(" {g:>8.1} GB/s"))
+        ));
     }
 }
 

@@ -9,10 +9,12 @@
 //! A pass of `T` tokens (a prompt's micro-batch) records every matrix once
 //! for all of them: one dispatch whose workgroup y-index is the token (the
 //! routed experts: a (token, expert) pair), reading and writing each
-//! token's block. The stages that carry state from one token to the next
-//! (the convolutions, the delta rule, attention with its cache appends and
-//! block selection, the PLE mix) are recorded token after token, each
-//! ordered after the one before; the per-token stages between matrices
+//! token's block. The Gated DeltaNet's conv and delta rule loop over the
+//! tokens inside one dispatch each (a channel, or a head's state, per
+//! invocation or workgroup, kept on chip from token to token). The other
+//! stages that carry state from one token to the next (attention with its
+//! cache appends and block selection, the PLE mix) are recorded token after
+//! token, each ordered after the one before; the per-token stages between matrices
 //! (norms, routing, combines) are recorded for every token with no barrier
 //! between them. One token is the same recording as before batches.
 //!
@@ -419,42 +421,43 @@ impl Blocks for VkPass<'_> {
         let input = self.batched(l.input, l.qkv, 0);
         self.rec.matvecs_n(&w.input, set, input, self.n);
         let dc = cfg.ssm_conv_dim();
+        let (n, tok) = (self.n as u32, l.tok);
+        // Each loops over the pass's tokens: the conv ring and the recurrent
+        // state carry from one token to the next.
+        let conv = GdnConvPush {
+            x_off: l.qkv,
+            y_off: l.conv_out,
+            taps: w.conv,
+            dc: dc as u32,
+            kc: cfg.ssm_conv as u32,
+            rows: g.conv_rows as u32,
+            pos: self.pos as u32,
+            n,
+            tok_stride: tok,
+        };
         let groups = self.rec.threads(Pipe::GdnConv, dc);
-        // Token after token: the conv ring and the recurrent planes carry over.
-        for t in 0..self.n {
-            let l = self.state.layout.at(t);
-            let conv = GdnConvPush {
-                x_off: l.qkv,
-                y_off: l.conv_out,
-                taps: w.conv,
-                dc: dc as u32,
-                kc: cfg.ssm_conv as u32,
-                rows: g.conv_rows as u32,
-                pos: (self.pos + t) as u32,
-            };
-            self.rec.dispatch(Pipe::GdnConv, &[set], &conv, groups);
-        }
-        for t in 0..self.n {
-            let (l, pos) = (self.state.layout.at(t), self.pos + t);
-            let push = GdnRecurrentPush {
-                conv_off: l.conv_out,
-                z_off: l.z,
-                b_off: l.beta,
-                a_off: l.alpha,
-                y_off: l.gdn_out,
-                nk: cfg.ssm_k_heads as u32,
-                nv: cfg.ssm_v_heads as u32,
-                d: cfg.ssm_head_dim as u32,
-                rec_in: g.plane_at(pos),
-                rec_out: g.plane_at(pos + 1),
-                decay_a: w.decay_a,
-                dt_bias: w.dt_bias,
-                norm: w.norm,
-                gate_silu: (cfg.ssm_gate == GateActivation::Silu) as u32,
-                eps: cfg.eps,
-            };
-            self.rec.dispatch(Pipe::GdnRecurrent, &[set], &push, [cfg.ssm_v_heads as u32, 1, 1]);
-        }
+        self.rec.dispatch(Pipe::GdnConv, &[set], &conv, groups);
+        let push = GdnRecurrentPush {
+            conv_off: l.conv_out,
+            z_off: l.z,
+            b_off: l.beta,
+            a_off: l.alpha,
+            y_off: l.gdn_out,
+            nk: cfg.ssm_k_heads as u32,
+            nv: cfg.ssm_v_heads as u32,
+            d: cfg.ssm_head_dim as u32,
+            planes_off: g.planes,
+            planes: g.n_planes as u32,
+            pos: self.pos as u32,
+            n,
+            tok_stride: tok,
+            decay_a: w.decay_a,
+            dt_bias: w.dt_bias,
+            norm: w.norm,
+            gate_silu: (cfg.ssm_gate == GateActivation::Silu) as u32,
+            eps: cfg.eps,
+        };
+        self.rec.dispatch(Pipe::GdnRecurrent, &[set], &push, [cfg.ssm_v_heads as u32, 1, 1]);
         let post = self.post(self.state.layout.gdn_out);
         self.rec.matvec_n(&w.out, set, post, self.n);
         Ok(())

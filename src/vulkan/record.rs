@@ -66,8 +66,8 @@ fn role(name: &str) -> String {
     name.split('+').map(part).collect::<Vec<_>>().join("+")
 }
 
-/// Timestamps one token may write when profiling (one per dispatch, plus the start).
-pub(crate) const MAX_TIMESTAMPS: u32 = 8192;
+/// Timestamps one pass may write when profiling (one per dispatch, plus the start; later dispatches go untimed).
+pub(crate) const MAX_TIMESTAMPS: u32 = 65536;
 
 /// `n` workgroups along x; beyond the device limit the rest go to z (the
 /// shaders index workgroup = x + z * num_x).

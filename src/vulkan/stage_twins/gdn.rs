@@ -75,7 +75,7 @@ fn gdn_conv() {
         let y_off = b.s.out(dc);
         let taps = b.prm.put(&c.w.conv);
         let rows = c.before.conv.len() / dc;
-        let push = GdnConvPush { x_off, y_off, taps, dc: dc as u32, kc: kc as u32, rows: rows as u32, pos: pos as u32 };
+        let push = GdnConvPush { x_off, y_off, taps, dc: dc as u32, kc: kc as u32, rows: rows as u32, pos: pos as u32, n: 1, tok_stride: 0 };
         let row = pos % rows;
         let out = g.run(Pipe::GdnConv, &push, Groups::Threads(dc), &b, &[(y_off, dc)], &[((row * dc) as u32, dc)]);
         let what = format!("gdn_conv Dc={dc} Kc={kc} ring {rows} pos {pos}");
@@ -117,8 +117,11 @@ fn gdn_recurrent() {
             nk: nk as u32,
             nv: nv as u32,
             d: d as u32,
-            rec_in: at(pos),
-            rec_out: at(pos + 1),
+            planes_off: planes,
+            planes: (window + 1) as u32,
+            pos: pos as u32,
+            n: 1,
+            tok_stride: 0,
             decay_a: b.prm.put(&c.w.a),
             dt_bias: b.prm.put(&c.w.dt_bias),
             norm: b.prm.put(&c.w.norm),
@@ -130,5 +133,91 @@ fn gdn_recurrent() {
         let all = out.st(planes, c.after.planes.len());
         check(&format!("{what} state"), all, &c.after.planes, 2e-5);
         check(&format!("{what} output"), out.s(y_off, nv * d), &c.y, 2e-5);
+    }
+}
+
+/// Both stages over a pass of tokens (one dispatch each, the tokens'
+/// activations a block apart): every token's outputs against the CPU's
+/// token-by-token stages, and the ring and planes after the pass (the
+/// planes of the last `window + 1` positions; a window shorter than the
+/// pass leaves the earlier ones overwritten).
+#[test]
+fn gdn_over_a_pass_of_tokens() {
+    let Some(g) = gpu() else { return };
+    // (nk, nv, d, kernel, window, pos, tokens)
+    for (nk, nv, d, kc, window, pos, n) in [(2, 4, 32, 4, 2, 5, 7), (1, 2, 24, 3, 6, 0, 4), (2, 6, 128, 4, 1, 9, 3)] {
+        let c = case(nk, nv, d, kc, window, pos, GateActivation::Sigmoid);
+        let (cfg, w) = (&c.cfg, &c.w);
+        let (dc, dv) = (cfg.ssm_conv_dim(), nv * d);
+        let mut r = Rng::new(77 + n as u64);
+        let xs: Vec<Vec<f32>> = (0..n).map(|_| r.unit(cfg.hidden)).collect();
+        let ps: Vec<gdn::Projections> = xs.iter().map(|x| gdn::project(w, cfg, x)).collect();
+        let mut after = c.before.clone();
+        let (mut conv_outs, mut ys) = (Vec::new(), Vec::new());
+        for (t, p) in ps.iter().enumerate() {
+            let conv_out = gdn::conv(&w.conv, kc, &mut after.conv, pos + t, &p.qkv);
+            let mut cv = conv_out.clone();
+            ys.push(gdn::delta_rule(w, cfg, &mut after.planes, pos + t, &mut cv, &p.z, &p.beta, &p.alpha));
+            conv_outs.push(conv_out);
+        }
+        // Token block: [qkv | z | beta | alpha | conv out | y (Dc: the conv's outputs too)], 64-float aligned.
+        let (z, beta, alpha) = (dc, dc + dv, dc + dv + nv);
+        let (conv, y) = (alpha + nv, alpha + nv + dc);
+        let tok = (y + dc.max(dv)).div_ceil(64) * 64;
+        let mut block = vec![SENTINEL; n * tok];
+        for (t, p) in ps.iter().enumerate() {
+            let b = &mut block[t * tok..];
+            b[..dc].copy_from_slice(&p.qkv);
+            b[z..z + dv].copy_from_slice(&p.z);
+            b[beta..beta + nv].copy_from_slice(&p.beta);
+            b[alpha..alpha + nv].copy_from_slice(&p.alpha);
+            b[conv..conv + dc].copy_from_slice(&conv_outs[t]);
+        }
+        let what = format!("gdn over {n} tokens nk={nk} nv={nv} d={d} kernel {kc} window {window} pos {pos}");
+        let rows = c.before.conv.len() / dc;
+        // The conv: its outputs go to the y regions (the conv-out regions hold the CPU's, read below).
+        let mut b = Bufs::default();
+        let planes = state(&mut b, &c);
+        let at = b.s.put(&block);
+        let taps = b.prm.put(&w.conv);
+        let push = GdnConvPush { x_off: at, y_off: at + y as u32, taps, dc: dc as u32, kc: kc as u32, rows: rows as u32, pos: pos as u32, n: n as u32, tok_stride: tok as u32 };
+        let outs: Vec<(u32, usize)> = (0..n).map(|t| (at + (t * tok + y) as u32, dc)).collect();
+        let out = g.run(Pipe::GdnConv, &push, Groups::Threads(dc), &b, &outs, &[(0, rows * dc)]);
+        for t in 0..n {
+            check(&format!("{what} conv token {t}"), out.s(at + (t * tok + y) as u32, dc), &conv_outs[t], 4e-6);
+        }
+        check_exact(&format!("{what} conv ring"), out.st(0, rows * dc), &after.conv);
+        assert_eq!(out.st(planes, 1)[0].to_bits(), c.before.planes[0].to_bits());
+        // The delta rule on the CPU's conv outputs.
+        let mut b = Bufs::default();
+        let planes = state(&mut b, &c);
+        let at = b.s.put(&block);
+        let push = GdnRecurrentPush {
+            conv_off: at + conv as u32,
+            z_off: at + z as u32,
+            b_off: at + beta as u32,
+            a_off: at + alpha as u32,
+            y_off: at + y as u32,
+            nk: nk as u32,
+            nv: nv as u32,
+            d: d as u32,
+            planes_off: planes,
+            planes: (window + 1) as u32,
+            pos: pos as u32,
+            n: n as u32,
+            tok_stride: tok as u32,
+            decay_a: b.prm.put(&w.a),
+            dt_bias: b.prm.put(&w.dt_bias),
+            norm: b.prm.put(&w.norm),
+            gate_silu: 0,
+            eps: EPS,
+        };
+        let outs: Vec<(u32, usize)> = (0..n).map(|t| (at + (t * tok + y) as u32, dv)).collect();
+        let all = c.after.planes.len();
+        let out = g.run(Pipe::GdnRecurrent, &push, Groups::Fixed([nv as u32, 1, 1]), &b, &outs, &[(planes, all)]);
+        for t in 0..n {
+            check(&format!("{what} output token {t}"), out.s(at + (t * tok + y) as u32, dv), &ys[t], 2e-5);
+        }
+        check(&format!("{what} planes"), out.st(planes, all), &after.planes, 2e-5);
     }
 }
