@@ -649,12 +649,12 @@ impl BenchReport {
                 self.decode.median_ms,
                 (self.decode.median_ms - gpu_ms).max(0.0)
             ));
-            work_lines(&mut lines, work);
+            work_lines(&mut lines, work, 1.0, "token");
         }
         if let Some((n, work)) = &s.prefill_work {
             let ms: f64 = work.iter().map(|w| w.ms_per_token).sum();
             lines.push(format!("prefill GPU time per token {ms:.3} ms (one pass of {n} tokens from position 0); by work:"));
-            work_lines(&mut lines, work);
+            work_lines(&mut lines, work, *n as f64, "pass");
         }
         lines.join("\n")
     }
@@ -667,13 +667,13 @@ impl BenchReport {
     }
 }
 
-/// One line per kind of work.
-fn work_lines(lines: &mut Vec<String>, work: &[WorkTime]) {
+/// One line per kind of work: its dispatches per token times `per` (per `unit`).
+fn work_lines(lines: &mut Vec<String>, work: &[WorkTime], per: f64, unit: &str) {
     for w in work {
         lines.push(format!(
-            "  {:<60} {:>6.1}/token {:>7.3} ms {:>7.1} us each{}",
+            "  {:<60} {:>6.1}/{unit} {:>7.3} ms/token {:>7.1} us each{}",
             w.label,
-            w.dispatches_per_token,
+            w.dispatches_per_token * per,
             w.ms_per_token,
             w.us_per_dispatch,
             w.gbs.map_or(String::new(), |g| format!(" {g:>8.1} GB/s"))
