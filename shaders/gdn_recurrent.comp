@@ -1,14 +1,18 @@
 #version 450
 #extension GL_EXT_control_flow_attributes : require
+#extension GL_KHR_shader_subgroup_shuffle : require
 // Gated DeltaNet delta rule for one value head per workgroup, then the gated
-// RMSNorm, for the `n` tokens of a pass one after another. Invocation j owns
-// column j of the head's [dk][dv] state, held in registers from the first
-// token to the last, so the state update needs no reduction. Head dims up
-// to WG. The state is read from the plane of position `pos` and the state
-// after each of the last `planes` tokens written to its position's plane
-// (one per position of the rewind window; see src/model/backend.rs): the
-// earlier ones would be overwritten by later tokens of the pass.
-#define WG 128
+// RMSNorm, for the `n` tokens of a pass one after another. Column j of the
+// head's [dk][dv] state belongs to invocations 2j and 2j+1 (adjacent lanes
+// of a subgroup), each holding half of its rows in registers from the first
+// token to the last; the two halves' partial sums meet by one shuffle. Head
+// dims up to WG / 2. The state is read from the plane of position `pos` and
+// the state after each of the last `planes` tokens written to its
+// position's plane (one per position of the rewind window; see
+// src/model/backend.rs): the earlier ones would be overwritten by later
+// tokens of the pass.
+#define WG 256
+#define HALF (WG / 4)
 #include "common.glsl"
 
 layout(push_constant) uniform Push {
@@ -32,47 +36,53 @@ layout(push_constant) uniform Push {
     float eps;
 } pc;
 
-shared float qs[WG];
-shared float ks[WG];
+shared float qs[WG / 2];
+shared float ks[WG / 2];
 
 void main() {
-    uint h = gl_WorkGroupID.x, j = gl_LocalInvocationIndex, d = pc.d;
+    uint h = gl_WorkGroupID.x, lid = gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID, d = pc.d;
+    uint j = lid >> 1, i0 = (lid & 1u) * HALF;
+    bool on = j < d, first = (lid & 1u) == 0u;
     uint kh = h % pc.nk;
-    bool on = j < d;
     uint plane = d * d * pc.nv;
     uint col = h * d * d + j;
-    float S[WG];
+    float S[HALF];
     uint from = pc.planes_off + (pc.pos % pc.planes) * plane + col;
-    [[unroll]] for (uint i = 0u; i < WG; i++) S[i] = on && i < d ? st[from + i * d] : 0.0;
+    [[unroll]] for (uint i = 0u; i < HALF; i++) S[i] = on && i0 + i < d ? st[from + (i0 + i) * d] : 0.0;
     for (uint t = 0u; t < pc.n; t++) {
         uint a = t * pc.tok_stride;
         uint c = pc.conv_off + a;
         float q = on ? s[c + kh * d + j] : 0.0;
         float k = on ? s[c + pc.nk * d + kh * d + j] : 0.0;
         float v = on ? s[c + 2u * pc.nk * d + h * d + j] : 0.0;
-        float rq = 1.0 / sqrt(wg_sum(q * q) + 1e-6);
-        float rk = 1.0 / sqrt(wg_sum(k * k) + 1e-6);
-        qs[j] = q * rq * (1.0 / sqrt(float(d)));
-        ks[j] = k * rk;
+        // Each column's values count once in the norms.
+        float rq = 1.0 / sqrt(wg_sum(first ? q * q : 0.0) + 1e-6);
+        float rk = 1.0 / sqrt(wg_sum(first ? k * k : 0.0) + 1e-6);
+        if (first) {
+            qs[j] = q * rq * (1.0 / sqrt(float(d)));
+            ks[j] = k * rk;
+        }
         barrier();
         float decay = exp(prm[pc.decay_a + h] * softplus(s[pc.a_off + a + h] + prm[pc.dt_bias + h]));
         float beta = sigmoid(s[pc.b_off + a + h]);
-        float o = 0.0;
         float mem = 0.0;
-        [[unroll]] for (uint i = 0u; i < WG; i++) if (i < d) mem += (S[i] * decay) * ks[i];
+        [[unroll]] for (uint i = 0u; i < HALF; i++) if (i0 + i < d) mem += (S[i] * decay) * ks[i0 + i];
+        mem += subgroupShuffleXor(mem, 1u);
         float delta = (v - mem) * beta;
-        [[unroll]] for (uint i = 0u; i < WG; i++) {
-            if (i < d) {
-                S[i] = S[i] * decay + ks[i] * delta;
-                o += S[i] * qs[i];
+        float o = 0.0;
+        [[unroll]] for (uint i = 0u; i < HALF; i++) {
+            if (i0 + i < d) {
+                S[i] = S[i] * decay + ks[i0 + i] * delta;
+                o += S[i] * qs[i0 + i];
             }
         }
+        o += subgroupShuffleXor(o, 1u);
         if (on && t + pc.planes >= pc.n) {
             uint to = pc.planes_off + ((pc.pos + t + 1u) % pc.planes) * plane + col;
-            [[unroll]] for (uint i = 0u; i < WG; i++) if (i < d) st[to + i * d] = S[i];
+            [[unroll]] for (uint i = 0u; i < HALF; i++) if (i0 + i < d) st[to + (i0 + i) * d] = S[i];
         }
-        float r = rms_scale(wg_sum(o * o), d, pc.eps);
-        if (on) {
+        float r = rms_scale(wg_sum(first ? o * o : 0.0), d, pc.eps);
+        if (on && first) {
             float z = s[pc.z_off + a + h * d + j];
             float g = pc.gate_silu == 1u ? silu(z) : sigmoid(z);
             s[pc.y_off + a + h * d + j] = o * r * prm[pc.norm + j] * g;

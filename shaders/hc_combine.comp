@@ -1,5 +1,6 @@
 #version 450
 // Block input from the streams: y[d] = mean_c sigmoid(mix[c][d]) * xn[c][d].
+// Workgroup y-index t is the pass's token t (activations t * tok_stride further).
 #define WG 64
 #include "common.glsl"
 
@@ -9,12 +10,14 @@ layout(push_constant) uniform Push {
     uint y_off;
     uint n;
     uint streams;
+    uint tok_stride;
 } pc;
 
 void main() {
     uint d = gl_GlobalInvocationID.x;
     if (d >= pc.n) return;
+    uint a = gl_WorkGroupID.y * pc.tok_stride;
     float acc = 0.0;
-    for (uint c = 0u; c < pc.streams; c++) acc += sigmoid(s[pc.mix_off + c * pc.n + d]) * s[pc.xn_off + c * pc.n + d];
-    s[pc.y_off + d] = acc / float(pc.streams);
+    for (uint c = 0u; c < pc.streams; c++) acc += sigmoid(s[pc.mix_off + a + c * pc.n + d]) * s[pc.xn_off + a + c * pc.n + d];
+    s[pc.y_off + a + d] = acc / float(pc.streams);
 }

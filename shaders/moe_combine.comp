@@ -4,6 +4,7 @@
 // out = sum_k w_k y_k (+ sigmoid(shared_gate . x) * shared when the shared
 // expert ran outside the arena) (+ the experts the host computed, already
 // weighted and summed, with the expert cache); X_c += inject_c * out.
+// Workgroup y-index t is the pass's token t (activations t * tok_stride further).
 #define WG 256
 #include "common.glsl"
 
@@ -20,20 +21,21 @@ layout(push_constant) uniform Push {
     uint streams;
     uint shared_separate;
     uint partial_off; // [h] the host's weighted sum of the experts it computed; ~0: none
+    uint tok_stride;
 } pc;
 
 void main() {
-    uint t = gl_LocalInvocationIndex, h = pc.h;
+    uint t = gl_LocalInvocationIndex, h = pc.h, a = gl_WorkGroupID.y * pc.tok_stride;
     float g = 0.0;
     if (pc.shared_separate == 1u)
-        for (uint i = t; i < h; i += WG) g += prm[pc.shared_gate + i] * s[pc.x_off + i];
+        for (uint i = t; i < h; i += WG) g += prm[pc.shared_gate + i] * s[pc.x_off + a + i];
     float sg = sigmoid(wg_sum(g));
     uint d = gl_WorkGroupID.x * WG + t;
     if (d < h) {
         float out_d = 0.0;
-        for (uint e = 0u; e < pc.k; e++) out_d += s[pc.y_off + e * h + d] * s[pc.w_off + e];
-        if (pc.shared_separate == 1u) out_d += sg * s[pc.shared_off + d];
-        if (pc.partial_off != 0xffffffffu) out_d += s[pc.partial_off + d];
-        for (uint c = 0u; c < pc.streams; c++) s[pc.res_off + c * h + d] += s[pc.inject_off + c] * out_d;
+        for (uint e = 0u; e < pc.k; e++) out_d += s[pc.y_off + a + e * h + d] * s[pc.w_off + a + e];
+        if (pc.shared_separate == 1u) out_d += sg * s[pc.shared_off + a + d];
+        if (pc.partial_off != 0xffffffffu) out_d += s[pc.partial_off + a + d];
+        for (uint c = 0u; c < pc.streams; c++) s[pc.res_off + a + c * h + d] += s[pc.inject_off + a + c] * out_d;
     }
 }

@@ -5,6 +5,7 @@
 // weights renormalised over the chosen k. Writes ids (as float bits) and
 // weights. With `shared_in_arena` the shared expert follows as expert k:
 // id n_experts (its slot-table entry), weight sigmoid(shared_gate . x).
+// Workgroup y-index t is the pass's token t (activations t * tok_stride further).
 #define WG 256
 #define MAX_K 64
 #define MAX_EXPERTS 1024
@@ -20,6 +21,7 @@ layout(push_constant) uniform Push {
     uint x_off;        // [h] MoE input
     uint shared_gate;  // params [h]
     uint h;
+    uint tok_stride;
 } pc;
 
 shared float prob[MAX_EXPERTS];
@@ -31,7 +33,7 @@ shared float cand_v[MAX_CAND];
 shared uint cand_i[MAX_CAND];
 
 void main() {
-    uint t = gl_LocalInvocationIndex, n = pc.n_experts, l = pc.logits_off;
+    uint t = gl_LocalInvocationIndex, n = pc.n_experts, a = gl_WorkGroupID.y * pc.tok_stride, l = pc.logits_off + a;
     float m = -1.0 / 0.0;
     for (uint i = t; i < n; i += WG) m = max(m, s[l + i]);
     m = wg_max(m);
@@ -87,22 +89,22 @@ void main() {
             if (bv == sv && bi == si && bc != 0xffffffffu) cand_v[bc] = -4.0;
             if (lane == 0u) {
                 chosen[r] = sv;
-                s[pc.ids_off + r] = uintBitsToFloat(si);
+                s[pc.ids_off + a + r] = uintBitsToFloat(si);
             }
         }
     }
     barrier();
     if (pc.shared_in_arena == 1u) {
         float g = 0.0;
-        for (uint i = t; i < pc.h; i += WG) g += prm[pc.shared_gate + i] * s[pc.x_off + i];
+        for (uint i = t; i < pc.h; i += WG) g += prm[pc.shared_gate + i] * s[pc.x_off + a + i];
         g = wg_sum(g);
         if (t == 0u) {
-            s[pc.ids_off + pc.k] = uintBitsToFloat(pc.n_experts);
-            s[pc.w_off + pc.k] = sigmoid(g);
+            s[pc.ids_off + a + pc.k] = uintBitsToFloat(pc.n_experts);
+            s[pc.w_off + a + pc.k] = sigmoid(g);
         }
     }
     if (t != 0u) return;
     float total = 0.0;
     for (uint r = 0u; r < pc.k; r++) total += chosen[r];
-    for (uint r = 0u; r < pc.k; r++) s[pc.w_off + r] = chosen[r] / total;
+    for (uint r = 0u; r < pc.k; r++) s[pc.w_off + a + r] = chosen[r] / total;
 }

@@ -88,7 +88,8 @@ pub struct LoadOptions {
     /// micro-batch); 0 = the default, [`DEFAULT_MICRO_BATCH`];
     /// `FNX_MICRO_BATCH=N` wins. Scratch memory grows with it (on the CPU
     /// about `N` times one token's activations, the MoE's gathered inputs
-    /// the largest part); a cancelled prompt stops within one layer of a pass.
+    /// the largest part; on the GPU a block of activations per token, up to
+    /// 512 tokens a pass); a cancelled prompt stops within one layer of a pass.
     pub micro_batch: usize,
 }
 

@@ -301,27 +301,17 @@ impl<'a> VkPass<'a> {
     fn hyper(&mut self, set: vk::DescriptorSet, hc: &GpuHyper, first: usize, n: usize) {
         let cfg = self.cfg;
         let (h, c) = (cfg.hidden as u32, cfg.hc as u32);
-        let layout = &self.state.layout;
-        self.rec.independent(|rec| {
-            for t in first..first + n {
-                let l = layout.at(t);
-                let norm = HcNormPush { x_off: l.residual, gamma: hc.norm, y_off: l.xn, n: h, eps: cfg.eps };
-                rec.dispatch(Pipe::HcNorm, &[set], &norm, norm.groups(c));
-            }
-        });
-        let l = layout.at(first);
+        let l = self.state.layout.at(first);
+        let tok_stride = l.tok;
+        let norm = HcNormPush { x_off: l.residual, gamma: hc.norm, y_off: l.xn, n: h, eps: cfg.eps, tok_stride };
+        self.rec.dispatch(Pipe::HcNorm, &[set], &norm, norm.groups(c, n as u32));
         // Down rows get silu(v/C), injection rows 2*sigmoid(v/C).
         let down = MatvecPush { scale: 1.0 / c as f32, split_row: hc.rank as u32, ..self.batched(l.xn, l.low, 1) };
         self.rec.matvecs_n(&hc.down_inject, set, down, n);
         self.rec.matvec_n(&hc.up, set, self.batched(l.low, l.mix, 0), n);
-        let groups = self.rec.threads(Pipe::HcCombine, cfg.hidden);
-        self.rec.independent(|rec| {
-            for t in first..first + n {
-                let l = layout.at(t);
-                let combine = HcCombinePush { mix_off: l.mix, xn_off: l.xn, y_off: l.input, n: h, streams: c };
-                rec.dispatch(Pipe::HcCombine, &[set], &combine, groups);
-            }
-        });
+        let [x, _, z] = self.rec.threads(Pipe::HcCombine, cfg.hidden);
+        let combine = HcCombinePush { mix_off: l.mix, xn_off: l.xn, y_off: l.input, n: h, streams: c, tok_stride };
+        self.rec.dispatch(Pipe::HcCombine, &[set], &combine, [x, n as u32, z]);
     }
 
     /// `X_c += inject_c * (W x)` for every token: a block's out projection
@@ -577,22 +567,20 @@ impl Blocks for VkPass<'_> {
                 rec.matvec_n(&sh.gate_up, set, sh_gate_up, n);
             }
         });
+        let route = MoeRoutePush {
+            logits_off: l.router,
+            ids_off: l.ids,
+            w_off: l.weights,
+            n_experts: cfg.n_experts as u32,
+            k: cfg.n_experts_used as u32,
+            shared_in_arena: gpu.arena.shared_in_arena as u32,
+            x_off: l.input,
+            shared_gate: w.shared_gate,
+            h: cfg.hidden as u32,
+            tok_stride: l.tok,
+        };
         self.rec.independent(|rec| {
-            for t in 0..n {
-                let l = l.at(t);
-                let route = MoeRoutePush {
-                    logits_off: l.router,
-                    ids_off: l.ids,
-                    w_off: l.weights,
-                    n_experts: cfg.n_experts as u32,
-                    k: cfg.n_experts_used as u32,
-                    shared_in_arena: gpu.arena.shared_in_arena as u32,
-                    x_off: l.input,
-                    shared_gate: w.shared_gate,
-                    h: cfg.hidden as u32,
-                };
-                rec.dispatch(Pipe::MoeRoute, &[set], &route, [1, 1, 1]);
-            }
+            rec.dispatch(Pipe::MoeRoute, &[set], &route, [1, n as u32, 1]);
             if let Some(sh) = shared {
                 rec.matvec_n(&sh.down, set, sh_down, n);
             }
@@ -746,29 +734,25 @@ impl Blocks for VkPass<'_> {
 
     fn moe_combine(&mut self, layer: usize, _branch: &Branch, _routes: &Routes, experts: Experts, _x: &mut Streams) -> Result<()> {
         let (cfg, gpu, set) = (self.cfg, self.gpu, self.set(layer));
-        let (layout, n) = (&self.state.layout, self.n);
+        let l = &self.state.layout;
         let w = &gpu.layers[layer].moe;
-        let groups = self.rec.threads(Pipe::MoeCombine, cfg.hidden);
-        self.rec.independent(|rec| {
-            for t in 0..n {
-                let l = layout.at(t);
-                let combine = MoeCombinePush {
-                    y_off: l.exp_y,
-                    w_off: l.weights,
-                    shared_off: l.sh_y,
-                    x_off: l.input,
-                    shared_gate: w.shared_gate,
-                    res_off: l.residual,
-                    inject_off: l.inject,
-                    h: cfg.hidden as u32,
-                    k: experts.on_gpu as u32,
-                    streams: cfg.hc as u32,
-                    shared_separate: w.shared.is_some() as u32,
-                    partial_off: if experts.host_sum { l.partial } else { NO_PARTIAL },
-                };
-                rec.dispatch(Pipe::MoeCombine, &[set], &combine, groups);
-            }
-        });
+        let combine = MoeCombinePush {
+            y_off: l.exp_y,
+            w_off: l.weights,
+            shared_off: l.sh_y,
+            x_off: l.input,
+            shared_gate: w.shared_gate,
+            res_off: l.residual,
+            inject_off: l.inject,
+            h: cfg.hidden as u32,
+            k: experts.on_gpu as u32,
+            streams: cfg.hc as u32,
+            shared_separate: w.shared.is_some() as u32,
+            partial_off: if experts.host_sum { l.partial } else { NO_PARTIAL },
+            tok_stride: l.tok,
+        };
+        let [x, _, z] = self.rec.threads(Pipe::MoeCombine, cfg.hidden);
+        self.rec.dispatch(Pipe::MoeCombine, &[set], &combine, [x, self.n as u32, z]);
         Ok(())
     }
 

@@ -119,9 +119,9 @@ MatvecPush { rows: u32, cols: u32, row_bytes: u32, row_base: u32, x_off: u32, y_
     aux_off: u32, aux_n: u32, total_rows: u32, expert_off: u32, x_stride: u32, y_stride: u32, slot_table: u32,
     slots_per_slab: u32, slot_bytes: u32, part_off: u32, split_row: u32, tpr_shift: u32, fld0: u32, fld1: u32, kdiv: u32, tok_stride: u32 });
 push_block!(/// shaders/hc_norm.comp
-HcNormPush { x_off: u32, gamma: u32, y_off: u32, n: u32, eps: f32 });
+HcNormPush { x_off: u32, gamma: u32, y_off: u32, n: u32, eps: f32, tok_stride: u32 });
 push_block!(/// shaders/hc_combine.comp
-HcCombinePush { mix_off: u32, xn_off: u32, y_off: u32, n: u32, streams: u32 });
+HcCombinePush { mix_off: u32, xn_off: u32, y_off: u32, n: u32, streams: u32, tok_stride: u32 });
 push_block!(/// shaders/ple_mix.comp
 PleMixPush { key_off: u32, value_off: u32, res_off: u32, tmp_off: u32, norm_key: u32, norm_query: u32, norm_conv: u32,
     conv: u32, h: u32, streams: u32, kernel: u32, dilation: u32, rows: u32, pos: u32, eps: f32 });
@@ -146,16 +146,16 @@ AttentionPush { q_off: u32, qg_off: u32, keys_off: u32, values_off: u32, sel_off
     y_off: u32, keep: u32, ratio: u32, tail_start: u32, n_tail: u32, hd: u32, nh: u32, nkv: u32, scale: f32 });
 push_block!(/// shaders/moe_route.comp
 MoeRoutePush { logits_off: u32, ids_off: u32, w_off: u32, n_experts: u32, k: u32, shared_in_arena: u32, x_off: u32,
-    shared_gate: u32, h: u32 });
+    shared_gate: u32, h: u32, tok_stride: u32 });
 push_block!(/// shaders/moe_combine.comp
 MoeCombinePush { y_off: u32, w_off: u32, shared_off: u32, x_off: u32, shared_gate: u32, res_off: u32, inject_off: u32,
-    h: u32, k: u32, streams: u32, shared_separate: u32, partial_off: u32 });
+    h: u32, k: u32, streams: u32, shared_separate: u32, partial_off: u32, tok_stride: u32 });
 
 impl HcNormPush {
-    /// The grid of `streams` streams: a workgroup per stream and slice of
-    /// its elements (shaders/hc_norm.comp).
-    pub fn groups(&self, streams: u32) -> [u32; 3] {
-        [streams, self.n.div_ceil(Pipe::HcNorm.spec().workgroup), 1]
+    /// The grid of `streams` streams of `tokens` tokens: a workgroup per
+    /// stream and slice of its elements, per token (shaders/hc_norm.comp).
+    pub fn groups(&self, streams: u32, tokens: u32) -> [u32; 3] {
+        [streams, self.n.div_ceil(Pipe::HcNorm.spec().workgroup), tokens]
     }
 }
 
@@ -262,7 +262,7 @@ pipes! {
     HcCombine = "hc_combine", State, HcCombinePush, 64;
     PleMix = "ple_mix", State, PleMixPush, 256;
     GdnConv = "gdn_conv", State, GdnConvPush, 64;
-    GdnRecurrent = "gdn_recurrent", State, GdnRecurrentPush, 128;
+    GdnRecurrent = "gdn_recurrent", State, GdnRecurrentPush, 256;
     AttnPrep = "attn_prep", State, AttnPrepPush, 256;
     QsaIndex = "qsa_index", State, QsaIndexPush, 128;
     QsaScore = "qsa_score", State, QsaScorePush, 64;

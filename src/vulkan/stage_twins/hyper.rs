@@ -22,8 +22,8 @@ fn hc_norm() {
         let x_off = b.s.put(&x);
         let y_off = b.s.out(c * h);
         let gamma_off = b.prm.put(&gamma);
-        let push = HcNormPush { x_off, gamma: gamma_off, y_off, n: h as u32, eps: EPS };
-        let out = g.run(Pipe::HcNorm, &push, Groups::Fixed(push.groups(c as u32)), &b, &[(y_off, c * h)], &[]);
+        let push = HcNormPush { x_off, gamma: gamma_off, y_off, n: h as u32, eps: EPS, tok_stride: 0 };
+        let out = g.run(Pipe::HcNorm, &push, Groups::Fixed(push.groups(c as u32, 1)), &b, &[(y_off, c * h)], &[]);
         check(&format!("hc_norm C={c} H={h} |x|<{scale}"), out.s(y_off, c * h), &want, 4e-6);
     }
 }
@@ -46,7 +46,7 @@ fn hc_combine() {
         let mix_off = b.s.put(&mix);
         let xn_off = b.s.put(&xn);
         let y_off = b.s.out(h);
-        let push = HcCombinePush { mix_off, xn_off, y_off, n: h as u32, streams: c as u32 };
+        let push = HcCombinePush { mix_off, xn_off, y_off, n: h as u32, streams: c as u32, tok_stride: 0 };
         let out = g.run(Pipe::HcCombine, &push, Groups::Threads(h), &b, &[(y_off, h)], &[]);
         check(&format!("hc_combine C={c} H={h} R={rank}"), out.s(y_off, h), &want, 4e-6);
     }

@@ -63,6 +63,7 @@ fn route(g: &Gpu, what: &str, router: Tensor, x: &[f32], k: usize, shared_in_are
         x_off,
         shared_gate: b.prm.put(&w.shared_gate),
         h: h as u32,
+        tok_stride: 0,
     };
     // The shader leaves probabilities (and -1 for the chosen) in the logits.
     let written = [(logits_off, n), (ids_off, m), (w_off, m)];
@@ -182,6 +183,7 @@ fn moe_combine() {
             streams: c as u32,
             shared_separate: separate as u32,
             partial_off: if host { partial_off } else { NO_PARTIAL },
+            tok_stride: 0,
         };
         let out = g.run(Pipe::MoeCombine, &push, Groups::Threads(h), &b, &[(res_off, c * h)], &[]);
         check(&format!("moe_combine H={h} k={k} C={c} shared_separate={separate} host sum {host}"), out.s(res_off, c * h), &want, 1e-5);
