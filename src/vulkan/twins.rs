@@ -578,7 +578,7 @@ fn batched_matvecs_equal_single_tokens() {
         let experts: Vec<(Tensor, Tensor)> = (0..per_layer).map(|x| (tensor(ty, 2 * f, h, x as u64), tensor(ty, h, f, x as u64 + 50))).collect();
         let layer = ArenaLayer::new(ty, ty, h, f).unwrap();
         let slot = layer.gate.bytes + layer.down.bytes;
-        let arena = ExpertArena::alloc(&ctx, &pipes, vec![layer.clone()], per_layer, false, 2 * slot).unwrap();
+        let arena = ExpertArena::alloc(&ctx, &pipes, vec![layer], per_layer, false, 2 * slot).unwrap();
         let mut stream = Stream::new(&ctx).unwrap();
         let table = arena.fill_all(&mut stream, |_, x| (vec![experts[x].0.bytes()], experts[x].1.bytes())).unwrap();
         stream.finish().unwrap();

@@ -183,8 +183,8 @@ fn gdn_over_a_pass_of_tokens() {
         let push = GdnConvPush { x_off: at, y_off: at + y as u32, taps, dc: dc as u32, kc: kc as u32, rows: rows as u32, pos: pos as u32, n: n as u32, tok_stride: tok as u32 };
         let outs: Vec<(u32, usize)> = (0..n).map(|t| (at + (t * tok + y) as u32, dc)).collect();
         let out = g.run(Pipe::GdnConv, &push, Groups::Threads(dc), &b, &outs, &[(0, rows * dc)]);
-        for t in 0..n {
-            check(&format!("{what} conv token {t}"), out.s(at + (t * tok + y) as u32, dc), &conv_outs[t], 4e-6);
+        for (t, want) in conv_outs.iter().enumerate() {
+            check(&format!("{what} conv token {t}"), out.s(at + (t * tok + y) as u32, dc), want, 4e-6);
         }
         check_exact(&format!("{what} conv ring"), out.st(0, rows * dc), &after.conv);
         assert_eq!(out.st(planes, 1)[0].to_bits(), c.before.planes[0].to_bits());
@@ -215,8 +215,8 @@ fn gdn_over_a_pass_of_tokens() {
         let outs: Vec<(u32, usize)> = (0..n).map(|t| (at + (t * tok + y) as u32, dv)).collect();
         let all = c.after.planes.len();
         let out = g.run(Pipe::GdnRecurrent, &push, Groups::Fixed([nv as u32, 1, 1]), &b, &outs, &[(planes, all)]);
-        for t in 0..n {
-            check(&format!("{what} output token {t}"), out.s(at + (t * tok + y) as u32, dv), &ys[t], 2e-5);
+        for (t, want) in ys.iter().enumerate() {
+            check(&format!("{what} output token {t}"), out.s(at + (t * tok + y) as u32, dv), want, 2e-5);
         }
         check(&format!("{what} planes"), out.st(planes, all), &after.planes, 2e-5);
     }
