@@ -53,6 +53,35 @@ fn case(nk: usize, nv: usize, d: usize, kc: usize, window: usize, pos: usize, ga
     Case { cfg, w, before, after, p, conv_out, y }
 }
 
+/// The delta rule's push for `c` from position `pos`: the activations at
+/// `offs` (conv output, z, beta, alpha, output; token 0's), `n` tokens `tok`
+/// floats apart, the planes at `planes`, the parameters put into `b`.
+fn recurrent_push(b: &mut Bufs, c: &Case, planes: u32, pos: usize, offs: [u32; 5], n: usize, tok: usize) -> GdnRecurrentPush {
+    let (cfg, w) = (&c.cfg, &c.w);
+    let [conv_off, z_off, b_off, a_off, y_off] = offs;
+    let (nv, d) = (cfg.ssm_v_heads, cfg.ssm_head_dim);
+    GdnRecurrentPush {
+        conv_off,
+        z_off,
+        b_off,
+        a_off,
+        y_off,
+        nk: cfg.ssm_k_heads as u32,
+        nv: nv as u32,
+        d: d as u32,
+        planes_off: planes,
+        planes: (c.before.planes.len() / (nv * d * d)) as u32,
+        pos: pos as u32,
+        n: n as u32,
+        tok_stride: tok as u32,
+        decay_a: b.prm.put(&w.a),
+        dt_bias: b.prm.put(&w.dt_bias),
+        norm: b.prm.put(&w.norm),
+        gate_silu: (cfg.ssm_gate == GateActivation::Silu) as u32,
+        eps: EPS,
+    }
+}
+
 /// The layer state as the decode lays it out: the conv ring at 0, then (after
 /// a guard) the planes. Returns the planes' offset.
 fn state(b: &mut Bufs, c: &Case) -> u32 {
@@ -108,26 +137,7 @@ fn gdn_recurrent() {
         let y_off = b.s.out(nv * d);
         let plane = nv * d * d;
         let at = |n: usize| planes + ((n % (window + 1)) * plane) as u32;
-        let push = GdnRecurrentPush {
-            conv_off,
-            z_off,
-            b_off,
-            a_off,
-            y_off,
-            nk: nk as u32,
-            nv: nv as u32,
-            d: d as u32,
-            planes_off: planes,
-            planes: (window + 1) as u32,
-            pos: pos as u32,
-            n: 1,
-            tok_stride: 0,
-            decay_a: b.prm.put(&c.w.a),
-            dt_bias: b.prm.put(&c.w.dt_bias),
-            norm: b.prm.put(&c.w.norm),
-            gate_silu: (gate == GateActivation::Silu) as u32,
-            eps: EPS,
-        };
+        let push = recurrent_push(&mut b, &c, planes, pos, [conv_off, z_off, b_off, a_off, y_off], 1, 0);
         let out = g.run(Pipe::GdnRecurrent, &push, Groups::Fixed([nv as u32, 1, 1]), &b, &[(y_off, nv * d)], &[(at(pos + 1), plane)]);
         let what = format!("gdn_recurrent nk={nk} nv={nv} d={d} window {window} pos {pos} {gate:?}");
         let all = out.st(planes, c.after.planes.len());
@@ -192,26 +202,8 @@ fn gdn_over_a_pass_of_tokens() {
         let mut b = Bufs::default();
         let planes = state(&mut b, &c);
         let at = b.s.put(&block);
-        let push = GdnRecurrentPush {
-            conv_off: at + conv as u32,
-            z_off: at + z as u32,
-            b_off: at + beta as u32,
-            a_off: at + alpha as u32,
-            y_off: at + y as u32,
-            nk: nk as u32,
-            nv: nv as u32,
-            d: d as u32,
-            planes_off: planes,
-            planes: (window + 1) as u32,
-            pos: pos as u32,
-            n: n as u32,
-            tok_stride: tok as u32,
-            decay_a: b.prm.put(&w.a),
-            dt_bias: b.prm.put(&w.dt_bias),
-            norm: b.prm.put(&w.norm),
-            gate_silu: 0,
-            eps: EPS,
-        };
+        let offs = [conv, z, beta, alpha, y].map(|o| at + o as u32);
+        let push = recurrent_push(&mut b, &c, planes, pos, offs, n, tok);
         let outs: Vec<(u32, usize)> = (0..n).map(|t| (at + (t * tok + y) as u32, dv)).collect();
         let all = c.after.planes.len();
         let out = g.run(Pipe::GdnRecurrent, &push, Groups::Fixed([nv as u32, 1, 1]), &b, &outs, &[(planes, all)]);
