@@ -5,6 +5,7 @@
 //! in a child process under a counting allocator, and a C program exercising
 //! the same calls runs under AddressSanitizer (and valgrind when installed).
 
+mod leaks;
 mod util;
 
 use flashnext::capi::*;
@@ -14,54 +15,15 @@ use flashnext::Error;
 use flashnext::load::LOAD_CANCELLED;
 use flashnext::{LoadOptions, Model, State};
 use flashnext::sampling::{argmax, Sampler, SamplerParams};
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::ptr::{null, null_mut};
-use std::sync::atomic::{AtomicI64, AtomicIsize, Ordering};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use util::*;
 
 const PROMPT: [i32; 6] = [3, 14, 15, 92, 65, 35];
-
-// ---------------------------------------------------------------------------
-// Allocation counting (read only by the leak checks, in their own process)
-
-struct Counting;
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: forwards to the system allocator; only counts bytes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(l) };
-        if !p.is_null() {
-            LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc_zeroed(l) };
-        if !p.is_null() {
-            LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        unsafe { System.dealloc(p, l) };
-        LIVE.fetch_sub(l.size() as isize, Ordering::Relaxed);
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        let q = unsafe { System.realloc(p, l, new) };
-        if !q.is_null() {
-            LIVE.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
-        }
-        q
-    }
-}
-
-#[global_allocator]
-static ALLOC: Counting = Counting;
 
 // ---------------------------------------------------------------------------
 // Helpers
@@ -1103,63 +1065,23 @@ fn rust_generate_streams_text_and_stops_on_strings() {
 // ---------------------------------------------------------------------------
 // Leak checks (child process)
 
-fn live() -> isize {
-    LIVE.load(Ordering::SeqCst)
-}
-
-/// Runs `op` once to warm caches up, then `n` more times, and returns how
-/// many bytes stayed allocated across those `n` runs.
-fn growth(n: usize, mut op: impl FnMut()) -> isize {
-    op();
-    let before = live();
-    for _ in 0..n {
-        op();
-    }
-    live() - before
-}
-
 #[test]
 fn cancel_and_abort_leak_nothing() {
-    if std::env::var_os("FNX_LEAK_CHILD").is_none() {
-        // Alone in a process, so no other test's allocations are counted.
-        let out = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "cancel_and_abort_leak_nothing",
-                "--test-threads=1",
-                "--nocapture",
-            ])
-            .env("FNX_LEAK_CHILD", "1")
-            .output()
-            .unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(
-            out.status.success() && text.contains("1 passed"),
-            "leak checks failed:\n{text}"
-        );
+    if !leaks::in_child("cancel_and_abort_leak_nothing") {
         return;
     }
     let path = fixture_gguf();
-    // The counter sees leaks at all.
-    assert!(
-        growth(3, || {
-            std::hint::black_box(Box::leak(std::hint::black_box(Box::new([0u8; 100]))));
-        }) >= 300
-    );
+    leaks::check_counter();
 
     let (_, all) = load_with_progress(path, usize::MAX);
     for k in 1..=all.len() {
-        let g = growth(5, || {
+        let g = leaks::growth(5, || {
             let (r, _) = load_with_progress(path, k);
             assert_eq!(r.unwrap_err().0, FNX_ERR_CANCELLED);
         });
         assert_eq!(g, 0, "a load cancelled at call {k} leaked {g} bytes");
     }
-    let g = growth(5, || unsafe { fnx_free_model(load(path, None).unwrap()) });
+    let g = leaks::growth(5, || unsafe { fnx_free_model(load(path, None).unwrap()) });
     assert_eq!(g, 0, "load + free leaked {g} bytes");
 
     // Micro-batches of one token: the abort callback is polled before each.
@@ -1171,7 +1093,7 @@ fn cancel_and_abort_leak_nothing() {
     let mut sp = fnx_sampler_params_default();
     sp.seed = 4;
     for k in [0, 3, 8] {
-        let g = growth(5, || unsafe {
+        let g = leaks::growth(5, || unsafe {
             let s = new_state(m);
             c_decode(s, &PROMPT[..2]);
             assert_eq!(

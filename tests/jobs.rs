@@ -5,15 +5,14 @@
 //! and reply parsers leak nothing (counted in a child process). On the
 //! repository's default model (`models/default.gguf`).
 
+mod leaks;
 mod util;
 
 use flashnext::capi::*;
 use std::ffi::{c_char, c_void, CString};
 use std::path::Path;
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::process::Command;
 use std::ptr::{null, null_mut};
-use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use util::{last_error, new_state};
 
@@ -531,71 +530,15 @@ fn wait_lets_other_threads_poll_cancel_and_free() {
 // ---------------------------------------------------------------------------
 // Leak check (child process)
 
-struct Counting;
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: forwards to the system allocator; only counts bytes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(l) };
-        if !p.is_null() {
-            LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc_zeroed(l) };
-        if !p.is_null() {
-            LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        unsafe { System.dealloc(p, l) };
-        LIVE.fetch_sub(l.size() as isize, Ordering::Relaxed);
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        let q = unsafe { System.realloc(p, l, new) };
-        if !q.is_null() {
-            LIVE.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
-        }
-        q
-    }
-}
-
-#[global_allocator]
-static ALLOC: Counting = Counting;
-
-/// Bytes still allocated after `n` runs of `op` (after one run to warm caches up).
-fn growth(n: usize, mut op: impl FnMut()) -> isize {
-    op();
-    let before = LIVE.load(Ordering::SeqCst);
-    for _ in 0..n {
-        op();
-    }
-    LIVE.load(Ordering::SeqCst) - before
-}
-
 #[test]
 fn jobs_and_parsers_leak_nothing() {
-    if std::env::var_os("FNX_LEAK_CHILD").is_none() {
-        // Alone in a process, so no other test's allocations are counted.
-        let out = Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "jobs_and_parsers_leak_nothing", "--test-threads=1", "--nocapture"])
-            .env("FNX_LEAK_CHILD", "1")
-            .output()
-            .unwrap();
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success() && text.contains("1 passed"), "leak check failed:\n{text}");
+    if !leaks::in_child("jobs_and_parsers_leak_nothing") {
         return;
     }
-    // The counter sees leaks at all.
-    assert!(growth(3, || {
-        std::hint::black_box(Box::leak(std::hint::black_box(Box::new([0u8; 100]))));
-    }) >= 300);
+    leaks::check_counter();
     let m = model();
     for how in ["finish", "cancel", "free", "error"] {
-        let g = growth(4, || unsafe {
+        let g = leaks::growth(4, || unsafe {
             let s = new_state(m);
             let job = start(s, &PROMPT, &params(if how == "finish" { 6 } else { 0 }));
             while poll(job, 0).n_tokens < 2 {
@@ -616,7 +559,7 @@ fn jobs_and_parsers_leak_nothing() {
         assert_eq!(g, 0, "a job ({how}) leaked {g} bytes");
     }
     let reply = "a\n</think>\n\nb<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call><tool_call>\nbad";
-    let g = growth(4, || {
+    let g = leaks::growth(4, || {
         parse(reply, false, None).unwrap();
         let mut p = null_mut();
         unsafe {
