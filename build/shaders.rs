@@ -34,6 +34,7 @@ const VARIANTS: &[(&str, &str, &[&str])] = &[
     ("attention", "attention.comp", &[]),
     ("moe_route", "moe_route.comp", &[]),
     ("moe_combine", "moe_combine.comp", &[]),
+    ("moe_group", "moe_group.comp", &[]),
 ];
 
 /// Weight types of the matvec modules: (module suffix, `WEIGHT_*` define).

@@ -17,8 +17,11 @@
 # SWEEP=0 (skip the sweep), TESTS=0 (skip the tests), KERNELS ("exact fast"),
 # VARIANT (one more bench per model: "NAME:VAR=VALUE ..."), PROMPT_TOKENS
 # (prefill benches per model and kernel family, e.g. "512 2000"), MICRO_BATCH
-# (their micro-batch, default 512), BUDGETS (MiB list: expert-cache decode
-# benches of the 48-layer model with the fast kernels, random tokens).
+# (their micro-batch, default 512), PREFILL_VARIANTS (more prefill benches
+# per prompt length, fast kernels: "NAME:VAR=VALUE ..." entries separated by
+# spaces, e.g. "tile1:FNX_VK_MATVEC_TILE=1"), BUDGETS (MiB list: expert-cache
+# decode benches of the 48-layer model with the fast kernels, random
+# tokens), UNIT (the unit tests' filter, default "vulkan::").
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 which=${1:-all}
@@ -55,7 +58,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 
 if [ "${TESTS:-1}" != 0 ]; then
     say "tests: kernel twins and vulkan_decode (validation layer on)"
-    .vk/bin/unit vulkan:: --test-threads=1 --nocapture 2>&1 | grep -E "twin|test result|panicked|FAILED|validation" | tee -a "$log"
+    .vk/bin/unit "${UNIT:-vulkan::}" --test-threads=1 --nocapture 2>&1 | grep -E "twin|test result|panicked|FAILED|validation" | tee -a "$log"
     [ -x .vk/bin/vulkan_decode ] && .vk/bin/vulkan_decode --test-threads=1 --nocapture 2>&1 \
         | grep -E "GPU|test result|panicked|FAILED|validation" | tee -a "$log"
     [ -x .vk/bin/prefill ] && .vk/bin/prefill vulkan --test-threads=1 --nocapture 2>&1 \
@@ -85,6 +88,12 @@ bench_model() {
             FNX_GPU_KERNELS=$k timeout 300 "$bin" bench --model "$model" --backend vulkan --prompt-tokens "$p" \
                 --micro-batch "${MICRO_BATCH:-512}" --gen 8 --warmup 1 --device-gbs 4400 \
                 --json "$out/prefill-$name-$k-$p.json" 2>&1 | tee -a "$log"
+        done
+        for v in ${PREFILL_VARIANTS:-}; do
+            say "bench $name --backend vulkan --prompt-tokens $p, fast kernels, ${v#*:}"
+            env FNX_GPU_KERNELS=fast "${v#*:}" timeout 300 "$bin" bench --model "$model" --backend vulkan --prompt-tokens "$p" \
+                --micro-batch "${MICRO_BATCH:-512}" --gen 8 --warmup 1 --device-gbs 4400 \
+                --json "$out/prefill-$name-${v%%:*}-$p.json" 2>&1 | tee -a "$log"
         done
     done
     if [ "$layers" = 48 ]; then

@@ -29,14 +29,21 @@
 // (`prepare_x`) and the items are integer dot products; the exact kernels'
 // `prepare_x` does nothing.
 //
-// Workgroup y-index k reads x at x_off + k * x_stride and writes y at
-// y_off + k * y_stride: a batch of tokens for a plain matrix (the residual
-// epilogue's injection weights at aux_off + k * y_stride too).
+// Entry k of a batch (a token of a plain matrix) reads x at x_off + k * x_stride
+// and writes y at y_off + k * y_stride (the residual epilogue's injection
+// weights at aux_off + k * y_stride too). Workgroup y-index g takes entries
+// g * tile .. g * tile + tile - 1 (below ntok) one after the other, the same
+// loop body for each, so an entry's sums are added in the same order whatever
+// the tile: the tile's entries meet the workgroup's weight rows while they
+// are in L1, and a pass of tokens streams each matrix from memory once per
+// tile instead of once per token. tile 0 means one entry per workgroup.
 // With ARENA (routed experts): k reads expert id s[expert_off + k], finds
 // its arena slot through the slot table, and reads x and writes y at
 // k * stride. With kdiv > 0 (a batch of tokens' experts) k is a pair:
 // token k / kdiv's expert k % kdiv, the token's ids, x and y tok_stride
-// floats further per token.
+// floats further per token; with order_off, entry k is the k-th pair of
+// the order moe_group.comp wrote (grouped by expert), so a tile's entries
+// mostly share their expert's rows.
 #define WG 128
 #include "common.glsl"
 layout(local_size_x_id = 1) in;
@@ -68,6 +75,9 @@ layout(push_constant) uniform Push {
     uint fld1;
     uint kdiv;        // ARENA: experts per token of a batch (0: one token)
     uint tok_stride;  // ARENA with kdiv: floats between tokens' activations
+    uint tile;        // batch entries per workgroup (0: one)
+    uint ntok;        // with tile > 1: entries of the dispatch
+    uint order_off;   // ARENA with kdiv: the pairs grouped by expert (moe_group.comp); 0: in order
 } pc;
 
 #include "weights.glsl"
@@ -85,95 +95,101 @@ void main() {
     uint t = gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
     uint lane = t & (tpr - 1u);
     uint r0 = (wg * sets + (t >> pc.tpr_shift)) * ROWS;
-    uint k = gl_WorkGroupID.y;
-    uint base = 0u, tok = 0u;
+    uint tile = max(pc.tile, 1u);
+    [[dont_unroll]] for (uint e = 0u; e < tile; e++) {
+        uint k = gl_WorkGroupID.y * tile + e;
+        if (pc.tile > 1u && k >= pc.ntok) break;  // the same for the whole workgroup
+        // The entry before has read the shared activations and partial sums.
+        if (e > 0u) barrier();
+        uint base = 0u, tok = 0u;
 #ifdef ARENA
-    if (pc.kdiv != 0u) {
-        tok = (k / pc.kdiv) * pc.tok_stride;
-        k = k % pc.kdiv;
-    }
-    // An expert id through the layer's slot table, or (slot_table = ~0, the
-    // expert cache's host-chosen slots) the slot itself.
-    uint id = floatBitsToUint(s[pc.expert_off + tok + k]);
-    uint slot = pc.slot_table == 0xffffffffu ? id : floatBitsToUint(prm[pc.slot_table + id]);
-    g_slab = slot / pc.slots_per_slab;
-    base = (slot % pc.slots_per_slab) * pc.slot_bytes + pc.part_off;
+        if (pc.kdiv != 0u) {
+            if (pc.order_off != 0u) k = floatBitsToUint(s[pc.order_off + (k / pc.kdiv) * pc.tok_stride + k % pc.kdiv]);
+            tok = (k / pc.kdiv) * pc.tok_stride;
+            k = k % pc.kdiv;
+        }
+        // An expert id through the layer's slot table, or (slot_table = ~0, the
+        // expert cache's host-chosen slots) the slot itself.
+        uint id = floatBitsToUint(s[pc.expert_off + tok + k]);
+        uint slot = pc.slot_table == 0xffffffffu ? id : floatBitsToUint(prm[pc.slot_table + id]);
+        g_slab = slot / pc.slots_per_slab;
+        base = (slot % pc.slots_per_slab) * pc.slot_bytes + pc.part_off;
 #endif
-    F0 = base + pc.fld0;
-    F1 = base + pc.fld1;
-    uint x = pc.x_off + tok + k * pc.x_stride;
-    prepare_x(x);
-    bool swiglu = pc.mode == 4u;
-    // Blocks per row (the float types: 16-byte items per row).
-    uint nb = QK == 1u ? pc.row_bytes >> 4 : pc.cols / QK;
-    uint items = nb * IPB;
-    // Rows past the end repeat the last row (their sums are not stored), so
-    // every invocation runs the same loop and reaches the reductions.
-    uint row[ROWS];
-    uint blk[ROWS];
-    [[unroll]] for (uint i = 0u; i < ROWS; i++) {
-        uint r = min(r0 + i, pc.rows - 1u);
-        row[i] = base + r * pc.row_bytes;
-        blk[i] = r * nb;
-    }
-    uint up_row = pc.rows * pc.row_bytes, up_blk = pc.rows * nb;
-    float acc[NACC];
-    [[unroll]] for (uint i = 0u; i < NACC; i++) acc[i] = 0.0;
-    // UNROLL items per pass, their loads unconditional (a missing item
-    // rereads the last one and adds nothing), so all can be in flight at once.
-    for (uint c0 = lane; c0 < items; c0 += UNROLL * tpr) {
-        [[unroll]] for (uint u = 0u; u < UNROLL; u++) {
-            uint c = c0 + u * tpr;
-            bool ok = c < items;
-            c = min(c, items - 1u);
-            uint b = c / IPB, kk = c % IPB;
-            Xs xs = load_x(x, b, kk);
-            [[unroll]] for (uint i = 0u; i < ROWS; i++) {
-                float d = item_dot(row[i], blk[i] + b, b, kk, xs);
-                acc[i] += ok ? d : 0.0;
-            }
-            if (swiglu) {
+        F0 = base + pc.fld0;
+        F1 = base + pc.fld1;
+        uint x = pc.x_off + tok + k * pc.x_stride;
+        prepare_x(x);
+        bool swiglu = pc.mode == 4u;
+        // Blocks per row (the float types: 16-byte items per row).
+        uint nb = QK == 1u ? pc.row_bytes >> 4 : pc.cols / QK;
+        uint items = nb * IPB;
+        // Rows past the end repeat the last row (their sums are not stored), so
+        // every invocation runs the same loop and reaches the reductions.
+        uint row[ROWS];
+        uint blk[ROWS];
+        [[unroll]] for (uint i = 0u; i < ROWS; i++) {
+            uint r = min(r0 + i, pc.rows - 1u);
+            row[i] = base + r * pc.row_bytes;
+            blk[i] = r * nb;
+        }
+        uint up_row = pc.rows * pc.row_bytes, up_blk = pc.rows * nb;
+        float acc[NACC];
+        [[unroll]] for (uint i = 0u; i < NACC; i++) acc[i] = 0.0;
+        // UNROLL items per pass, their loads unconditional (a missing item
+        // rereads the last one and adds nothing), so all can be in flight at once.
+        for (uint c0 = lane; c0 < items; c0 += UNROLL * tpr) {
+            [[unroll]] for (uint u = 0u; u < UNROLL; u++) {
+                uint c = c0 + u * tpr;
+                bool ok = c < items;
+                c = min(c, items - 1u);
+                uint b = c / IPB, kk = c % IPB;
+                Xs xs = load_x(x, b, kk);
                 [[unroll]] for (uint i = 0u; i < ROWS; i++) {
-                    float d = item_dot(row[i] + up_row, blk[i] + up_blk + b, b, kk, xs);
-                    acc[ROWS + i] += ok ? d : 0.0;
+                    float d = item_dot(row[i], blk[i] + b, b, kk, xs);
+                    acc[i] += ok ? d : 0.0;
+                }
+                if (swiglu) {
+                    [[unroll]] for (uint i = 0u; i < ROWS; i++) {
+                        float d = item_dot(row[i] + up_row, blk[i] + up_blk + b, b, kk, xs);
+                        acc[ROWS + i] += ok ? d : 0.0;
+                    }
                 }
             }
         }
-    }
-    uint n_acc = swiglu ? NACC : ROWS;
-    if (tpr >= gl_SubgroupSize) {
-        [[unroll]] for (uint i = 0u; i < NACC; i++) if (i < n_acc) acc[i] = subgroupAdd(acc[i]);
-        if (tpr > gl_SubgroupSize) {
-            if (subgroupElect()) {
-                [[unroll]] for (uint i = 0u; i < NACC; i++) red_mv[gl_SubgroupID * NACC + i] = acc[i];
-            }
-            barrier();
-            if (lane == 0u) {
-                for (uint j = 1u; j < tpr / gl_SubgroupSize; j++) {
-                    [[unroll]] for (uint i = 0u; i < NACC; i++) acc[i] += red_mv[(gl_SubgroupID + j) * NACC + i];
+        uint n_acc = swiglu ? NACC : ROWS;
+        if (tpr >= gl_SubgroupSize) {
+            [[unroll]] for (uint i = 0u; i < NACC; i++) if (i < n_acc) acc[i] = subgroupAdd(acc[i]);
+            if (tpr > gl_SubgroupSize) {
+                if (subgroupElect()) {
+                    [[unroll]] for (uint i = 0u; i < NACC; i++) red_mv[gl_SubgroupID * NACC + i] = acc[i];
+                }
+                barrier();
+                if (lane == 0u) {
+                    for (uint j = 1u; j < tpr / gl_SubgroupSize; j++) {
+                        [[unroll]] for (uint i = 0u; i < NACC; i++) acc[i] += red_mv[(gl_SubgroupID + j) * NACC + i];
+                    }
                 }
             }
-        }
-    } else {
-        // Butterfly over the set's lanes (a set lies inside one subgroup).
-        for (uint o = tpr >> 1; o > 0u; o >>= 1) {
-            [[unroll]] for (uint i = 0u; i < NACC; i++) if (i < n_acc) acc[i] += subgroupShuffleXor(acc[i], o);
-        }
-    }
-    if (lane != 0u) return;
-    [[unroll]] for (uint i = 0u; i < ROWS; i++) {
-        uint r = r0 + i;
-        if (r >= pc.rows) break;
-        float v = acc[i];
-        uint y = pc.y_off + tok + k * pc.y_stride + pc.row_base + r;
-        if (pc.mode == 0u) {
-            s[y] = v;
-        } else if (pc.mode == 1u) {
-            s[y] = pc.row_base + r < pc.split_row ? silu(v * pc.scale) : 2.0 * sigmoid(v * pc.scale);
-        } else if (pc.mode == 3u) {
-            for (uint c = 0u; c < pc.aux_n; c++) s[y + c * pc.total_rows] += s[pc.aux_off + k * pc.y_stride + c] * v;
         } else {
-            s[y] = silu(v) * acc[ROWS + i];
+            // Butterfly over the set's lanes (a set lies inside one subgroup).
+            for (uint o = tpr >> 1; o > 0u; o >>= 1) {
+                [[unroll]] for (uint i = 0u; i < NACC; i++) if (i < n_acc) acc[i] += subgroupShuffleXor(acc[i], o);
+            }
+        }
+        if (lane == 0u) [[unroll]] for (uint i = 0u; i < ROWS; i++) {
+            uint r = r0 + i;
+            if (r >= pc.rows) break;
+            float v = acc[i];
+            uint y = pc.y_off + tok + k * pc.y_stride + pc.row_base + r;
+            if (pc.mode == 0u) {
+                s[y] = v;
+            } else if (pc.mode == 1u) {
+                s[y] = pc.row_base + r < pc.split_row ? silu(v * pc.scale) : 2.0 * sigmoid(v * pc.scale);
+            } else if (pc.mode == 3u) {
+                for (uint c = 0u; c < pc.aux_n; c++) s[y + c * pc.total_rows] += s[pc.aux_off + k * pc.y_stride + c] * v;
+            } else {
+                s[y] = silu(v) * acc[ROWS + i];
+            }
         }
     }
 }

@@ -7,16 +7,19 @@
 //! outputs at `exp_y` and `sh_y`.
 //!
 //! A pass of `T` tokens (a prompt's micro-batch) records every matrix once
-//! for all of them: one dispatch whose workgroup y-index is the token (the
-//! routed experts: a (token, expert) pair), reading and writing each
-//! token's block. The Gated DeltaNet's conv and delta rule loop over the
+//! for all of them: one dispatch in which each workgroup takes a tile of
+//! tokens in turn, reading and writing each token's block, so a matrix's
+//! rows come from memory once per tile. The routed experts are (token,
+//! expert) pairs, first grouped by expert (`moe_group`, one small dispatch
+//! per layer) so that a tile's pairs mostly share an expert. The Gated DeltaNet's conv and delta rule loop over the
 //! tokens inside one dispatch each (a channel, or a head's state, per
-//! invocation or workgroup, kept on chip from token to token). The other
-//! stages that carry state from one token to the next (attention with its
-//! cache appends and block selection, the PLE mix) are recorded token after
-//! token, each ordered after the one before; the per-token stages between matrices
-//! (norms, routing, combines) are recorded for every token with no barrier
-//! between them. One token is the same recording as before batches.
+//! invocation or workgroup, kept on chip from token to token); the
+//! per-token stages between matrices (norms, routing, combines) take a grid
+//! dimension per token, one dispatch for the pass. The other stages that
+//! carry state from one token to the next (attention with its cache
+//! appends and block selection, the PLE mix) are recorded token after
+//! token, each ordered after the one before. One token is the same
+//! recording as before batches.
 //!
 //! Where the CPU adds a block's output back into the streams in a separate
 //! step, the GPU fuses it into the block's last dispatch: the mixers' out
@@ -199,11 +202,26 @@ impl<'a> VkPass<'a> {
         let (h, f) = (cfg.hidden, cfg.expert_ff);
         if experts > 0 {
             let part = &ar.layers[layer];
-            // (token, expert) pairs: each token's ids and activations in its block.
+            // (token, expert) pairs: each token's ids and activations in its
+            // block; a pass's pairs grouped by expert first (the ids are
+            // experts here, not the cache's slots: a pass has one token then).
+            let grouped = self.n > 1 && w.slot_table != SLOTS_DIRECT;
+            if grouped {
+                let group = MoeGroupPush {
+                    ids_off: l.ids,
+                    order_off: l.order,
+                    tok_stride: l.tok,
+                    k: experts as u32,
+                    n: self.n as u32,
+                    n_ids: (cfg.n_experts + ar.shared_in_arena as usize) as u32,
+                };
+                self.rec.dispatch(Pipe::MoeGroup, &[set], &group, [1, 1, 1]);
+            }
             let base = MatvecPush {
                 kdiv: experts as u32,
                 tok_stride: l.tok,
                 expert_off: l.ids,
+                order_off: if grouped { l.order } else { 0 },
                 slot_table: w.slot_table,
                 slots_per_slab: ar.slots_per_slab as u32,
                 slot_bytes: ar.slot_bytes as u32,
@@ -309,9 +327,9 @@ impl<'a> VkPass<'a> {
         let down = MatvecPush { scale: 1.0 / c as f32, split_row: hc.rank as u32, ..self.batched(l.xn, l.low, 1) };
         self.rec.matvecs_n(&hc.down_inject, set, down, n);
         self.rec.matvec_n(&hc.up, set, self.batched(l.low, l.mix, 0), n);
-        let [x, _, z] = self.rec.threads(Pipe::HcCombine, cfg.hidden);
         let combine = HcCombinePush { mix_off: l.mix, xn_off: l.xn, y_off: l.input, n: h, streams: c, tok_stride };
-        self.rec.dispatch(Pipe::HcCombine, &[set], &combine, [x, n as u32, z]);
+        let groups = self.rec.threads_n(Pipe::HcCombine, cfg.hidden, n);
+        self.rec.dispatch(Pipe::HcCombine, &[set], &combine, groups);
     }
 
     /// `X_c += inject_c * (W x)` for every token: a block's out projection
@@ -751,8 +769,8 @@ impl Blocks for VkPass<'_> {
             partial_off: if experts.host_sum { l.partial } else { NO_PARTIAL },
             tok_stride: l.tok,
         };
-        let [x, _, z] = self.rec.threads(Pipe::MoeCombine, cfg.hidden);
-        self.rec.dispatch(Pipe::MoeCombine, &[set], &combine, [x, self.n as u32, z]);
+        let groups = self.rec.threads_n(Pipe::MoeCombine, cfg.hidden, self.n);
+        self.rec.dispatch(Pipe::MoeCombine, &[set], &combine, groups);
         Ok(())
     }
 

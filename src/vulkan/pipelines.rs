@@ -32,7 +32,15 @@
 //! dispatch that would then have fewer than `FILL` workgroups (default 256,
 //! `FNX_VK_MATVEC_FILL`, 0 = off: a small matrix, which is latency-bound)
 //! doubles TPR until it has them: the shared expert's gate/up goes from 80
-//! workgroups of TPR 32 to 320 of TPR 128.
+//! workgroups of TPR 32 to 320 of TPR 128. The split is the one token's
+//! whatever the batch, so a token's sums are added in the same order in a
+//! batch as alone.
+//!
+//! In a batch of tokens a workgroup of a plain matrix takes `TILE` tokens
+//! in turn (push constant `tile`, default 8, `FNX_VK_MATVEC_TILE`; 1 = a
+//! workgroup per token): its rows come from memory for the first and from
+//! the caches for the rest, so a prompt pass streams each matrix once per
+//! tile rather than once per token.
 //!
 //! The quantized types have a second family of pipelines, the fast kernels
 //! (`matvec_<t>_fast`, `expert_<t>_fast`: 8-bit activations, integer dot
@@ -117,7 +125,8 @@ macro_rules! push_block {
 push_block!(/// shaders/matvec.comp
 MatvecPush { rows: u32, cols: u32, row_bytes: u32, row_base: u32, x_off: u32, y_off: u32, mode: u32, scale: f32,
     aux_off: u32, aux_n: u32, total_rows: u32, expert_off: u32, x_stride: u32, y_stride: u32, slot_table: u32,
-    slots_per_slab: u32, slot_bytes: u32, part_off: u32, split_row: u32, tpr_shift: u32, fld0: u32, fld1: u32, kdiv: u32, tok_stride: u32 });
+    slots_per_slab: u32, slot_bytes: u32, part_off: u32, split_row: u32, tpr_shift: u32, fld0: u32, fld1: u32, kdiv: u32, tok_stride: u32,
+    tile: u32, ntok: u32, order_off: u32 });
 push_block!(/// shaders/hc_norm.comp
 HcNormPush { x_off: u32, gamma: u32, y_off: u32, n: u32, eps: f32, tok_stride: u32 });
 push_block!(/// shaders/hc_combine.comp
@@ -150,6 +159,8 @@ MoeRoutePush { logits_off: u32, ids_off: u32, w_off: u32, n_experts: u32, k: u32
 push_block!(/// shaders/moe_combine.comp
 MoeCombinePush { y_off: u32, w_off: u32, shared_off: u32, x_off: u32, shared_gate: u32, res_off: u32, inject_off: u32,
     h: u32, k: u32, streams: u32, shared_separate: u32, partial_off: u32, tok_stride: u32 });
+push_block!(/// shaders/moe_group.comp
+MoeGroupPush { ids_off: u32, order_off: u32, tok_stride: u32, k: u32, n: u32, n_ids: u32 });
 
 impl HcNormPush {
     /// The grid of `streams` streams of `tokens` tokens: a workgroup per
@@ -270,6 +281,7 @@ pipes! {
     Attention = "attention", State, AttentionPush, 256;
     MoeRoute = "moe_route", State, MoeRoutePush, 256;
     MoeCombine = "moe_combine", State, MoeCombinePush, 256;
+    MoeGroup = "moe_group", State, MoeGroupPush, 256;
 }
 
 impl Pipe {
@@ -367,17 +379,22 @@ pub(crate) struct MatvecTuning {
     /// TPR until it has them (or TPR reaches the workgroup or the row's
     /// items), so a latency-bound matvec has more loads in flight. 0 = off.
     pub fill: u32,
+    /// Tokens of a batch one workgroup takes in turn (push `tile`; 1 = a
+    /// workgroup per token): its weight rows are read from memory once for
+    /// them all. Plain matrices only (routed experts are (token, expert) pairs).
+    pub tile: u32,
 }
 
 /// The defaults, in the syntax of the environment overrides:
 /// (variable, default list).
-const DEFAULTS: [(&str, &str); 6] = [
+const DEFAULTS: [(&str, &str); 7] = [
     ("FNX_VK_MATVEC_WG", "128"),
     ("FNX_VK_MATVEC_ROWS", "2"),
     ("FNX_VK_MATVEC_UNROLL", "1"),
     ("FNX_VK_MATVEC_TPR", ""),
     ("FNX_VK_MATVEC_ITEMS", "4"),
     ("FNX_VK_MATVEC_FILL", "256"),
+    ("FNX_VK_MATVEC_TILE", "8"),
 ];
 
 impl MatvecTuning {
@@ -396,6 +413,7 @@ impl MatvecTuning {
             tpr: get(3),
             min_items: get(4).unwrap_or(4),
             fill: get(5).unwrap_or(256),
+            tile: get(6).unwrap_or(8),
         }
     }
 
@@ -424,6 +442,7 @@ impl MatvecTuning {
             tpr: self.tpr.map(|t| pow2_floor(t).min(wg)),
             min_items: self.min_items.max(1),
             fill: self.fill,
+            tile: self.tile.clamp(1, 64),
         }
     }
 

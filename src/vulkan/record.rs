@@ -155,7 +155,12 @@ impl<'a> Recorder<'a> {
 
     /// One workgroup per `n` items of `pipe`'s workgroup size.
     pub fn threads(&self, pipe: Pipe, n: usize) -> [u32; 3] {
-        grid(self.ctx, n.div_ceil(pipe.spec().workgroup as usize), 1)
+        self.threads_n(pipe, n, 1)
+    }
+
+    /// [`Recorder::threads`] for each of `tokens` tokens (grid y).
+    pub fn threads_n(&self, pipe: Pipe, n: usize, tokens: usize) -> [u32; 3] {
+        grid(self.ctx, n.div_ceil(pipe.spec().workgroup as usize), tokens as u32)
     }
 
     pub fn barrier(&mut self, src: vk::PipelineStageFlags, access: vk::AccessFlags, dst: vk::PipelineStageFlags) {
@@ -172,9 +177,10 @@ impl<'a> Recorder<'a> {
 
     /// Fills the work split and layout fields of a matvec push for `part`
     /// and returns the workgroup grid for `experts` per token and `n` tokens
-    /// (grid y). The split is the one token's, so a token's sums are added
-    /// in the same order in a batch as alone.
-    fn matvec_split(&self, pipe: Pipe, part: &PartLayout, push: &mut MatvecPush, experts: u32, n: u32) -> [u32; 3] {
+    /// (grid y: tiles of the tuning's tokens for a plain matrix, one pair per
+    /// workgroup for experts). The split is the one token's, so a token's
+    /// sums are added in the same order in a batch as alone.
+    fn matvec_split(&self, pipe: Pipe, part: &PartLayout, push: &mut MatvecPush, experts: u32, n: u32, tiled: bool) -> [u32; 3] {
         assert!(push.x_off.is_multiple_of(4) && push.x_stride.is_multiple_of(4), "matvec activations must start at multiples of 4 floats");
         let tuning = match self.force_tpr {
             Some(t) => MatvecTuning { tpr: Some(t), ..self.pipes.tuning[pipe as usize] },
@@ -187,7 +193,10 @@ impl<'a> Recorder<'a> {
         push.fld0 = part.fields[0] as u32;
         push.fld1 = part.fields[1] as u32;
         let per_group = tuning.rows_per_workgroup(shift) as usize;
-        grid(self.ctx, (push.rows as usize).div_ceil(per_group), experts * n)
+        let entries = experts * n;
+        let tile = if tiled { tuning.tile.min(entries) } else { 1 };
+        (push.tile, push.ntok) = (tile, entries);
+        grid(self.ctx, (push.rows as usize).div_ceil(per_group), entries.div_ceil(tile))
     }
 
     /// `y = W x` over every chunk of `m`. The caller fills the offsets and epilogue of `push`.
@@ -209,7 +218,7 @@ impl<'a> Recorder<'a> {
             for c in &m.chunks {
                 push.rows = if swiglu { c.rows / 2 } else { c.rows } as u32;
                 push.row_base = c.first_row as u32;
-                let groups = rec.matvec_split(pipe, &c.layout, &mut push, 1, n as u32);
+                let groups = rec.matvec_split(pipe, &c.layout, &mut push, 1, n as u32, true);
                 rec.label_next(|| role(&m.name), c.layout.bytes as u64);
                 rec.dispatch(pipe, &[state_set, c.set], &push, groups);
             }
@@ -234,13 +243,15 @@ impl<'a> Recorder<'a> {
 
     /// A matvec of the arena part `part` (at `push.part_off` of each slot) for
     /// `experts` experts (ids in scratch at `push.expert_off`; with
-    /// `push.kdiv`, (token, expert) pairs); `push.rows` is the part's output
-    /// rows (its gate rows with SwiGLU).
+    /// `push.kdiv`, (token, expert) pairs, taken in the order at
+    /// `push.order_off` when set, in tiles as a plain matrix's tokens);
+    /// `push.rows` is the part's output rows (its gate rows with SwiGLU).
     pub fn expert_matvec(&mut self, ty: GgmlType, sets: [vk::DescriptorSet; 2], mut push: MatvecPush, part: &PartLayout, experts: usize) {
         let pipe = Pipe::matvec(ty, true, self.fast(part.cols));
         push.total_rows = push.rows;
         let per_token = if push.kdiv > 0 { push.kdiv as usize } else { experts };
-        let g = self.matvec_split(pipe, part, &mut push, per_token as u32, (experts / per_token) as u32);
+        let grouped = push.order_off != 0;
+        let g = self.matvec_split(pipe, part, &mut push, per_token as u32, (experts / per_token) as u32, grouped);
         let what = if push.mode == 4 { "experts gate/up" } else { "experts down" };
         self.label_next(|| what.to_string(), (experts * part.bytes) as u64);
         self.dispatch(pipe, &sets, &push, g);

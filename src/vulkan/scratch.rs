@@ -48,6 +48,8 @@ pub(crate) struct ScratchLayout {
     pub att_out: u32,
     pub router: u32,
     pub ids: u32,
+    /// A pass's (token, expert) pairs grouped by expert, k per token (moe_group).
+    pub order: u32,
     pub weights: u32,
     pub exp_h: u32,
     pub exp_y: u32,
@@ -114,6 +116,7 @@ impl ScratchLayout {
         // The chosen experts, and the shared one when it runs in the arena.
         let k = cfg.n_experts_used + 1;
         l.ids = next(k);
+        l.order = next(k);
         l.weights = next(k);
         l.exp_h = next(k * exp_h_stride(cfg) as usize);
         l.exp_y = next(k * h);
@@ -152,7 +155,7 @@ impl ScratchLayout {
             &mut l.residual, &mut l.ple_rows, &mut l.rope, &mut l.block_rope, &mut l.xn, &mut l.low, &mut l.mix,
             &mut l.input, &mut l.inject, &mut l.ple_key, &mut l.ple_value, &mut l.ple_tmp, &mut l.qkv, &mut l.z,
             &mut l.beta, &mut l.alpha, &mut l.conv_out, &mut l.gdn_out, &mut l.qg, &mut l.k, &mut l.v, &mut l.q,
-            &mut l.iq, &mut l.ik, &mut l.att_out, &mut l.router, &mut l.ids, &mut l.weights, &mut l.exp_h,
+            &mut l.iq, &mut l.ik, &mut l.att_out, &mut l.router, &mut l.ids, &mut l.order, &mut l.weights, &mut l.exp_h,
             &mut l.exp_y, &mut l.sh_h, &mut l.sh_y, &mut l.partial,
         ] {
             *f += d;

@@ -33,6 +33,7 @@
 //! | `attention` | `qsa::attend`, dense and sparse | 2e-5 |
 //! | `moe_route` | `moe::route`, `moe::shared_gate` | ids equal, in order; weights 1e-5 |
 //! | `moe_combine` | `moe::combine` + `hyper::post` | 1e-5 |
+//! | `moe_group` | none (an order, not a value): every pair once, grouped by expert; the experts' matvecs in that order equal token by token bit for bit (`twins::batched_matvecs_equal_single_tokens`) | exact |
 //!
 //! Where a CPU block function composes the stages (`gdn::forward`,
 //! `qsa::forward`, `ple::forward`), the test checks that it equals the

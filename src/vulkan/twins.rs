@@ -36,7 +36,7 @@ use super::buffer::{Buffer, Commands, Stream};
 use super::device::{validation_errors, Context, DeviceChoice};
 use super::layout::PartLayout;
 use super::matrix::GpuMatrix;
-use super::pipelines::{MatvecPush, MatvecTuning, Pipelines};
+use super::pipelines::{MatvecPush, MatvecTuning, MoeGroupPush, Pipe, Pipelines};
 use super::record::{DescriptorPool, Recorder};
 use crate::gguf::{GgmlType, TensorInfo};
 use crate::tensor::Tensor;
@@ -338,8 +338,8 @@ fn every_type(ctx: &Arc<Context>, fast: bool) {
 fn matvec_other_tunings_and_split_matrices() {
     let Some(ctx) = context() else { return };
     for tuning in [
-        MatvecTuning { wg: 64, rows: 1, unroll: 1, tpr: None, min_items: 2, fill: 0 },
-        MatvecTuning { wg: 256, rows: 3, unroll: 3, tpr: None, min_items: 8, fill: 4096 },
+        MatvecTuning { wg: 64, rows: 1, unroll: 1, tpr: None, min_items: 2, fill: 0, tile: 1 },
+        MatvecTuning { wg: 256, rows: 3, unroll: 3, tpr: None, min_items: 8, fill: 4096, tile: 3 },
     ] {
         let pipes = Pipelines::tuned(&ctx, false, |_| tuning).unwrap();
         let twin = Twin { ctx: &ctx, pipes: &pipes };
@@ -517,20 +517,24 @@ fn run_scratch(ctx: &Arc<Context>, pipes: &Pipelines, scratch: &[f32], params: &
     f32s(&cmds.download(&buf, 0, scratch.len() * 4).unwrap())
 }
 
-/// A batch (a prompt's micro-batch: grid y is the token, each token's
-/// activations a block apart; the routed experts as (token, expert) pairs)
+/// A batch (a prompt's micro-batch: a workgroup takes a tile of tokens in
+/// turn, each token's activations a block apart; the routed experts as
+/// (token, expert) pairs)
 /// computes every token's rows bit for bit as that token alone, on both
 /// kernel families: the residual epilogue with each token's injection
 /// weights, SwiGLU, and experts chosen differently per token.
 #[test]
 fn batched_matvecs_equal_single_tokens() {
     let Some(ctx) = context() else { return };
-    const T: usize = 3;
-    for fast in [false, true] {
+    // Plain matrices: more tokens than a workgroup's tile, the last tile part full.
+    const T: usize = 11;
+    // Experts: (token, expert) pairs.
+    const TE: usize = 6;
+    for (fast, tile) in [(false, 8), (true, 8), (false, 3), (true, 4)] {
         if fast && !ctx.int_dot.supported {
             continue;
         }
-        let pipes = Pipelines::new(&ctx, fast).unwrap();
+        let pipes = Pipelines::tuned(&ctx, fast, |name| MatvecTuning { tile, ..MatvecTuning::for_pipeline(name, false) }).unwrap();
         let params = Buffer::new(&ctx, "twin params", 16, MemoryLocation::GpuOnly).unwrap();
         for ty in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
             let (rows, cols) = (300, 512);
@@ -568,7 +572,7 @@ fn batched_matvecs_equal_single_tokens() {
                     rec.matvec(&m, set, push(t, 0, y0));
                 }
             });
-            assert_eq!(batched.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), single.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{ty} (fast {fast}): a batch of {T} tokens");
+            assert_eq!(batched.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), single.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{ty} (fast {fast}, tile {tile}): a batch of {T} tokens");
             let (want, abs) = cpu(&w, &single[..cols], fast);
             assert!(worst(&format!("{ty} token 0"), &single[y0..y0 + rows], &want, &abs) <= 1.0);
         }
@@ -584,14 +588,16 @@ fn batched_matvecs_equal_single_tokens() {
         stream.finish().unwrap();
         let slots = Buffer::new(&ctx, "twin params", (table.len() * 4) as u64, MemoryLocation::GpuOnly).unwrap();
         Commands::new(&ctx).unwrap().upload(&slots, 0, &table.iter().flat_map(|s| s.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
-        let ids: [[u32; 3]; T] = [[3, 0, 4], [1, 3, 2], [4, 2, 0]];
+        // Three distinct experts per token, each expert chosen by several tokens.
+        let ids: Vec<[u32; 3]> = (0..TE as u32).map(|t| [0, 3, 6].map(|j| (2 * t + j) % per_layer as u32)).collect();
         let (k, fs) = (3usize, f.div_ceil(4) * 4);
-        // Token block: [ids | x | hidden: k * fs | y: k * h].
+        // Token block: [ids | x | hidden: k * fs | y: k * h | order: k].
         let (x_off, h_off) = (4, 4 + h);
         let y_off = h_off + k * fs;
-        let tok = (y_off + k * h).div_ceil(64) * 64;
-        let mut scratch = vec![0f32; T * tok];
-        for t in 0..T {
+        let order_off = y_off + k * h;
+        let tok = (order_off + k).div_ceil(64) * 64;
+        let mut scratch = vec![0f32; TE * tok];
+        for t in 0..TE {
             let b = &mut scratch[t * tok..(t + 1) * tok];
             for (i, id) in ids[t].iter().enumerate() {
                 b[i] = f32::from_bits(*id);
@@ -599,9 +605,15 @@ fn batched_matvecs_equal_single_tokens() {
             b[x_off..x_off + h].copy_from_slice(&values(h, h, 60 + t as u64));
         }
         let base = MatvecPush { slot_table: 0, slots_per_slab: arena.slots_per_slab as u32, slot_bytes: arena.slot_bytes as u32, scale: 1.0, ..Default::default() };
-        let record = |rec: &mut Recorder, set: vk::DescriptorSet, t: usize, n: usize, kdiv: u32| {
+        // Token by token (kdiv 0), a batch of pairs in order, or grouped by expert first.
+        let record = |rec: &mut Recorder, set: vk::DescriptorSet, t: usize, n: usize, kdiv: u32, grouped: bool| {
             let b = (t * tok) as u32;
-            let base = MatvecPush { expert_off: b, kdiv, tok_stride: tok as u32, ..base };
+            let order = if grouped { b + order_off as u32 } else { 0 };
+            if grouped {
+                let group = MoeGroupPush { ids_off: b, order_off: order, tok_stride: tok as u32, k: kdiv, n: n as u32, n_ids: per_layer as u32 };
+                rec.dispatch(Pipe::MoeGroup, &[set], &group, [1, 1, 1]);
+            }
+            let base = MatvecPush { expert_off: b, kdiv, tok_stride: tok as u32, order_off: order, ..base };
             let gate_up = MatvecPush { rows: f as u32, x_off: b + x_off as u32, y_off: b + h_off as u32, y_stride: fs as u32, mode: 4, ..base };
             rec.expert_matvec(layer.gate_ty, [set, arena.set], gate_up, &layer.gate, n * k);
             let down = MatvecPush {
@@ -615,9 +627,22 @@ fn batched_matvecs_equal_single_tokens() {
             };
             rec.expert_matvec(layer.down_ty, [set, arena.set], down, &layer.down, n * k);
         };
-        let batched = run_scratch(&ctx, &pipes, &scratch, &slots, |rec, set| record(rec, set, 0, T, k as u32));
-        let single = run_scratch(&ctx, &pipes, &scratch, &slots, |rec, set| (0..T).for_each(|t| record(rec, set, t, 1, 0)));
-        assert_eq!(batched.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), single.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "experts (fast {fast}): a batch of {T} tokens");
+        let single = run_scratch(&ctx, &pipes, &scratch, &slots, |rec, set| (0..TE).for_each(|t| record(rec, set, t, 1, 0, false)));
+        let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let batched = run_scratch(&ctx, &pipes, &scratch, &slots, |rec, set| record(rec, set, 0, TE, k as u32, false));
+        assert_eq!(bits(&batched), bits(&single), "experts (fast {fast}): a batch of {TE} tokens");
+        let mut grouped = run_scratch(&ctx, &pipes, &scratch, &slots, |rec, set| record(rec, set, 0, TE, k as u32, true));
+        // The order: every pair once, grouped by expert.
+        let order: Vec<usize> = (0..TE * k).map(|i| grouped[(i / k) * tok + order_off + i % k].to_bits() as usize).collect();
+        let mut seen = order.clone();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..TE * k).collect::<Vec<_>>(), "moe_group: not a permutation of the pairs");
+        let experts_in_order: Vec<u32> = order.iter().map(|&p| ids[p / k][p % k]).collect();
+        assert!(experts_in_order.is_sorted(), "moe_group: pairs not grouped by expert: {experts_in_order:?}");
+        for t in 0..TE {
+            grouped[t * tok + order_off..t * tok + order_off + k].fill(0.0);
+        }
+        assert_eq!(bits(&grouped), bits(&single), "experts (fast {fast}, tile {tile}): a batch of {TE} tokens grouped by expert");
         // Token 2's second expert against the CPU.
         let b = 2 * tok;
         let (y, abs) = cpu(&experts[2].0, &scratch[b + x_off..b + x_off + h], fast);
