@@ -35,6 +35,7 @@ const VARIANTS: &[(&str, &str, &[&str])] = &[
     ("moe_route", "moe_route.comp", &[]),
     ("moe_combine", "moe_combine.comp", &[]),
     ("moe_group", "moe_group.comp", &[]),
+    ("act_int8", "act_int8.comp", &[]),
 ];
 
 /// Weight types of the matvec modules: (module suffix, `WEIGHT_*` define).

@@ -26,7 +26,9 @@
 //
 // With FAST (the quantized types' fast kernels, shaders/weights_int.glsl)
 // each workgroup first rounds its activations to 8 bits in shared memory
-// (`prepare_x`) and the items are integer dot products; the exact kernels'
+// (`prepare_x`), or in a pass of tokens copies them from the region
+// act_int8.comp rounded once for every workgroup (`xq_off`, the same
+// values), and the items are integer dot products; the exact kernels'
 // `prepare_x` does nothing.
 //
 // Entry k of a batch (a token of a plain matrix) reads x at x_off + k * x_stride
@@ -78,6 +80,7 @@ layout(push_constant) uniform Push {
     uint tile;        // batch entries per workgroup (0: one)
     uint ntok;        // with tile > 1: entries of the dispatch
     uint order_off;   // ARENA with kdiv: the pairs grouped by expert (moe_group.comp); 0: in order
+    uint xq_off;      // FAST: token 0's activations rounded by act_int8.comp; 0: round them here
 } pc;
 
 #include "weights.glsl"
@@ -118,7 +121,21 @@ void main() {
         F0 = base + pc.fld0;
         F1 = base + pc.fld1;
         uint x = pc.x_off + tok + k * pc.x_stride;
+#ifdef FAST
+        if (pc.xq_off != 0u) {
+            // The entry's vector of its token's region (an expert pair's
+            // own input when they differ, else the token's one vector).
+#ifdef ARENA
+            copy_x(pc.xq_off + tok, pc.x_stride == 0u ? 0u : k);
+#else
+            copy_x(pc.xq_off + k * pc.x_stride, 0u);
+#endif
+        } else {
+            prepare_x(x);
+        }
+#else
         prepare_x(x);
+#endif
         bool swiglu = pc.mode == 4u;
         // Blocks per row (the float types: 16-byte items per row).
         uint nb = QK == 1u ? pc.row_bytes >> 4 : pc.cols / QK;

@@ -5,7 +5,8 @@
 // same `Xs load_x(x, b, k)` / `float item_dot(row, g, b, k, xs)` contract.
 //
 // Activations: each workgroup first rounds its x (pc.cols values) into
-// shared memory, in blocks of 32 (`prepare_x`): `x ~ d q` with
+// shared memory, in blocks of 32 (`prepare_x`; in a pass of several tokens
+// act_int8.comp rounds them once for all workgroups and `copy_x` copies): `x ~ d q` with
 // `d = amax / 127`, `q = roundEven(x * 127 / amax)` in -127..127, as the
 // CPU's fast path does (src/quant/dot/act.rs; finer than its 256-value
 // blocks for the K-quants), plus the sum of the levels of every 16 values.
@@ -39,22 +40,14 @@ int sdot16(uvec4 a, uvec4 b) {
     return (sdot4(a.x, b.x, 0) + sdot4(a.y, b.y, 0)) + (sdot4(a.z, b.z, 0) + sdot4(a.w, b.w, 0));
 }
 
-// Must equal FAST_MAX_COLS in src/vulkan/pipelines.rs.
-const uint FAST_MAX_COLS = 10240u;
+#include "act_int8.glsl"
 shared uvec4 xq[FAST_MAX_COLS / 16u];  // the levels, 16 per entry
 shared float xd[FAST_MAX_COLS / 32u];  // the scale of each block of 32
 shared int xs[FAST_MAX_COLS / 16u];    // the sum of each 16 levels
 
-// Four levels as bytes of one word.
-uint pack_levels(ivec4 q) {
-    uvec4 u = uvec4(q) & 0xFFu;
-    return u.x | (u.y << 8) | (u.z << 16) | (u.w << 24);
-}
-
 // Rounds x[0..pc.cols] (pc.cols a multiple of 32) into shared memory; every
 // invocation of the workgroup must call it. Four invocations share a block
-// of 32 (eight values each; the maximum and the sums meet by shuffles within
-// the four, which the subgroup size, at least 4, keeps together).
+// of 32, eight values each (act_int8.glsl).
 void prepare_x(uint x) {
     uint nb = pc.cols >> 5;
     // Numbered by subgroup, as in matvec.comp, so each four share a subgroup.
@@ -66,27 +59,33 @@ void prepare_x(uint x) {
         bool live = b < nb;
         uint at = x + 32u * min(b, nb - 1u) + 8u * quarter;
         vec4 v0 = live ? xv(at) : vec4(0.0), v1 = live ? xv(at + 4u) : vec4(0.0);
-        vec4 a = max(abs(v0), abs(v1));
-        float amax = max(max(a.x, a.y), max(a.z, a.w));
-        bool finite = !any(isnan(v0)) && !any(isinf(v0)) && !any(isnan(v1)) && !any(isinf(v1));
-        amax = max(amax, subgroupShuffleXor(amax, 1u));
-        amax = max(amax, subgroupShuffleXor(amax, 2u));
-        uint bad = finite ? 0u : 1u;
-        bad |= subgroupShuffleXor(bad, 1u);
-        bad |= subgroupShuffleXor(bad, 2u);
-        float id = bad == 0u && amax > 0.0 ? 127.0 / amax : 0.0;
-        ivec4 q0 = clamp(ivec4(roundEven(v0 * id)), -127, 127), q1 = clamp(ivec4(roundEven(v1 * id)), -127, 127);
-        int sum = (q0.x + q0.y) + (q0.z + q0.w) + (q1.x + q1.y) + (q1.z + q1.w);
-        // The 16-value halves: quarters 0 and 1, 2 and 3.
-        sum += subgroupShuffleXor(sum, 1u);
+        uint w0, w1;
+        int sum;
+        float d;
+        round_block(v0, v1, w0, w1, sum, d);
         if (live) {
             uint e = 2u * b + (quarter >> 1), w = 2u * (quarter & 1u);
-            xq[e][w] = pack_levels(q0);
-            xq[e][w + 1u] = pack_levels(q1);
+            xq[e][w] = w0;
+            xq[e][w + 1u] = w1;
             if ((quarter & 1u) == 0u) xs[e] = sum;
-            if (quarter == 0u) xd[b] = bad == 0u ? amax / 127.0 : uintBitsToFloat(0x7fc00000u);
+            if (quarter == 0u) xd[b] = d;
         }
     }
+    barrier();
+}
+
+// Copies activations act_int8.comp rounded into shared memory, the same
+// values prepare_x would make: vector `v` (of pc.cols values) of the region
+// at scratch float `q` (levels as words, then scales at XQ_D, then the sums
+// of 16 at XQ_S). Every invocation of the workgroup must call it.
+void copy_x(uint q, uint v) {
+    uint t = gl_LocalInvocationIndex, ne = pc.cols >> 4, nb = pc.cols >> 5;
+    uint e0 = v * ne, b0 = v * nb;
+    for (uint e = t; e < ne; e += gl_WorkGroupSize.x) {
+        xq[e] = floatBitsToUint(xv(q + 4u * (e0 + e)));
+        xs[e] = floatBitsToInt(s[q + XQ_S + e0 + e]);
+    }
+    for (uint b = t; b < nb; b += gl_WorkGroupSize.x) xd[b] = s[q + XQ_D + b0 + b];
     barrier();
 }
 

@@ -9,9 +9,11 @@
 //! A pass of `T` tokens (a prompt's micro-batch) records every matrix once
 //! for all of them: one dispatch in which each workgroup takes a tile of
 //! tokens in turn, reading and writing each token's block, so a matrix's
-//! rows come from memory once per tile. The routed experts are (token,
-//! expert) pairs, first grouped by expert (`moe_group`, one small dispatch
-//! per layer) so that a tile's pairs mostly share an expert. The Gated DeltaNet's conv and delta rule loop over the
+//! rows come from memory once per tile; with the fast kernels the input is
+//! rounded to 8 bits once per token (`act_int8`) rather than by every
+//! workgroup. The routed experts are (token, expert) pairs, first grouped
+//! by expert (`moe_group`, one small dispatch per layer) so that a tile's
+//! pairs mostly share an expert. The Gated DeltaNet's conv and delta rule loop over the
 //! tokens inside one dispatch each (a channel, or a head's state, per
 //! invocation or workgroup, kept on chip from token to token); the
 //! per-token stages between matrices (norms, routing, combines) take a grid
@@ -129,6 +131,9 @@ impl<'a> VkPass<'a> {
         assert!(n <= state.layout.batch as usize && batch.n_logits() <= state.layout.logit_rows as usize, "the scratch fits the pass");
         assert!(n == 1 || cache.is_none(), "with the expert cache a pass is one token");
         let l = &state.layout;
+        if n > 1 {
+            rec.xq = Some((l.xq, l.tok));
+        }
         let (len, tok) = (l.input_len as usize, l.tok as u64);
         let regions: Vec<_> = (0..n)
             .map(|t| vk::BufferCopy { src_offset: (t * len * 4) as u64, dst_offset: t as u64 * tok * 4, size: (len * 4) as u64 })

@@ -40,7 +40,9 @@
 //! in turn (push constant `tile`, default 8, `FNX_VK_MATVEC_TILE`; 1 = a
 //! workgroup per token): its rows come from memory for the first and from
 //! the caches for the rest, so a prompt pass streams each matrix once per
-//! tile rather than once per token.
+//! tile rather than once per token. The fast kernels of such a pass copy
+//! their input from a region `act_int8` rounded once per token (push
+//! constant `xq_off`) instead of rounding it in every workgroup.
 //!
 //! The quantized types have a second family of pipelines, the fast kernels
 //! (`matvec_<t>_fast`, `expert_<t>_fast`: 8-bit activations, integer dot
@@ -126,7 +128,7 @@ push_block!(/// shaders/matvec.comp
 MatvecPush { rows: u32, cols: u32, row_bytes: u32, row_base: u32, x_off: u32, y_off: u32, mode: u32, scale: f32,
     aux_off: u32, aux_n: u32, total_rows: u32, expert_off: u32, x_stride: u32, y_stride: u32, slot_table: u32,
     slots_per_slab: u32, slot_bytes: u32, part_off: u32, split_row: u32, tpr_shift: u32, fld0: u32, fld1: u32, kdiv: u32, tok_stride: u32,
-    tile: u32, ntok: u32, order_off: u32 });
+    tile: u32, ntok: u32, order_off: u32, xq_off: u32 });
 push_block!(/// shaders/hc_norm.comp
 HcNormPush { x_off: u32, gamma: u32, y_off: u32, n: u32, eps: f32, tok_stride: u32 });
 push_block!(/// shaders/hc_combine.comp
@@ -161,6 +163,8 @@ MoeCombinePush { y_off: u32, w_off: u32, shared_off: u32, x_off: u32, shared_gat
     h: u32, k: u32, streams: u32, shared_separate: u32, partial_off: u32, tok_stride: u32 });
 push_block!(/// shaders/moe_group.comp
 MoeGroupPush { ids_off: u32, order_off: u32, tok_stride: u32, k: u32, n: u32, n_ids: u32 });
+push_block!(/// shaders/act_int8.comp
+ActInt8Push { x_off: u32, x_stride: u32, tok_stride: u32, cols: u32, count: u32, q_off: u32 });
 
 impl HcNormPush {
     /// The grid of `streams` streams of `tokens` tokens: a workgroup per
@@ -282,6 +286,7 @@ pipes! {
     MoeRoute = "moe_route", State, MoeRoutePush, 256;
     MoeCombine = "moe_combine", State, MoeCombinePush, 256;
     MoeGroup = "moe_group", State, MoeGroupPush, 256;
+    ActInt8 = "act_int8", State, ActInt8Push, 128;
 }
 
 impl Pipe {
@@ -508,6 +513,9 @@ fn tuning_entry(list: &str, name: &str) -> Option<u32> {
 pub(crate) const FAST_MAX_COLS: usize = 10240;
 /// Shared memory the fast kernels' rounded activations take.
 const FAST_SHARED_BYTES: usize = FAST_MAX_COLS + FAST_MAX_COLS / 32 * 4 + FAST_MAX_COLS / 16 * 4;
+/// Floats of a region of activations rounded by act_int8.comp (`XQ_FLOATS`
+/// in shaders/act_int8.glsl): levels, scales of 32, sums of 16.
+pub(crate) const XQ_FLOATS: usize = FAST_MAX_COLS / 4 + FAST_MAX_COLS / 32 + FAST_MAX_COLS / 16;
 
 /// The created pipelines and their descriptor-set layouts.
 pub(crate) struct Pipelines {

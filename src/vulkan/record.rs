@@ -13,7 +13,7 @@
 use super::device::{err, Context};
 use super::layout::PartLayout;
 use super::matrix::GpuMatrix;
-use super::pipelines::{MatvecTuning, MatvecPush, Pipe, Pipelines, Push, FAST_MAX_COLS};
+use super::pipelines::{ActInt8Push, MatvecTuning, MatvecPush, Pipe, Pipelines, Push, FAST_MAX_COLS};
 use crate::error::Result;
 use crate::gguf::GgmlType;
 use ash::vk;
@@ -41,6 +41,11 @@ pub(crate) struct Recorder<'a> {
     pub force_tpr: Option<u32>,
     /// Inside [`Recorder::independent`]: no barrier after each dispatch.
     grouped: bool,
+    /// In a pass of several tokens: token 0's region for activations rounded
+    /// once by `act_int8` (the scratch's `xq`) and the floats between
+    /// tokens. The fast matvecs of the pass then copy a token's rounded
+    /// activations instead of rounding them in every workgroup.
+    pub xq: Option<(u32, u32)>,
 }
 
 /// One timed dispatch: its pipeline, what it computed (a matrix's name
@@ -78,7 +83,7 @@ fn grid(ctx: &Context, n: usize, y: u32) -> [u32; 3] {
 
 impl<'a> Recorder<'a> {
     pub fn new(ctx: &'a Context, pipes: &'a Pipelines, cmd: vk::CommandBuffer) -> Self {
-        Recorder { ctx, pipes, cmd, stats: TokenStats::default(), timestamps: None, next_label: None, force_tpr: None, grouped: false }
+        Recorder { ctx, pipes, cmd, stats: TokenStats::default(), timestamps: None, next_label: None, force_tpr: None, grouped: false, xq: None }
     }
 
     /// Writes a timestamp after every dispatch into `pool` (reset here), for
@@ -199,6 +204,27 @@ impl<'a> Recorder<'a> {
         grid(self.ctx, (push.rows as usize).div_ceil(per_group), entries.div_ceil(tile))
     }
 
+    /// Before the fast matvecs of `n` tokens whose input is `count` vectors
+    /// of `cols` values per token (at `x_off + j * x_stride`, tokens
+    /// `tok_stride` apart, which must be the region's): rounds them once
+    /// into the [`Recorder::xq`] region and points `push.xq_off` there.
+    /// Does nothing for one token, exact kernels, rows the region cannot
+    /// hold, inside [`Recorder::independent`] (the matvec would not wait),
+    /// or when `push` already has them.
+    #[allow(clippy::too_many_arguments)]
+    fn round_once(&mut self, set: vk::DescriptorSet, ty: GgmlType, arena: bool, push: &mut MatvecPush, cols: usize, count: usize, n: usize, tok_stride: u32) {
+        let Some((q_off, stride)) = self.xq else { return };
+        let fast = self.fast(cols) && Pipe::matvec(ty, arena, true) != Pipe::matvec(ty, arena, false);
+        if n < 2 || !fast || self.grouped || push.xq_off != 0 || tok_stride != stride || cols % 32 != 0 || count * cols > FAST_MAX_COLS {
+            return;
+        }
+        let p = ActInt8Push { x_off: push.x_off, x_stride: push.x_stride, tok_stride, cols: cols as u32, count: count as u32, q_off };
+        // Four invocations per block of 32; at most FAST_MAX_COLS / 32 blocks.
+        let groups = (count * cols / 32).div_ceil(Pipe::ActInt8.spec().workgroup as usize / 4);
+        self.dispatch(Pipe::ActInt8, &[set], &p, [groups as u32, n as u32, 1]);
+        push.xq_off = q_off;
+    }
+
     /// `y = W x` over every chunk of `m`. The caller fills the offsets and epilogue of `push`.
     #[cfg(test)]
     pub fn matvec(&mut self, m: &GpuMatrix, state_set: vk::DescriptorSet, push: MatvecPush) {
@@ -210,7 +236,10 @@ impl<'a> Recorder<'a> {
     pub fn matvec_n(&mut self, m: &GpuMatrix, state_set: vk::DescriptorSet, mut push: MatvecPush, n: usize) {
         let swiglu = push.mode == 4;
         assert!(!swiglu || m.chunks.len() == 1, "{}: a SwiGLU matrix is never split", m.name);
-        let pipe = Pipe::matvec(m.ty, false, self.fast(m.chunks[0].layout.cols));
+        let cols = m.chunks[0].layout.cols;
+        let pipe = Pipe::matvec(m.ty, false, self.fast(cols));
+        let stride = push.x_stride;
+        self.round_once(state_set, m.ty, false, &mut push, cols, 1, n, stride);
         push.total_rows = m.rows as u32;
         push.scale = if push.scale == 0.0 { 1.0 } else { push.scale };
         // The chunks write disjoint rows.
@@ -229,7 +258,12 @@ impl<'a> Recorder<'a> {
     /// Matvecs of matrices whose rows are consecutive outputs (one fused
     /// projection, split where the parts' types differ), for `n` tokens (as
     /// [`Recorder::matvec_n`]).
-    pub fn matvecs_n(&mut self, ms: &[GpuMatrix], state_set: vk::DescriptorSet, push: MatvecPush, n: usize) {
+    pub fn matvecs_n(&mut self, ms: &[GpuMatrix], state_set: vk::DescriptorSet, mut push: MatvecPush, n: usize) {
+        // One rounding of the input for every part with fast kernels.
+        let stride = push.x_stride;
+        for m in ms {
+            self.round_once(state_set, m.ty, false, &mut push, m.chunks[0].layout.cols, 1, n, stride);
+        }
         // The parts write disjoint rows.
         self.independent(|rec| {
             let mut rows = 0;
@@ -250,6 +284,12 @@ impl<'a> Recorder<'a> {
         let pipe = Pipe::matvec(ty, true, self.fast(part.cols));
         push.total_rows = push.rows;
         let per_token = if push.kdiv > 0 { push.kdiv as usize } else { experts };
+        if push.kdiv > 0 {
+            // A token's one input (gate/up), or each pair's own (down).
+            let count = if push.x_stride == 0 { 1 } else { per_token };
+            let (cols, tok) = (part.cols, push.tok_stride);
+            self.round_once(sets[0], ty, true, &mut push, cols, count, experts / per_token, tok);
+        }
         let grouped = push.order_off != 0;
         let g = self.matvec_split(pipe, part, &mut push, per_token as u32, (experts / per_token) as u32, grouped);
         let what = if push.mode == 4 { "experts gate/up" } else { "experts down" };

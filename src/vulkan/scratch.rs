@@ -9,6 +9,7 @@
 //! regions that scale with the context (block scores, selection, attention
 //! weights), which the tokens of a pass use one after another.
 
+use super::pipelines::XQ_FLOATS;
 use crate::error::{Error, Result};
 use crate::model::{Config, LayerKind};
 
@@ -50,6 +51,8 @@ pub(crate) struct ScratchLayout {
     pub ids: u32,
     /// A pass's (token, expert) pairs grouped by expert, k per token (moe_group).
     pub order: u32,
+    /// A matvec input rounded to 8 bits once for a pass's fast kernels (act_int8).
+    pub xq: u32,
     pub weights: u32,
     pub exp_h: u32,
     pub exp_y: u32,
@@ -123,6 +126,7 @@ impl ScratchLayout {
         l.sh_h = next(cfg.shared_ff);
         l.sh_y = next(h);
         l.partial = next(h);
+        l.xq = next(if batch > 1 { XQ_FLOATS } else { 0 });
         let tok = next(0).div_ceil(64) * 64;
         l.tok = tok;
         l.batch = batch.max(1) as u32;
@@ -156,7 +160,7 @@ impl ScratchLayout {
             &mut l.input, &mut l.inject, &mut l.ple_key, &mut l.ple_value, &mut l.ple_tmp, &mut l.qkv, &mut l.z,
             &mut l.beta, &mut l.alpha, &mut l.conv_out, &mut l.gdn_out, &mut l.qg, &mut l.k, &mut l.v, &mut l.q,
             &mut l.iq, &mut l.ik, &mut l.att_out, &mut l.router, &mut l.ids, &mut l.order, &mut l.weights, &mut l.exp_h,
-            &mut l.exp_y, &mut l.sh_h, &mut l.sh_y, &mut l.partial,
+            &mut l.exp_y, &mut l.sh_h, &mut l.sh_y, &mut l.partial, &mut l.xq,
         ] {
             *f += d;
         }

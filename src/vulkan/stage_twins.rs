@@ -33,6 +33,7 @@
 //! | `attention` | `qsa::attend`, dense and sparse | 2e-5 |
 //! | `moe_route` | `moe::route`, `moe::shared_gate` | ids equal, in order; weights 1e-5 |
 //! | `moe_combine` | `moe::combine` + `hyper::post` | 1e-5 |
+//! | `act_int8` | none (the matvec's own rounding, `prepare_x`, shares its code): the fast matvecs of a batch reading it equal token by token bit for bit (`twins::batched_matvecs_equal_single_tokens`) | exact |
 //! | `moe_group` | none (an order, not a value): every pair once, grouped by expert; the experts' matvecs in that order equal token by token bit for bit (`twins::batched_matvecs_equal_single_tokens`) | exact |
 //!
 //! Where a CPU block function composes the stages (`gdn::forward`,
