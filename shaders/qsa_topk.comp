@@ -11,7 +11,10 @@
 //    invocation scans a contiguous range; exclusive prefix sums place them).
 // 3. Each chosen block's rank among the chosen (a `keep`-squared pass over
 //    shared memory) is its place in sel.
-// The dispatch is [1, 1, 1]; `keep` is at most MAX_KEEP (checked at load).
+// One workgroup per token; `keep` is at most MAX_KEEP (checked at load).
+// Workgroup y-index t is the t-th token of a run of a pass's tokens: its
+// scores score_stride floats further, its selection sel_stride further,
+// its blocks n_blocks + (phase + t) / ratio (ratio 0: one token, n_blocks).
 #define WG 256
 #define MAX_KEEP 1024u
 #include "common.glsl"
@@ -21,7 +24,13 @@ layout(push_constant) uniform Push {
     uint sel_off;
     uint n_blocks;
     uint keep;
+    uint ratio;
+    uint phase;
+    uint score_stride;
+    uint sel_stride;
 } pc;
+
+uint score_at = 0u;
 
 shared uint part[WG / 4];
 shared uint chosen_id[MAX_KEEP];
@@ -29,7 +38,7 @@ shared uint chosen_key[MAX_KEEP];
 
 // Larger score, larger key; NaNs and signed zeros ordered as total_cmp does.
 uint key_of(uint b) {
-    uint u = floatBitsToUint(s[pc.score_off + b]);
+    uint u = floatBitsToUint(s[score_at + b]);
     return (u & 0x80000000u) != 0u ? ~u : u | 0x80000000u;
 }
 
@@ -57,7 +66,10 @@ uint wg_before(uint v) {
 
 void main() {
     uint t = gl_LocalInvocationIndex;
-    uint n = pc.n_blocks;
+    uint y = gl_WorkGroupID.y;
+    uint n = pc.ratio == 0u ? pc.n_blocks : pc.n_blocks + (pc.phase + y) / pc.ratio;
+    score_at = pc.score_off + y * pc.score_stride;
+    uint sel = pc.sel_off + y * pc.sel_stride;
     uint keep = min(min(pc.keep, n), MAX_KEEP);
     if (keep == 0u) return;
     uint per = (n + WG - 1u) / WG;
@@ -102,6 +114,6 @@ void main() {
             uint kj = chosen_key[j];
             rank += (kj > k || (kj == k && chosen_id[j] < b)) ? 1u : 0u;
         }
-        s[pc.sel_off + rank] = uintBitsToFloat(b);
+        s[sel + rank] = uintBitsToFloat(b);
     }
 }

@@ -17,10 +17,13 @@
 //! tokens inside one dispatch each (a channel, or a head's state, per
 //! invocation or workgroup, kept on chip from token to token); the
 //! per-token stages between matrices (norms, routing, combines) take a grid
-//! dimension per token, one dispatch for the pass. The other stages that
-//! carry state from one token to the next (attention with its cache
-//! appends and block selection, the PLE mix) are recorded token after
-//! token, each ordered after the one before. One token is the same
+//! dimension per token, one dispatch for the pass. Attention appends every
+//! token's key and value in one dispatch; the QSA indexer (each token's raw
+//! key, and the block key it completes) runs token after token; then, for
+//! runs of tokens whose scores fit the scratch, each token's block scores
+//! and its own top-k in one dispatch each (a workgroup row per token, its
+//! blocks those complete at its position), and the attention itself token
+//! after token. The PLE mix is recorded token after token. One token is the same
 //! recording as before batches.
 //!
 //! Where the CPU adds a block's output back into the streams in a separate
@@ -485,34 +488,35 @@ impl Blocks for VkPass<'_> {
         let a = self.state.caches.attn;
         let input = self.batched(self.state.layout.input, self.state.layout.qg, 0);
         self.rec.matvecs_n(&w.input, set, input, self.n);
-        // Token after token: each appends to the caches and the block keys
-        // the next one reads (the score, selection and weight regions are
-        // shared by the tokens of a pass).
-        for t in 0..self.n {
-            let (l, pos) = (self.state.layout.at(t), self.pos + t);
-            let (nh, nkv, hd) = (cfg.n_heads as u32, cfg.n_kv_heads as u32, cfg.head_dim as u32);
-            let prep = AttnPrepPush {
-                qg_off: l.qg,
-                k_off: l.k,
-                v_off: l.v,
-                q_off: l.q,
-                q_norm: w.q_norm,
-                k_norm: w.k_norm,
-                rope: l.rope,
-                half_dims: (cfg.rope_dims / 2) as u32,
-                hd,
-                nh,
-                nkv,
-                keys_off: a.keys,
-                values_off: a.values,
-                pos: pos as u32,
-                eps: cfg.eps,
-            };
-            self.rec.dispatch(Pipe::AttnPrep, &[set], &prep, [nh + nkv, 1, 1]);
-            let n_tokens = pos + 1;
-            // Dense attention reads every token as the "tail".
-            let (mut keep, mut ratio_used, mut tail_start) = (0usize, 1usize, 0usize);
-            if let (Some(ix), Some(q)) = (&w.indexer, &cfg.qsa) {
+        let (nh, nkv, hd) = (cfg.n_heads as u32, cfg.n_kv_heads as u32, cfg.head_dim as u32);
+        let l0 = self.state.layout.clone();
+        // Every token's query, and its key and value appended to the caches.
+        let prep = AttnPrepPush {
+            qg_off: l0.qg,
+            k_off: l0.k,
+            v_off: l0.v,
+            q_off: l0.q,
+            q_norm: w.q_norm,
+            k_norm: w.k_norm,
+            rope: l0.rope,
+            half_dims: (cfg.rope_dims / 2) as u32,
+            hd,
+            nh,
+            nkv,
+            keys_off: a.keys,
+            values_off: a.values,
+            pos: self.pos as u32,
+            eps: cfg.eps,
+            tok_stride: l0.tok,
+        };
+        self.rec.dispatch(Pipe::AttnPrep, &[set], &prep, [nh + nkv, self.n as u32, 1]);
+        let qsa = w.indexer.as_ref().zip(cfg.qsa.as_ref());
+        // The indexer, token after token: each appends its raw key and
+        // completes a block key the later ones read.
+        if let Some((ix, q)) = qsa {
+            for t in 0..self.n {
+                let (l, pos) = (self.state.layout.at(t), self.pos + t);
+                let n_tokens = pos + 1;
                 let n_complete = n_tokens / ratio;
                 let index = QsaIndexPush {
                     key_off: l.ik,
@@ -532,45 +536,76 @@ impl Blocks for VkPass<'_> {
                     eps: cfg.eps,
                 };
                 self.rec.dispatch(Pipe::QsaIndex, &[set], &index, [1, 1, 1]);
-                if n_complete > 0 {
-                    let n_blocks = n_complete as u32;
+            }
+        }
+        // Runs of tokens whose block scores and selections fit the scratch:
+        // each token's scores and its top-k in one dispatch each for the
+        // run, then its attention, token after token (the weight region is
+        // shared).
+        let rows = l0.score_rows as usize;
+        for t0 in (0..self.n).step_by(rows) {
+            let run = rows.min(self.n - t0);
+            let first = self.pos + t0;
+            let (mut keep_max, mut ratio_used) = (0usize, 1usize);
+            if let Some((_, q)) = qsa {
+                let (first_blocks, last_blocks) = ((first + 1) / ratio, (first + run) / ratio);
+                keep_max = q.budget / ratio;
+                ratio_used = *ratio;
+                if last_blocks > 0 {
+                    let per_token = (*ratio as u32, ((first + 1) % ratio) as u32);
                     let score = QsaScorePush {
-                        query_off: l.iq,
+                        query_off: self.state.layout.at(t0).iq,
                         block_keys: a.block_keys,
-                        score_off: l.scores,
-                        n_blocks,
+                        score_off: l0.scores,
+                        n_blocks: first_blocks as u32,
                         heads: q.n_heads as u32,
                         id: q.head_dim as u32,
                         scale: 1.0 / (q.head_dim as f32).sqrt(),
+                        ratio: per_token.0,
+                        phase: per_token.1,
+                        tok_stride: l0.tok,
+                        score_stride: l0.score_stride,
                     };
-                    let groups = self.rec.threads(Pipe::QsaScore, n_complete);
+                    let groups = self.rec.threads_n(Pipe::QsaScore, last_blocks, run);
                     self.rec.dispatch(Pipe::QsaScore, &[set], &score, groups);
-                    keep = (q.budget / ratio).min(n_complete);
-                    let topk = QsaTopkPush { score_off: l.scores, sel_off: l.sel, n_blocks, keep: keep as u32 };
-                    self.rec.dispatch(Pipe::QsaTopk, &[set], &topk, [1, 1, 1]);
+                    let topk = QsaTopkPush {
+                        score_off: l0.scores,
+                        sel_off: l0.sel,
+                        n_blocks: first_blocks as u32,
+                        keep: keep_max as u32,
+                        ratio: per_token.0,
+                        phase: per_token.1,
+                        score_stride: l0.score_stride,
+                        sel_stride: l0.score_stride,
+                    };
+                    self.rec.dispatch(Pipe::QsaTopk, &[set], &topk, [1, run as u32, 1]);
                 }
-                ratio_used = *ratio;
-                tail_start = n_complete * ratio;
             }
-            let att = AttentionPush {
-                q_off: l.q,
-                qg_off: l.qg,
-                keys_off: a.keys,
-                values_off: a.values,
-                sel_off: l.sel,
-                tmp_off: l.att_tmp,
-                tmp_stride: self.state.caches.capacity as u32,
-                y_off: l.att_out,
-                keep: keep as u32,
-                ratio: ratio_used as u32,
-                tail_start: tail_start as u32,
-                n_tail: (n_tokens - tail_start) as u32,
-                hd,
-                nh,
-                nkv,
-                scale: 1.0 / (cfg.head_dim as f32).sqrt(),
-            };
-            self.rec.dispatch(Pipe::Attention, &[set], &att, [nh, 1, 1]);
+            for t in t0..t0 + run {
+                let (l, n_tokens) = (self.state.layout.at(t), self.pos + t + 1);
+                // Dense attention reads every token as the "tail".
+                let n_complete = if qsa.is_some() { n_tokens / ratio } else { 0 };
+                let (keep, tail_start) = (keep_max.min(n_complete), n_complete * ratio_used);
+                let att = AttentionPush {
+                    q_off: l.q,
+                    qg_off: l.qg,
+                    keys_off: a.keys,
+                    values_off: a.values,
+                    sel_off: l0.sel + ((t - t0) as u32) * l0.score_stride,
+                    tmp_off: l.att_tmp,
+                    tmp_stride: self.state.caches.capacity as u32,
+                    y_off: l.att_out,
+                    keep: keep as u32,
+                    ratio: ratio_used as u32,
+                    tail_start: tail_start as u32,
+                    n_tail: (n_tokens - tail_start) as u32,
+                    hd,
+                    nh,
+                    nkv,
+                    scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+                };
+                self.rec.dispatch(Pipe::Attention, &[set], &att, [nh, 1, 1]);
+            }
         }
         let post = self.post(self.state.layout.att_out);
         self.rec.matvec_n(&w.o, set, post, self.n);

@@ -144,14 +144,16 @@ GdnRecurrentPush { conv_off: u32, z_off: u32, b_off: u32, a_off: u32, y_off: u32
     eps: f32 });
 push_block!(/// shaders/attn_prep.comp
 AttnPrepPush { qg_off: u32, k_off: u32, v_off: u32, q_off: u32, q_norm: u32, k_norm: u32, rope: u32, half_dims: u32,
-    hd: u32, nh: u32, nkv: u32, keys_off: u32, values_off: u32, pos: u32, eps: f32 });
+    hd: u32, nh: u32, nkv: u32, keys_off: u32, values_off: u32, pos: u32, eps: f32, tok_stride: u32 });
 push_block!(/// shaders/qsa_index.comp
 QsaIndexPush { key_off: u32, query_off: u32, q_norm: u32, k_norm: u32, rope: u32, block_rope: u32, half_dims: u32,
     id: u32, heads: u32, ratio: u32, raw_keys: u32, block_keys: u32, pos: u32, block: u32, eps: f32 });
 push_block!(/// shaders/qsa_score.comp
-QsaScorePush { query_off: u32, block_keys: u32, score_off: u32, n_blocks: u32, heads: u32, id: u32, scale: f32 });
+QsaScorePush { query_off: u32, block_keys: u32, score_off: u32, n_blocks: u32, heads: u32, id: u32, scale: f32, ratio: u32,
+    phase: u32, tok_stride: u32, score_stride: u32 });
 push_block!(/// shaders/qsa_topk.comp
-QsaTopkPush { score_off: u32, sel_off: u32, n_blocks: u32, keep: u32 });
+QsaTopkPush { score_off: u32, sel_off: u32, n_blocks: u32, keep: u32, ratio: u32, phase: u32, score_stride: u32,
+    sel_stride: u32 });
 push_block!(/// shaders/attention.comp
 AttentionPush { q_off: u32, qg_off: u32, keys_off: u32, values_off: u32, sel_off: u32, tmp_off: u32, tmp_stride: u32,
     y_off: u32, keep: u32, ratio: u32, tail_start: u32, n_tail: u32, hd: u32, nh: u32, nkv: u32, scale: f32 });

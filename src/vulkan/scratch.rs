@@ -6,12 +6,18 @@
 //! every token's block at a stride of `tok`. The host uploads the first
 //! `input_len` floats of each block (residual seed, PLE rows, RoPE tables).
 //! After the blocks: the logits of the tokens that get them, then the
-//! regions that scale with the context (block scores, selection, attention
-//! weights), which the tokens of a pass use one after another.
+//! regions that scale with the context: block scores and selections for a
+//! run of up to `score_rows` tokens at a time (`n_ctx` floats apart), and
+//! the attention weights, which the tokens of a pass use one after another.
 
 use super::pipelines::XQ_FLOATS;
 use crate::error::{Error, Result};
 use crate::model::{Config, LayerKind};
+
+/// Floats of the block scores (and of the selections) of the tokens of a
+/// pass scored together: up to 16 MB each, a whole pass of 512 tokens up to
+/// a context of 8192.
+const SCORE_FLOATS: usize = 1 << 22;
 
 /// Float offsets of every activation in the scratch buffer.
 #[derive(Clone, Default, Debug)]
@@ -43,8 +49,11 @@ pub(crate) struct ScratchLayout {
     pub q: u32,
     pub iq: u32,
     pub ik: u32,
+    /// QSA block scores and selections of `score_rows` tokens, `n_ctx` floats apart.
     pub scores: u32,
     pub sel: u32,
+    pub score_rows: u32,
+    pub score_stride: u32,
     pub att_tmp: u32,
     pub att_out: u32,
     pub router: u32,
@@ -139,8 +148,12 @@ impl ScratchLayout {
         l.logit_rows = logit_rows.clamp(1, batch.max(1)) as u32;
         l.logits = next(l.logit_rows as usize * cfg.vocab);
         // Last: the regions that scale with the capacity.
-        l.scores = next(n_ctx);
-        l.sel = next(n_ctx);
+        // FNX_VK_SCORE_ROWS caps the run (to test runs shorter than a pass).
+        let cap = std::env::var("FNX_VK_SCORE_ROWS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(usize::MAX);
+        l.score_rows = (SCORE_FLOATS / n_ctx.max(1)).min(cap).clamp(1, l.batch as usize) as u32;
+        l.score_stride = n_ctx as u32;
+        l.scores = next(l.score_rows as usize * n_ctx);
+        l.sel = next(l.score_rows as usize * n_ctx);
         l.att_tmp = next(cfg.n_heads * n_ctx);
         l.total = next(0);
         if at > u32::MAX as usize / 4 {

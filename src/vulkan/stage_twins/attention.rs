@@ -141,6 +141,7 @@ fn attn_prep() {
             values_off,
             pos: t as u32,
             eps: EPS,
+            tok_stride: 0,
         };
         let (key_at, value_at) = (keys_off + (t * kv) as u32, values_off + (t * kv) as u32);
         let written = [(key_at, kv), (value_at, kv)];
@@ -229,6 +230,7 @@ fn qsa_score() {
             heads: heads as u32,
             id: id as u32,
             scale: 1.0 / (id as f32).sqrt(),
+            ..Default::default()
         };
         let out = g.run(Pipe::QsaScore, &push, Groups::Threads(n_blocks), &b, &[(score_off, n_blocks)], &[]);
         let zeros = want.iter().filter(|s| **s == 0.0).count();
@@ -269,7 +271,7 @@ fn qsa_topk() {
         let mut b = Bufs::default();
         let score_off = b.s.put(&scores);
         let sel_off = b.s.out(n);
-        let push = QsaTopkPush { score_off, sel_off, n_blocks: n as u32, keep: keep as u32 };
+        let push = QsaTopkPush { score_off, sel_off, n_blocks: n as u32, keep: keep as u32, ..Default::default() };
         // One workgroup, as the decode dispatches it.
         let out = g.run(Pipe::QsaTopk, &push, Groups::Fixed([1, 1, 1]), &b, &[(sel_off, keep)], &[]);
         assert_eq!(ids_of(out.s(sel_off, keep)), want, "qsa_topk {what}: GPU and CPU choose different blocks");
