@@ -215,7 +215,7 @@ impl<'a> Recorder<'a> {
     fn round_once(&mut self, set: vk::DescriptorSet, ty: GgmlType, arena: bool, push: &mut MatvecPush, cols: usize, count: usize, n: usize, tok_stride: u32) {
         let Some((q_off, stride)) = self.xq else { return };
         let fast = self.fast(cols) && Pipe::matvec(ty, arena, true) != Pipe::matvec(ty, arena, false);
-        if n < 2 || !fast || self.grouped || push.xq_off != 0 || tok_stride != stride || cols % 32 != 0 || count * cols > FAST_MAX_COLS {
+        if n < 2 || !fast || self.grouped || push.xq_off != 0 || tok_stride != stride || !cols.is_multiple_of(32) || count * cols > FAST_MAX_COLS {
             return;
         }
         let p = ActInt8Push { x_off: push.x_off, x_stride: push.x_stride, tok_stride, cols: cols as u32, count: count as u32, q_off };
