@@ -1,7 +1,10 @@
-//! The Vulkan backend: the whole decode token on the GPU, from the
-//! embedding row to the logits, in one command buffer, one submission and
-//! one fence wait. It implements `model::backend` as the CPU backend's
-//! sibling: where the CPU computes a block, [`blocks`] records it.
+//! The Vulkan backend: a whole pass on the GPU (one decoded token, or a
+//! prompt's micro-batch of tokens), from the embedding rows to the logits,
+//! in one command buffer, one submission and one fence wait (with the
+//! expert cache, a segment per layer: [`cache`]). It implements
+//! `model::backend` as the CPU backend's sibling: where the CPU computes a
+//! block, [`blocks`] records it (its module docs say how a pass of tokens
+//! is batched).
 //!
 //! Layers (one module each): [`device`] (instance, device, queue, allocator,
 //! validation), [`buffer`] (storage buffers and command buffers),
@@ -39,8 +42,9 @@
 //! Attention caches grow with the context (doubling, up to `n_ctx`; one
 //! layer's caches at `n_ctx` must fit one binding); the QSA top-k is one
 //! workgroup, linear in the number of blocks (a radix threshold, then a
-//! rank among the kept). Limit today: every routed expert must be resident
-//! (see [`arena`] for how a smaller budget fits the design).
+//! rank among the kept). Routed experts live in the [`arena`]'s slots: all
+//! of them when they fit, else the expert cache ([`cache`]) holds some and
+//! the host computes the rest.
 
 mod arena;
 mod blocks;
