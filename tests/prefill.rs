@@ -134,6 +134,21 @@ every_backend! {
     }
 }
 
+/// QSA block scores in runs shorter than a pass (what the scratch's cap
+/// gives at long contexts: src/vulkan/scratch.rs) keep the logits of token
+/// by token: the Vulkan batched test again, in a child process with runs of
+/// 3 tokens (`FNX_VK_SCORE_ROWS` is read when a state's scratch is laid out).
+#[test]
+fn vulkan_score_runs_shorter_than_a_pass() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "vulkan::batched_equals_token_by_token", "--nocapture"])
+        .env("FNX_VK_SCORE_ROWS", "3")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("1 passed"), "runs of 3 tokens:\n{text}");
+}
+
 /// The C API: `fnx_decode_batch` with every position's logits in
 /// micro-batches of 7, `fnx_get_logits_ith` against transformers at every
 /// position, and its refusals; a caller built before `micro_batch` existed.
