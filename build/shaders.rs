@@ -56,6 +56,11 @@ const WEIGHT_TYPES: &[(&str, &str)] = &[
     ("q6_k", "WEIGHT_Q6_K"),
 ];
 
+/// Types with batch modules (the real model's files: the reference mix and
+/// the 2-bit file); a pass over the others runs their plain fast modules.
+/// Each batch module is 100-170 KB of SPIR-V (its loops over entries unrolled).
+const BATCH_TYPES: &[&str] = &["q4_0", "q5_0", "q8_0", "q2_k", "q4_k", "q6_k"];
+
 /// One SPIR-V module: `shaders/<file>` compiled with `-D<define>` for each define.
 pub struct Module {
     pub name: String,
@@ -66,7 +71,9 @@ pub struct Module {
 /// Every module, matvecs first: per weight type `matvec_<t>` and
 /// `expert_<t>`, then for the quantized types the fast kernels (`FAST`:
 /// 8-bit activations, integer dot products) `matvec_<t>_fast` and
-/// `expert_<t>_fast`.
+/// `expert_<t>_fast`, then for [`BATCH_TYPES`] their batch modules (`BATCH`:
+/// entries of a pass share each weight decode) `matvec_<t>_fast_batch` and
+/// `expert_<t>_fast_batch`.
 pub fn modules() -> Vec<Module> {
     let mut out = Vec::new();
     for (suffix, define) in WEIGHT_TYPES {
@@ -76,6 +83,14 @@ pub fn modules() -> Vec<Module> {
     for (suffix, define) in WEIGHT_TYPES.iter().filter(|(s, _)| s.starts_with('q')) {
         out.push(Module { name: format!("matvec_{suffix}_fast"), file: "matvec.comp", defines: vec![define, "FAST"] });
         out.push(Module { name: format!("expert_{suffix}_fast"), file: "matvec.comp", defines: vec![define, "ARENA", "FAST"] });
+    }
+    for (suffix, define) in WEIGHT_TYPES.iter().filter(|(s, _)| BATCH_TYPES.contains(s)) {
+        out.push(Module { name: format!("matvec_{suffix}_fast_batch"), file: "matvec.comp", defines: vec![define, "FAST", "BATCH"] });
+        out.push(Module {
+            name: format!("expert_{suffix}_fast_batch"),
+            file: "matvec.comp",
+            defines: vec![define, "ARENA", "FAST", "BATCH"],
+        });
     }
     out.extend(VARIANTS.iter().map(|(name, file, defines)| Module {
         name: name.to_string(),

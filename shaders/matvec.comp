@@ -39,6 +39,14 @@
 // the tile: the tile's entries meet the workgroup's weight rows while they
 // are in L1, and a pass of tokens streams each matrix from memory once per
 // tile instead of once per token. tile 0 means one entry per workgroup.
+// With BATCH (fast kernels for a pass of tokens) up to NT consecutive
+// entries of a tile that read the same weights (a plain matrix's tokens,
+// the pairs of one expert; at most SHARE), their activations read in place
+// from the region act_int8.comp rounded, go through the rows together:
+// each work item's weights are decoded once (`item_w`) and dotted with each
+// entry's activations (`w_dot`), each entry's sums still added in its own
+// order, so an entry's result is the one it gets alone. Without BATCH
+// (NT = 1) an item's activations are loaded once for all ROWS rows instead.
 // With ARENA (routed experts): k reads expert id s[expert_off + k], finds
 // its arena slot through the slot table, and reads x and writes y at
 // k * stride. With kdiv > 0 (a batch of tokens' experts) k is a pair:
@@ -49,8 +57,23 @@
 #define WG 128
 #include "common.glsl"
 layout(local_size_x_id = 1) in;
+#ifdef BATCH
+// Fixed here (the host's tuning gives these modules ROWS 2), so that every
+// loop over rows and entries unrolls at compile time into registers.
+const uint ROWS = 2u;
+#else
 layout(constant_id = 2) const uint ROWS = 2u;
+#endif
 layout(constant_id = 3) const uint UNROLL = 1u;
+// Entries sharing each weight decode: BATCH (the fast kernels' batch
+// modules) 8, else 1; a compile-time constant so the loops over entries
+// unroll into registers. SHARE (specialization constant 4) caps it lower.
+#ifdef BATCH
+#define NT 8u
+#else
+#define NT 1u
+#endif
+layout(constant_id = 4) const uint SHARE = 8u;
 
 layout(push_constant) uniform Push {
     uint rows;        // rows of this dispatch (per expert with ARENA; gate rows with SwiGLU)
@@ -85,9 +108,30 @@ layout(push_constant) uniform Push {
 
 #include "weights.glsl"
 
-// One slot per subgroup (at least 4 invocations wide) for each accumulator:
-// ROWS rows, and as many up rows in SwiGLU mode.
-shared float red_mv[gl_WorkGroupSize.x / 4u * 2u * ROWS];
+// One slot per subgroup (at least 4 invocations wide) for each accumulator
+// of each entry: ROWS rows, and as many up rows in SwiGLU mode.
+shared float red_mv[gl_WorkGroupSize.x / 4u * 2u * ROWS * NT];
+
+// Entry k of the dispatch: its index among its token's vectors (k itself
+// for a plain matrix), its token's offset (pairs of a batch) and the arena
+// slot of its weights (ARENA; 0 otherwise).
+struct Entry { uint k, tok, slot; };
+
+Entry entry(uint k) {
+    uint tok = 0u, slot = 0u;
+#ifdef ARENA
+    if (pc.kdiv != 0u) {
+        if (pc.order_off != 0u) k = floatBitsToUint(s[pc.order_off + (k / pc.kdiv) * pc.tok_stride + k % pc.kdiv]);
+        tok = (k / pc.kdiv) * pc.tok_stride;
+        k = k % pc.kdiv;
+    }
+    // An expert id through the layer's slot table, or (slot_table = ~0, the
+    // expert cache's host-chosen slots) the slot itself.
+    uint id = floatBitsToUint(s[pc.expert_off + tok + k]);
+    slot = pc.slot_table == 0xffffffffu ? id : floatBitsToUint(prm[pc.slot_table + id]);
+#endif
+    return Entry(k, tok, slot);
+}
 
 void main() {
     const uint NACC = 2u * ROWS;
@@ -98,48 +142,69 @@ void main() {
     uint t = gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
     uint lane = t & (tpr - 1u);
     uint r0 = (wg * sets + (t >> pc.tpr_shift)) * ROWS;
-    uint tile = max(pc.tile, 1u);
-    [[dont_unroll]] for (uint e = 0u; e < tile; e++) {
-        uint k = gl_WorkGroupID.y * tile + e;
-        if (pc.tile > 1u && k >= pc.ntok) break;  // the same for the whole workgroup
-        // The entry before has read the shared activations and partial sums.
-        if (e > 0u) barrier();
-        uint base = 0u, tok = 0u;
-#ifdef ARENA
-        if (pc.kdiv != 0u) {
-            if (pc.order_off != 0u) k = floatBitsToUint(s[pc.order_off + (k / pc.kdiv) * pc.tok_stride + k % pc.kdiv]);
-            tok = (k / pc.kdiv) * pc.tok_stride;
-            k = k % pc.kdiv;
+    uint k0 = gl_WorkGroupID.y * max(pc.tile, 1u);
+    uint end = pc.tile > 1u ? min(k0 + pc.tile, pc.ntok) : k0 + 1u;
+    uint cap = min(NT, SHARE);
+    bool swiglu = pc.mode == 4u;
+    uint n_acc = swiglu ? NACC : ROWS;
+    // Blocks per row (the float types: 16-byte items per row).
+    uint nb = QK == 1u ? pc.row_bytes >> 4 : pc.cols / QK;
+    uint items = nb * IPB;
+    uint up_row = pc.rows * pc.row_bytes, up_blk = pc.rows * nb;
+    // Every value here is the same for the whole workgroup.
+    [[dont_unroll]] for (uint e = k0; e < end;) {
+        // The entries before have read the shared activations and partial sums.
+        if (e > k0) barrier();
+        // This entry and those after it that read the same weights, up to cap.
+        Entry en[NT];
+        en[0] = entry(e);
+        uint n = 1u;
+        [[unroll]] for (uint j = 1u; j < NT; j++) {
+            if (n == j && e + j < end && j < cap) {
+                Entry f = entry(e + j);
+                if (f.slot == en[0].slot) {
+                    en[j] = f;
+                    n++;
+                }
+            }
         }
-        // An expert id through the layer's slot table, or (slot_table = ~0, the
-        // expert cache's host-chosen slots) the slot itself.
-        uint id = floatBitsToUint(s[pc.expert_off + tok + k]);
-        uint slot = pc.slot_table == 0xffffffffu ? id : floatBitsToUint(prm[pc.slot_table + id]);
-        g_slab = slot / pc.slots_per_slab;
-        base = (slot % pc.slots_per_slab) * pc.slot_bytes + pc.part_off;
+        uint base = 0u;
+#ifdef ARENA
+        g_slab = en[0].slot / pc.slots_per_slab;
+        base = (en[0].slot % pc.slots_per_slab) * pc.slot_bytes + pc.part_off;
 #endif
         F0 = base + pc.fld0;
         F1 = base + pc.fld1;
-        uint x = pc.x_off + tok + k * pc.x_stride;
-#ifdef FAST
-        if (pc.xq_off != 0u) {
-            // The entry's vector of its token's region (an expert pair's
-            // own input when they differ, else the token's one vector).
+        // Entry j's activations: at x[j] (FAST: in shared memory; with BATCH
+        // vector v[j] of the rounded region at x[j], read in place).
+        uint x[NT], v[NT];
+        [[unroll]] for (uint j = 0u; j < NT; j++) if (j < n) {
+            uint k = en[j].k, tok = en[j].tok;
+            x[j] = pc.x_off + tok + k * pc.x_stride;
+            v[j] = 0u;
+#if defined(FAST) && defined(BATCH)
+            // The host runs batch modules only on a rounded region.
 #ifdef ARENA
-            copy_x(pc.xq_off + tok, pc.x_stride == 0u ? 0u : k);
+            // An expert pair's own input when they differ, else the token's one vector.
+            x[j] = pc.xq_off + tok;
+            v[j] = pc.x_stride == 0u ? 0u : k;
 #else
-            copy_x(pc.xq_off + k * pc.x_stride, 0u);
+            x[j] = pc.xq_off + k * pc.x_stride;
 #endif
-        } else {
-            prepare_x(x);
+#elif defined(FAST)
+            if (pc.xq_off != 0u) {
+#ifdef ARENA
+                copy_x(pc.xq_off + tok, pc.x_stride == 0u ? 0u : k);
+#else
+                copy_x(pc.xq_off + k * pc.x_stride, 0u);
+#endif
+            } else {
+                prepare_x(x[j]);
+            }
+#else
+            prepare_x(x[j]);
+#endif
         }
-#else
-        prepare_x(x);
-#endif
-        bool swiglu = pc.mode == 4u;
-        // Blocks per row (the float types: 16-byte items per row).
-        uint nb = QK == 1u ? pc.row_bytes >> 4 : pc.cols / QK;
-        uint items = nb * IPB;
         // Rows past the end repeat the last row (their sums are not stored), so
         // every invocation runs the same loop and reaches the reductions.
         uint row[ROWS];
@@ -149,9 +214,9 @@ void main() {
             row[i] = base + r * pc.row_bytes;
             blk[i] = r * nb;
         }
-        uint up_row = pc.rows * pc.row_bytes, up_blk = pc.rows * nb;
-        float acc[NACC];
-        [[unroll]] for (uint i = 0u; i < NACC; i++) acc[i] = 0.0;
+        // Entry j's accumulators at j * NACC: its rows, then its up rows.
+        float acc[NT * NACC];
+        [[unroll]] for (uint i = 0u; i < NT * NACC; i++) acc[i] = 0.0;
         // UNROLL items per pass, their loads unconditional (a missing item
         // rereads the last one and adds nothing), so all can be in flight at once.
         for (uint c0 = lane; c0 < items; c0 += UNROLL * tpr) {
@@ -160,53 +225,98 @@ void main() {
                 bool ok = c < items;
                 c = min(c, items - 1u);
                 uint b = c / IPB, kk = c % IPB;
-                Xs xs = load_x(x, b, kk);
-                [[unroll]] for (uint i = 0u; i < ROWS; i++) {
-                    float d = item_dot(row[i], blk[i] + b, b, kk, xs);
-                    acc[i] += ok ? d : 0.0;
-                }
-                if (swiglu) {
+                if (NT == 1u) {
+                    Xs xs = load_x(x[0], b, kk, v[0]);
                     [[unroll]] for (uint i = 0u; i < ROWS; i++) {
-                        float d = item_dot(row[i] + up_row, blk[i] + up_blk + b, b, kk, xs);
-                        acc[ROWS + i] += ok ? d : 0.0;
+                        float d = w_dot(item_w(row[i], blk[i] + b, b, kk), b, kk, xs);
+                        acc[i] += ok ? d : 0.0;
+                    }
+                    if (swiglu) {
+                        [[unroll]] for (uint i = 0u; i < ROWS; i++) {
+                            float d = w_dot(item_w(row[i] + up_row, blk[i] + up_blk + b, b, kk), b, kk, xs);
+                            acc[ROWS + i] += ok ? d : 0.0;
+                        }
+                    }
+                } else {
+                    [[unroll]] for (uint i = 0u; i < ROWS; i++) {
+                        Wt w = item_w(row[i], blk[i] + b, b, kk);
+                        [[unroll]] for (uint j = 0u; j < NT; j++) if (j < n) {
+                            float d = w_dot(w, b, kk, load_x(x[j], b, kk, v[j]));
+                            acc[j * NACC + i] += ok ? d : 0.0;
+                        }
+                    }
+                    if (swiglu) {
+                        [[unroll]] for (uint i = 0u; i < ROWS; i++) {
+                            Wt w = item_w(row[i] + up_row, blk[i] + up_blk + b, b, kk);
+                            [[unroll]] for (uint j = 0u; j < NT; j++) if (j < n) {
+                                float d = w_dot(w, b, kk, load_x(x[j], b, kk, v[j]));
+                                acc[j * NACC + ROWS + i] += ok ? d : 0.0;
+                            }
+                        }
                     }
                 }
             }
         }
-        uint n_acc = swiglu ? NACC : ROWS;
+        // Each entry's sums over the row set's lanes. Accumulator a is entry
+        // a / NACC's; every loop over them is one loop of constant length
+        // innermost, so it unrolls at compile time and acc stays in registers.
         if (tpr >= gl_SubgroupSize) {
-            [[unroll]] for (uint i = 0u; i < NACC; i++) if (i < n_acc) acc[i] = subgroupAdd(acc[i]);
+            [[unroll]] for (uint a = 0u; a < NT * NACC; a++) {
+                if (a / NACC < n && a % NACC < n_acc) acc[a] = subgroupAdd(acc[a]);
+            }
             if (tpr > gl_SubgroupSize) {
                 if (subgroupElect()) {
-                    [[unroll]] for (uint i = 0u; i < NACC; i++) red_mv[gl_SubgroupID * NACC + i] = acc[i];
+                    [[unroll]] for (uint a = 0u; a < NT * NACC; a++) {
+                        if (a / NACC < n) red_mv[gl_SubgroupID * NT * NACC + a] = acc[a];
+                    }
                 }
                 barrier();
                 if (lane == 0u) {
-                    for (uint j = 1u; j < tpr / gl_SubgroupSize; j++) {
-                        [[unroll]] for (uint i = 0u; i < NACC; i++) acc[i] += red_mv[(gl_SubgroupID + j) * NACC + i];
+                    for (uint q = 1u; q < tpr / gl_SubgroupSize; q++) {
+                        [[unroll]] for (uint a = 0u; a < NT * NACC; a++) {
+                            if (a / NACC < n) acc[a] += red_mv[(gl_SubgroupID + q) * NT * NACC + a];
+                        }
                     }
                 }
             }
         } else {
             // Butterfly over the set's lanes (a set lies inside one subgroup).
             for (uint o = tpr >> 1; o > 0u; o >>= 1) {
-                [[unroll]] for (uint i = 0u; i < NACC; i++) if (i < n_acc) acc[i] += subgroupShuffleXor(acc[i], o);
+                [[unroll]] for (uint a = 0u; a < NT * NACC; a++) {
+                    if (a / NACC < n && a % NACC < n_acc) acc[a] += subgroupShuffleXor(acc[a], o);
+                }
             }
         }
-        if (lane == 0u) [[unroll]] for (uint i = 0u; i < ROWS; i++) {
-            uint r = r0 + i;
-            if (r >= pc.rows) break;
-            float v = acc[i];
-            uint y = pc.y_off + tok + k * pc.y_stride + pc.row_base + r;
-            if (pc.mode == 0u) {
-                s[y] = v;
-            } else if (pc.mode == 1u) {
-                s[y] = pc.row_base + r < pc.split_row ? silu(v * pc.scale) : 2.0 * sigmoid(v * pc.scale);
-            } else if (pc.mode == 3u) {
-                for (uint c = 0u; c < pc.aux_n; c++) s[y + c * pc.total_rows] += s[pc.aux_off + k * pc.y_stride + c] * v;
+        if (lane == 0u) {
+            // Output a of entry a / ROWS: row r0 + a % ROWS.
+            uint y[NT];
+            [[unroll]] for (uint j = 0u; j < NT; j++) y[j] = j < n ? pc.y_off + en[j].tok + en[j].k * pc.y_stride + pc.row_base + r0 : 0u;
+            if (pc.mode == 3u) {
+                // Residual write-back: stream c of each row gets its token's weight times the row.
+                for (uint c = 0u; c < pc.aux_n; c++) {
+                    [[unroll]] for (uint a = 0u; a < NT * ROWS; a++) {
+                        uint j = a / ROWS, i = a % ROWS;
+                        if (j < n && r0 + i < pc.rows) {
+                            s[y[j] + i + c * pc.total_rows] += s[pc.aux_off + en[j].k * pc.y_stride + c] * acc[j * NACC + i];
+                        }
+                    }
+                }
             } else {
-                s[y] = silu(v) * acc[ROWS + i];
+                [[unroll]] for (uint a = 0u; a < NT * ROWS; a++) {
+                    uint j = a / ROWS, i = a % ROWS;
+                    if (j < n && r0 + i < pc.rows) {
+                        float v = acc[j * NACC + i];
+                        if (pc.mode == 0u) {
+                            s[y[j] + i] = v;
+                        } else if (pc.mode == 1u) {
+                            s[y[j] + i] = pc.row_base + r0 + i < pc.split_row ? silu(v * pc.scale) : 2.0 * sigmoid(v * pc.scale);
+                        } else {
+                            s[y[j] + i] = silu(v) * acc[j * NACC + ROWS + i];
+                        }
+                    }
+                }
             }
         }
+        e += n;
     }
 }

@@ -8,14 +8,22 @@
 // Include after the push-constant block `pc` (uses pc.cols, pc.row_bytes).
 // With FAST the quantized types are decoded by weights_int.glsl instead
 // (8-bit activations, integer dot products); both define `prepare_x(x)`,
-// which every invocation calls once before the first item.
+// which every invocation calls once per entry before the first item (not
+// the batch modules, BATCH, which read rounded activations in place).
 // Each type defines
 //   QK    values per block (the float types: per 16-byte item)
 //   IPB   work items per block
 //   XV    vec4s of activations per item
-//   Xs load_x(x, b, k)                 the activations of item k of block b
-//                                      (shared by every row the invocation handles)
-//   float item_dot(row, g, b, k, xs)   that item's share of dot(row, x)
+//   Xs load_x(x, b, k, v)              the activations of item k of block b
+//                                      (shared by every row the invocation
+//                                      handles) of the entry at x (FAST: in
+//                                      shared memory, or with BATCH vector v
+//                                      of the rounded region at x)
+//   Wt item_w(row, g, b, k)            the item's weights, decoded once for
+//                                      every entry that shares them
+//   float w_dot(w, b, k, xs)           that item's share of dot(row, x)
+// (the exact kernels: `float item_dot(row, g, b, k, xs)`, both in one, and
+// an item_w that only keeps row and g; a fast kernel decodes in item_w),
 // with `row` the byte offset of the row's payload, `b` the block within the
 // row, `g` the block within the part (row * blocks per row + b, indexing the
 // field arrays at byte offsets F0 and F1).
@@ -231,7 +239,7 @@ vec4 xv_masked(uint x, uint col) {
     return v;
 }
 
-Xs load_x(uint x, uint b, uint k) {
+Xs load_x(uint x, uint b, uint k, uint v) {
     Xs r;
     [[unroll]] for (uint i = 0u; i < XV; i++) r.v[i] = xv_masked(x, 4u * (XV * b + i));
     return r;
@@ -264,7 +272,7 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
 #endif
 struct Xs { vec4 v[XV]; float sum; };
 
-Xs load_x(uint x, uint b, uint k) {
+Xs load_x(uint x, uint b, uint k, uint v) {
     Xs r;
     r.sum = 0.0;
     [[unroll]] for (uint i = 0u; i < 8u; i++) {
@@ -290,7 +298,7 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
 #define XV 4
 struct Xs { vec4 v[XV]; };
 
-Xs load_x(uint x, uint b, uint k) {
+Xs load_x(uint x, uint b, uint k, uint v) {
     Xs r;
     [[unroll]] for (uint i = 0u; i < 4u; i++) r.v[i] = xv(x + 32u * b + 16u * k + 4u * i);
     return r;
@@ -311,7 +319,7 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
 #define XV 16
 struct Xs { vec4 v[XV]; vec4 sum; };
 
-Xs load_x(uint x, uint b, uint k) {
+Xs load_x(uint x, uint b, uint k, uint v) {
     Xs r;
     uint c0 = x + 256u * b + 128u * (k >> 1) + 16u * (k & 1u);
     [[unroll]] for (uint j = 0u; j < 4u; j++) {
@@ -351,7 +359,7 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
 #define XV 16
 struct Xs { vec4 v[XV]; vec2 sum; };
 
-Xs load_x(uint x, uint b, uint k) {
+Xs load_x(uint x, uint b, uint k, uint v) {
     Xs r;
     uint c0 = x + 256u * b + 64u * k;
     r.sum = vec2(0.0);
@@ -384,7 +392,7 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
 #define XV 8
 struct Xs { vec4 v[XV]; };
 
-Xs load_x(uint x, uint b, uint k) {
+Xs load_x(uint x, uint b, uint k, uint v) {
     Xs r;
     uint c0 = x + 256u * b + 128u * (k >> 2) + 32u * ((k >> 1) & 1u) + 16u * (k & 1u);
     [[unroll]] for (uint i = 0u; i < 4u; i++) {
@@ -409,4 +417,10 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
 #else
 #error "define one of the WEIGHT_* types"
 #endif
+
+// The exact kernels decode an item where they use it: its "weights" are
+// where to find them, and w_dot is item_dot.
+struct Wt { uint row, g; };
+Wt item_w(uint row, uint g, uint b, uint k) { return Wt(row, g); }
+float w_dot(Wt w, uint b, uint k, Xs xs) { return item_dot(w.row, w.g, b, k, xs); }
 #endif

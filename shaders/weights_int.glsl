@@ -2,11 +2,15 @@
 // types against activations rounded to 8 bits, with integer dot products of
 // four packed bytes (SPV_KHR_integer_dot_product; NVIDIA's IDP4A). Included
 // by weights.glsl in place of its float decoders; same layout, same items,
-// same `Xs load_x(x, b, k)` / `float item_dot(row, g, b, k, xs)` contract.
+// same `Xs load_x(x, b, k, v)` / `Wt item_w(row, g, b, k)` /
+// `float w_dot(w, b, k, xs)` contract: an item's weight levels and factors
+// decoded once (`item_w`), then dotted with the activations of each entry
+// that shares them (`w_dot`).
 //
 // Activations: each workgroup first rounds its x (pc.cols values) into
 // shared memory, in blocks of 32 (`prepare_x`; in a pass of several tokens
-// act_int8.comp rounds them once for all workgroups and `copy_x` copies): `x ~ d q` with
+// act_int8.comp rounds them once for all workgroups and `copy_x` copies;
+// the batch modules, BATCH, read that region in place): `x ~ d q` with
 // `d = amax / 127`, `q = roundEven(x * 127 / amax)` in -127..127, as the
 // CPU's fast path does (src/quant/dot/act.rs; finer than its 256-value
 // blocks for the K-quants), plus the sum of the levels of every 16 values.
@@ -41,9 +45,21 @@ int sdot16(uvec4 a, uvec4 b) {
 }
 
 #include "act_int8.glsl"
+#ifdef BATCH
+// The batch modules read the region act_int8.comp rounded in place (an
+// entry's vector `v` of the region at scratch float `x`): no shared copy,
+// so nothing but the reductions' slots in shared memory.
+uvec4 XQ(uint x, uint v, uint e) { return floatBitsToUint(xv(x + 4u * (v * (pc.cols >> 4) + e))); }
+float XD(uint x, uint v, uint b) { return s[x + XQ_D + v * (pc.cols >> 5) + b]; }
+int XS(uint x, uint v, uint e) { return floatBitsToInt(s[x + XQ_S + v * (pc.cols >> 4) + e]); }
+#else
 shared uvec4 xq[FAST_MAX_COLS / 16u];  // the levels, 16 per entry
 shared float xd[FAST_MAX_COLS / 32u];  // the scale of each block of 32
 shared int xs[FAST_MAX_COLS / 16u];    // the sum of each 16 levels
+// The activations in shared memory (x and v unused).
+uvec4 XQ(uint x, uint v, uint e) { return xq[e]; }
+float XD(uint x, uint v, uint b) { return xd[b]; }
+int XS(uint x, uint v, uint e) { return xs[e]; }
 
 // Rounds x[0..pc.cols] (pc.cols a multiple of 32) into shared memory; every
 // invocation of the workgroup must call it. Four invocations share a block
@@ -88,6 +104,7 @@ void copy_x(uint q, uint v) {
     for (uint b = t; b < nb; b += gl_WorkGroupSize.x) xd[b] = s[q + XQ_D + b0 + b];
     barrier();
 }
+#endif
 
 #if defined(WEIGHT_Q4_0) || defined(WEIGHT_Q4_1) || defined(WEIGHT_Q5_0) || defined(WEIGHT_Q5_1)
 // One item per block (levels32): values j and 16 + j.
@@ -95,15 +112,23 @@ void copy_x(uint q, uint v) {
 #define IPB 1u
 struct Xs { uvec4 lo, hi; float d; int sum; };
 
-Xs load_x(uint x, uint b, uint k) {
-    return Xs(xq[2u * b], xq[2u * b + 1u], xd[b], xs[2u * b] + xs[2u * b + 1u]);
+struct Wt { uvec4 lo, hi; vec2 dm; };
+
+Xs load_x(uint x, uint b, uint k, uint v) {
+    uint e = 2u * b;
+    return Xs(XQ(x, v, e), XQ(x, v, e + 1u), XD(x, v, b), XS(x, v, e) + XS(x, v, e + 1u));
 }
 
-float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
-    uvec4 lo, hi;
-    levels32(row, g, b, lo, hi);
-    int s = sudot16(xs.lo, lo) + sudot16(xs.hi, hi);
-    vec2 dm = dm32(g);
+Wt item_w(uint row, uint g, uint b, uint k) {
+    Wt w;
+    levels32(row, g, b, w.lo, w.hi);
+    w.dm = dm32(g);
+    return w;
+}
+
+float w_dot(Wt w, uint b, uint k, Xs xs) {
+    int s = sudot16(xs.lo, w.lo) + sudot16(xs.hi, w.hi);
+    vec2 dm = w.dm;
 #if defined(WEIGHT_Q4_0)
     s -= 8 * xs.sum;
 #elif defined(WEIGHT_Q5_0)
@@ -118,11 +143,13 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
 #define IPB 2u
 struct Xs { uvec4 q; float d; };
 
-Xs load_x(uint x, uint b, uint k) { return Xs(xq[2u * b + k], xd[b]); }
+struct Wt { uvec4 q; float d; };
 
-float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
-    return half_at(F0 + 2u * g) * xs.d * float(sdot16(P4(row + 32u * b + 16u * k), xs.q));
-}
+Xs load_x(uint x, uint b, uint k, uint v) { return Xs(XQ(x, v, 2u * b + k), XD(x, v, b)); }
+
+Wt item_w(uint row, uint g, uint b, uint k) { return Wt(P4(row + 32u * b + 16u * k), half_at(F0 + 2u * g)); }
+
+float w_dot(Wt w, uint b, uint k, Xs xs) { return w.d * xs.d * float(sdot16(w.q, xs.q)); }
 
 #elif defined(WEIGHT_Q2_K) || defined(WEIGHT_Q3_K)
 // Four items per block (levels_k23): group j of item k = 2n + kk is the
@@ -131,33 +158,38 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
 #define IPB 4u
 struct Xs { uvec4 q[4]; vec4 d; ivec4 s; };
 
-Xs load_x(uint x, uint b, uint k) {
+struct Wt { uvec4 lv[4]; ivec4 sc; vec2 dm; };
+
+Xs load_x(uint x, uint b, uint k, uint v) {
     Xs r;
     uint i0 = 16u * b + 8u * (k >> 1) + (k & 1u);
     [[unroll]] for (uint j = 0u; j < 4u; j++) {
-        r.q[j] = xq[i0 + 2u * j];
-        r.s[j] = xs[i0 + 2u * j];
-        r.d[j] = xd[(i0 + 2u * j) >> 1];
+        r.q[j] = XQ(x, v, i0 + 2u * j);
+        r.s[j] = XS(x, v, i0 + 2u * j);
+        r.d[j] = XD(x, v, (i0 + 2u * j) >> 1);
     }
     return r;
 }
 
-float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
-    uvec4 lv[4];
-    ivec4 sc;
-    levels_k23(row, g, b, k, lv, sc);
+Wt item_w(uint row, uint g, uint b, uint k) {
+    Wt w;
+    levels_k23(row, g, b, k, w.lv, w.sc);
+    w.dm = dm_k23(g);
+    return w;
+}
+
+float w_dot(Wt w, uint b, uint k, Xs xs) {
     float acc = 0.0, mins = 0.0;  // mins: Q2_K only
     [[unroll]] for (uint j = 0u; j < 4u; j++) {
-        int t = sudot16(xs.q[j], lv[j]);
+        int t = sudot16(xs.q[j], w.lv[j]);
 #ifdef WEIGHT_Q2_K
-        acc += xs.d[j] * float((sc[j] & 0xF) * t);
-        mins += xs.d[j] * float((sc[j] >> 4) * xs.s[j]);
+        acc += xs.d[j] * float((w.sc[j] & 0xF) * t);
+        mins += xs.d[j] * float((w.sc[j] >> 4) * xs.s[j]);
 #else
-        acc += xs.d[j] * float(sc[j] * (t - 4 * xs.s[j]));
+        acc += xs.d[j] * float(w.sc[j] * (t - 4 * xs.s[j]));
 #endif
     }
-    vec2 dm = dm_k23(g);
-    return dm.x * acc - dm.y * mins;
+    return w.dm.x * acc - w.dm.y * mins;
 }
 
 #elif defined(WEIGHT_Q4_K) || defined(WEIGHT_Q5_K)
@@ -167,19 +199,25 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
 #define IPB 4u
 struct Xs { uvec4 lo[2], hi[2]; vec2 d; ivec2 s; };
 
-Xs load_x(uint x, uint b, uint k) {
+struct Wt { uvec4 lo[2], hi[2]; vec4 f; };
+
+Xs load_x(uint x, uint b, uint k, uint v) {
     uint i = 16u * b + 4u * k;
-    return Xs(uvec4[2](xq[i], xq[i + 1u]), uvec4[2](xq[i + 2u], xq[i + 3u]), vec2(xd[i >> 1], xd[(i >> 1) + 1u]),
-              ivec2(xs[i] + xs[i + 1u], xs[i + 2u] + xs[i + 3u]));
+    return Xs(uvec4[2](XQ(x, v, i), XQ(x, v, i + 1u)), uvec4[2](XQ(x, v, i + 2u), XQ(x, v, i + 3u)),
+              vec2(XD(x, v, i >> 1), XD(x, v, (i >> 1) + 1u)),
+              ivec2(XS(x, v, i) + XS(x, v, i + 1u), XS(x, v, i + 2u) + XS(x, v, i + 3u)));
 }
 
-float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
-    uvec4 lo[2], hi[2];
-    vec4 f;
-    levels_k45(row, g, b, k, lo, hi, f);
-    vec2 t = xs.d * vec2(sudot16(xs.lo[0], lo[0]) + sudot16(xs.lo[1], lo[1]), sudot16(xs.hi[0], hi[0]) + sudot16(xs.hi[1], hi[1]));
+Wt item_w(uint row, uint g, uint b, uint k) {
+    Wt w;
+    levels_k45(row, g, b, k, w.lo, w.hi, w.f);
+    return w;
+}
+
+float w_dot(Wt w, uint b, uint k, Xs xs) {
+    vec2 t = xs.d * vec2(sudot16(xs.lo[0], w.lo[0]) + sudot16(xs.lo[1], w.lo[1]), sudot16(xs.hi[0], w.hi[0]) + sudot16(xs.hi[1], w.hi[1]));
     vec2 sums = xs.d * vec2(xs.s);
-    return (f.x * t.x + f.y * t.y) - (f.z * sums.x + f.w * sums.y);
+    return (w.f.x * t.x + w.f.y * t.y) - (w.f.z * sums.x + w.f.w * sums.y);
 }
 
 #elif defined(WEIGHT_Q6_K)
@@ -190,17 +228,22 @@ float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
 #define IPB 8u
 struct Xs { uvec4 lo, hi; vec2 d; ivec2 s; };
 
-Xs load_x(uint x, uint b, uint k) {
+struct Wt { uvec4 lo, hi; vec2 sc; };
+
+Xs load_x(uint x, uint b, uint k, uint v) {
     uint i = 16u * b + 8u * (k >> 2) + 2u * ((k >> 1) & 1u) + (k & 1u);
-    return Xs(xq[i], xq[i + 4u], vec2(xd[i >> 1], xd[(i >> 1) + 2u]), ivec2(xs[i], xs[i + 4u]));
+    return Xs(XQ(x, v, i), XQ(x, v, i + 4u), vec2(XD(x, v, i >> 1), XD(x, v, (i >> 1) + 2u)), ivec2(XS(x, v, i), XS(x, v, i + 4u)));
 }
 
-float item_dot(uint row, uint g, uint b, uint k, Xs xs) {
-    uvec4 lo, hi;
-    vec2 sc;
-    levels_q6k(row, g, b, k, lo, hi, sc);
-    vec2 t = xs.d * vec2(sudot16(xs.lo, lo) - 32 * xs.s.x, sudot16(xs.hi, hi) - 32 * xs.s.y);
-    return sc.x * t.x + sc.y * t.y;
+Wt item_w(uint row, uint g, uint b, uint k) {
+    Wt w;
+    levels_q6k(row, g, b, k, w.lo, w.hi, w.sc);
+    return w;
+}
+
+float w_dot(Wt w, uint b, uint k, Xs xs) {
+    vec2 t = xs.d * vec2(sudot16(xs.lo, w.lo) - 32 * xs.s.x, sudot16(xs.hi, w.hi) - 32 * xs.s.y);
+    return w.sc.x * t.x + w.sc.y * t.y;
 }
 
 #else

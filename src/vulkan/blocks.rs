@@ -618,7 +618,11 @@ impl Blocks for VkPass<'_> {
         let w = &gpu.layers[layer].moe;
         let shared = w.shared.as_ref().filter(|_| self.shared_beside_router(layer));
         let (n, router) = (self.n, self.batched(l.input, l.router, 0));
-        let (sh_gate_up, sh_down) = (self.batched(l.input, l.sh_h, 4), self.batched(l.sh_h, l.sh_y, 0));
+        let (mut sh_gate_up, mut sh_down) = (self.batched(l.input, l.sh_h, 4), self.batched(l.sh_h, l.sh_y, 0));
+        // The shared expert's inputs rounded before the groups it runs in.
+        if let Some(sh) = shared {
+            self.rec.round_for(set, &sh.gate_up, &mut sh_gate_up, n);
+        }
         self.rec.independent(|rec| {
             rec.matvec_n(&w.router, set, router, n);
             if let Some(sh) = shared {
@@ -637,6 +641,9 @@ impl Blocks for VkPass<'_> {
             h: cfg.hidden as u32,
             tok_stride: l.tok,
         };
+        if let Some(sh) = shared {
+            self.rec.round_for(set, &sh.down, &mut sh_down, n);
+        }
         self.rec.independent(|rec| {
             rec.dispatch(Pipe::MoeRoute, &[set], &route, [1, n as u32, 1]);
             if let Some(sh) = shared {

@@ -214,7 +214,7 @@ fn matvec_sweep() {
     for wg in list("FNX_VK_SWEEP_WG", "64,128,256") {
         for rows in list("FNX_VK_SWEEP_ROWS", "1,2,4") {
             for unroll in list("FNX_VK_SWEEP_UNROLL", "1,2") {
-                tunings.push(MatvecTuning { wg, rows, unroll, tpr: None, min_items: 4, fill: 256, tile: 1 });
+                tunings.push(MatvecTuning { wg, rows, unroll, tpr: None, min_items: 4, fill: 256, tile: 1, share: 8 });
             }
         }
     }

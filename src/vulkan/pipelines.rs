@@ -20,6 +20,7 @@
 //! | 1 workgroup size `WG` | invocations per workgroup (power of two) | 128 | `FNX_VK_MATVEC_WG` |
 //! | 2 `ROWS` | output rows per row set | 2 | `FNX_VK_MATVEC_ROWS` |
 //! | 3 `UNROLL` | work items an invocation loads per pass | 1 (the H200 sweep: 2 was 5-15% slower at every real shape) | `FNX_VK_MATVEC_UNROLL` |
+//! | 4 `SHARE` | entries of a tile that share each weight decode (batch modules, at most 8; 1: passes run the plain fast modules) | 8; `expert_q2_k_fast`, `expert_q4_0_fast` 1 | `FNX_VK_MATVEC_SHARE` |
 //!
 //! and per dispatch the recorder picks `TPR`, the invocations per row set
 //! (push constant `tpr_shift`): the largest power of two, at most `WG`,
@@ -42,7 +43,16 @@
 //! the caches for the rest, so a prompt pass streams each matrix once per
 //! tile rather than once per token. The fast kernels of such a pass copy
 //! their input from a region `act_int8` rounded once per token (push
-//! constant `xq_off`) instead of rounding it in every workgroup.
+//! constant `xq_off`) instead of rounding it in every workgroup, and run
+//! the fast kernels' batch modules (`matvec_<t>_fast_batch`,
+//! `expert_<t>_fast_batch`; shaders/matvec.comp's `BATCH`): up to `SHARE`
+//! entries of a tile that read the same weights (a plain matrix's tokens,
+//! an expert's pairs) go through the rows together, each weight decoded
+//! once for them all and dotted with each entry's activations, an entry's
+//! sums in its own order; they read the rounded activations in place (no
+//! shared copy). Their `ROWS` is fixed at 2 in the shader (every loop over
+//! rows and entries unrolls at compile time) and their workgroup is halved
+//! where the reduction slots would not fit.
 //!
 //! The quantized types have a second family of pipelines, the fast kernels
 //! (`matvec_<t>_fast`, `expert_<t>_fast`: 8-bit activations, integer dot
@@ -275,6 +285,18 @@ pipes! {
     ExpertQ4KFast = "expert_q4_k_fast", StateArena, MatvecPush, 128;
     ExpertQ5KFast = "expert_q5_k_fast", StateArena, MatvecPush, 128;
     ExpertQ6KFast = "expert_q6_k_fast", StateArena, MatvecPush, 128;
+    MatvecQ4_0Batch = "matvec_q4_0_fast_batch", StateWeight, MatvecPush, 128;
+    MatvecQ5_0Batch = "matvec_q5_0_fast_batch", StateWeight, MatvecPush, 128;
+    MatvecQ8_0Batch = "matvec_q8_0_fast_batch", StateWeight, MatvecPush, 128;
+    MatvecQ2KBatch = "matvec_q2_k_fast_batch", StateWeight, MatvecPush, 128;
+    MatvecQ4KBatch = "matvec_q4_k_fast_batch", StateWeight, MatvecPush, 128;
+    MatvecQ6KBatch = "matvec_q6_k_fast_batch", StateWeight, MatvecPush, 128;
+    ExpertQ4_0Batch = "expert_q4_0_fast_batch", StateArena, MatvecPush, 128;
+    ExpertQ5_0Batch = "expert_q5_0_fast_batch", StateArena, MatvecPush, 128;
+    ExpertQ8_0Batch = "expert_q8_0_fast_batch", StateArena, MatvecPush, 128;
+    ExpertQ2KBatch = "expert_q2_k_fast_batch", StateArena, MatvecPush, 128;
+    ExpertQ4KBatch = "expert_q4_k_fast_batch", StateArena, MatvecPush, 128;
+    ExpertQ6KBatch = "expert_q6_k_fast_batch", StateArena, MatvecPush, 128;
     HcNorm = "hc_norm", State, HcNormPush, 256;
     HcCombine = "hc_combine", State, HcCombinePush, 64;
     PleMix = "ple_mix", State, PleMixPush, 256;
@@ -361,10 +383,37 @@ impl Pipe {
         })
     }
 
-    /// Whether this is a fast-kernel pipeline (created only when the device
-    /// has integer dot products and the fast kernels are chosen).
+    /// Whether this is a fast-kernel pipeline, a batch module or not
+    /// (created only when the device has integer dot products and the fast
+    /// kernels are chosen).
     pub fn is_fast(self) -> bool {
-        self.spec().name.ends_with("_fast")
+        self.spec().name.contains("_fast")
+    }
+
+    /// Whether this is a batch module of the fast kernels (entries of a tile
+    /// share each weight decode; shaders/matvec.comp's BATCH).
+    pub fn is_batch(self) -> bool {
+        self.spec().name.ends_with("_fast_batch")
+    }
+
+    /// The batch module of a fast-kernel matvec (for the types that have one:
+    /// `BATCH_TYPES` in build/shaders.rs); any other pipeline itself.
+    pub fn batch(self) -> Pipe {
+        match self {
+            Pipe::MatvecQ4_0Fast => Pipe::MatvecQ4_0Batch,
+            Pipe::MatvecQ5_0Fast => Pipe::MatvecQ5_0Batch,
+            Pipe::MatvecQ8_0Fast => Pipe::MatvecQ8_0Batch,
+            Pipe::MatvecQ2KFast => Pipe::MatvecQ2KBatch,
+            Pipe::MatvecQ4KFast => Pipe::MatvecQ4KBatch,
+            Pipe::MatvecQ6KFast => Pipe::MatvecQ6KBatch,
+            Pipe::ExpertQ4_0Fast => Pipe::ExpertQ4_0Batch,
+            Pipe::ExpertQ5_0Fast => Pipe::ExpertQ5_0Batch,
+            Pipe::ExpertQ8_0Fast => Pipe::ExpertQ8_0Batch,
+            Pipe::ExpertQ2KFast => Pipe::ExpertQ2KBatch,
+            Pipe::ExpertQ4KFast => Pipe::ExpertQ4KBatch,
+            Pipe::ExpertQ6KFast => Pipe::ExpertQ6KBatch,
+            p => p,
+        }
     }
 }
 
@@ -390,11 +439,15 @@ pub(crate) struct MatvecTuning {
     /// workgroup per token): its weight rows are read from memory once for
     /// them all. Plain matrices only (routed experts are (token, expert) pairs).
     pub tile: u32,
+    /// Entries of a tile that share each weight decode (specialization
+    /// constant 4, `SHARE`, of the batch modules; a pass of tokens runs the
+    /// fast kernels' batch modules when it is above 1; 1 for the exact kernels).
+    pub share: u32,
 }
 
 /// The defaults, in the syntax of the environment overrides:
 /// (variable, default list).
-const DEFAULTS: [(&str, &str); 7] = [
+const DEFAULTS: [(&str, &str); 8] = [
     ("FNX_VK_MATVEC_WG", "128"),
     ("FNX_VK_MATVEC_ROWS", "2"),
     ("FNX_VK_MATVEC_UNROLL", "1"),
@@ -402,6 +455,9 @@ const DEFAULTS: [(&str, &str); 7] = [
     ("FNX_VK_MATVEC_ITEMS", "4"),
     ("FNX_VK_MATVEC_FILL", "256"),
     ("FNX_VK_MATVEC_TILE", "8"),
+    // The 2-bit file's routed experts (Q2_K gate/up, Q4_0 down) ran slower in
+    // the batch modules on the H200 (few pairs per expert; heavy per-entry state).
+    ("FNX_VK_MATVEC_SHARE", "8,expert_q2_k_fast=1,expert_q4_0_fast=1"),
 ];
 
 impl MatvecTuning {
@@ -421,6 +477,7 @@ impl MatvecTuning {
             min_items: get(4).unwrap_or(4),
             fill: get(5).unwrap_or(256),
             tile: get(6).unwrap_or(8),
+            share: get(7).unwrap_or(8),
         }
     }
 
@@ -431,17 +488,29 @@ impl MatvecTuning {
 
     /// Rounded to what `ctx` allows: a power-of-two workgroup of at least the
     /// subgroup size within the device limits, shared memory for the
-    /// reduction (`WG / 4 * 2 * ROWS` floats) within the limit, TPR a power
-    /// of two no larger than the workgroup.
-    fn fit(self, ctx: &Context, fast: bool) -> MatvecTuning {
+    /// reduction (`WG / 4 * 2 * ROWS` floats, per entry of a batch module)
+    /// within the limit, TPR a power of two no larger than the workgroup;
+    /// for `pipe` (the batch modules: ROWS [`BATCH_ROWS`], SHARE at most
+    /// [`BATCH_ENTRIES`]; the exact kernels: SHARE 1).
+    fn fit(self, ctx: &Context, pipe: Pipe) -> MatvecTuning {
+        let (fast, batch) = (pipe.is_fast(), pipe.is_batch());
         let l = &ctx.limits;
         let max_wg = l.max_compute_work_group_size[0].min(l.max_compute_work_group_invocations).min(1024);
         let pow2_floor = |v: u32| if v == 0 { 1 } else { 1 << (31 - v.leading_zeros()) };
-        let wg = pow2_floor(self.wg.clamp(ctx.subgroup_size.max(4), max_wg.max(4)));
-        // Leave room for common.glsl's reduction slots (and the fast kernels' activations).
-        let taken = if fast { FAST_SHARED_BYTES as u32 } else { 0 };
+        let mut wg = pow2_floor(self.wg.clamp(ctx.subgroup_size.max(4), max_wg.max(4)));
+        // Leave room for common.glsl's reduction slots (and the fast kernels'
+        // activations; the batch modules read theirs in place).
+        let taken = if fast && !batch { FAST_SHARED_BYTES as u32 } else { 0 };
         let shared_floats = (l.max_compute_shared_memory_size.saturating_sub(taken) / 4).saturating_sub(64);
-        let rows = self.rows.clamp(1, 16).min((shared_floats / (wg / 2)).max(1));
+        let rows = if batch {
+            // Halve the workgroup until the reduction slots fit.
+            while wg > ctx.subgroup_size.max(4) && wg / 2 * BATCH_ROWS * BATCH_ENTRIES > shared_floats {
+                wg /= 2;
+            }
+            BATCH_ROWS
+        } else {
+            self.rows.clamp(1, 16).min((shared_floats / (wg / 2)).max(1))
+        };
         MatvecTuning {
             wg,
             rows,
@@ -450,6 +519,7 @@ impl MatvecTuning {
             min_items: self.min_items.max(1),
             fill: self.fill,
             tile: self.tile.clamp(1, 64),
+            share: if fast { self.share.clamp(1, BATCH_ENTRIES) } else { 1 },
         }
     }
 
@@ -490,7 +560,9 @@ impl MatvecTuning {
 /// (`matvec`), else a bare number.
 fn tuning_entry(list: &str, name: &str) -> Option<u32> {
     let (kind, ty) = name.split_once('_').unwrap_or((name, ""));
-    // The fast kernels of a type take its entries too (`q4_k` tunes `matvec_q4_k_fast`).
+    // The fast kernels of a type take its entries too (`q4_k` tunes
+    // `matvec_q4_k_fast` and `matvec_q4_k_fast_batch`).
+    let ty = ty.strip_suffix("_batch").unwrap_or(ty);
     let ty = ty.strip_suffix("_fast").unwrap_or(ty);
     let mut best: Option<(u32, u32)> = None;
     for entry in list.split(',').map(str::trim).filter(|e| !e.is_empty()) {
@@ -509,6 +581,12 @@ fn tuning_entry(list: &str, name: &str) -> Option<u32> {
     }
     best.map(|(_, v)| v)
 }
+
+/// Entries of a batch module's tile that share each weight decode at most
+/// (`NT` in shaders/matvec.comp with BATCH).
+pub(crate) const BATCH_ENTRIES: u32 = 8;
+/// Output rows per row set of the batch modules (their `ROWS`, fixed in the shader).
+pub(crate) const BATCH_ROWS: u32 = 2;
 
 /// Longest rows the fast kernels take (`FAST_MAX_COLS` in
 /// shaders/weights_int.glsl); longer rows use the exact pipelines.
@@ -582,7 +660,7 @@ impl Pipelines {
         p.arena_layout = set_layout(ctx, &[p.max_slabs])?;
         for (i, spec) in TABLE.iter().enumerate() {
             let is_fast = TABLE_PIPES[i].is_fast();
-            let t = tuning(spec.name).fit(ctx, is_fast);
+            let t = tuning(spec.name).fit(ctx, TABLE_PIPES[i]);
             p.tuning.push(t);
             if is_fast && !fast {
                 // Never bound (the recorder asks for fast pipelines only when `fast`).
@@ -620,11 +698,13 @@ impl Pipelines {
                 .map_err(err(spec.name))?;
             self.layouts.push(layout);
             let module = d.create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&words), None).map_err(err(spec.name))?;
-            // Constants 0 (MAX_SLABS), 1 (workgroup size), 2 (ROWS), 3 (UNROLL); a module ignores those it lacks.
-            let data: Vec<u8> =
-                [self.max_slabs, tuning.wg, tuning.rows, tuning.unroll].iter().flat_map(|v| v.to_le_bytes()).collect();
-            let entries: Vec<_> =
-                (0..4).map(|i| vk::SpecializationMapEntry { constant_id: i, offset: 4 * i, size: 4 }).collect();
+            // Constants 0 (MAX_SLABS), 1 (workgroup size), 2 (ROWS), 3 (UNROLL), 4 (SHARE);
+            // a module ignores those it lacks.
+            let constants = [self.max_slabs, tuning.wg, tuning.rows, tuning.unroll, tuning.share];
+            let data: Vec<u8> = constants.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let entries: Vec<_> = (0..constants.len() as u32)
+                .map(|i| vk::SpecializationMapEntry { constant_id: i, offset: 4 * i, size: 4 })
+                .collect();
             let special = vk::SpecializationInfo::default().map_entries(&entries).data(&data);
             let mut stage =
                 vk::PipelineShaderStageCreateInfo::default().stage(vk::ShaderStageFlags::COMPUTE).module(module).name(c"main");
@@ -683,6 +763,10 @@ mod tests {
         assert_eq!((q4.wg, q4.rows, q4.unroll, q4.tpr, q4.min_items, q4.fill), (128, 2, 1, None, 4, 256));
         assert_eq!(MatvecTuning::for_pipeline("expert_q2_k", false).unroll, 1);
         assert_eq!(MatvecTuning::for_pipeline("matvec_q8_0", false).unroll, 1);
+        // Which passes run the batch modules (the recorder reads the fast pipeline's share).
+        let share = |name| MatvecTuning::for_pipeline(name, false).share;
+        assert_eq!((share("matvec_q2_k_fast"), share("expert_q4_k_fast"), share("expert_q5_0_fast")), (8, 8, 8));
+        assert_eq!((share("expert_q2_k_fast"), share("expert_q4_0_fast")), (1, 1));
     }
 
     #[test]

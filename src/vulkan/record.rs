@@ -181,12 +181,19 @@ impl<'a> Recorder<'a> {
     }
 
     /// Fills the work split and layout fields of a matvec push for `part`
-    /// and returns the workgroup grid for `experts` per token and `n` tokens
-    /// (grid y: tiles of the tuning's tokens for a plain matrix, one pair per
-    /// workgroup for experts). The split is the one token's, so a token's
-    /// sums are added in the same order in a batch as alone.
-    fn matvec_split(&self, pipe: Pipe, part: &PartLayout, push: &mut MatvecPush, experts: u32, n: u32, tiled: bool) -> [u32; 3] {
+    /// and returns the pipeline (`pipe`, or its batch module for a tile of
+    /// several entries whose rounded activations are in place:
+    /// [`Pipe::batch`]) and the workgroup grid for
+    /// `experts` per token and `n` tokens (grid y: tiles of the tuning's
+    /// tokens for a plain matrix or grouped pairs, one pair per workgroup
+    /// otherwise). The split is the one token's, so a token's sums are added
+    /// in the same order in a batch as alone.
+    fn matvec_split(&self, pipe: Pipe, part: &PartLayout, push: &mut MatvecPush, experts: u32, n: u32, tiled: bool) -> (Pipe, [u32; 3]) {
         assert!(push.x_off.is_multiple_of(4) && push.x_stride.is_multiple_of(4), "matvec activations must start at multiples of 4 floats");
+        let entries = experts * n;
+        let tile = if tiled { self.pipes.tuning[pipe as usize].tile.min(entries) } else { 1 };
+        // The batch modules read the activations act_int8 rounded (push.xq_off).
+        let pipe = if tile > 1 && push.xq_off != 0 && self.pipes.tuning[pipe as usize].share > 1 { pipe.batch() } else { pipe };
         let tuning = match self.force_tpr {
             Some(t) => MatvecTuning { tpr: Some(t), ..self.pipes.tuning[pipe as usize] },
             None => self.pipes.tuning[pipe as usize],
@@ -198,10 +205,8 @@ impl<'a> Recorder<'a> {
         push.fld0 = part.fields[0] as u32;
         push.fld1 = part.fields[1] as u32;
         let per_group = tuning.rows_per_workgroup(shift) as usize;
-        let entries = experts * n;
-        let tile = if tiled { tuning.tile.min(entries) } else { 1 };
         (push.tile, push.ntok) = (tile, entries);
-        grid(self.ctx, (push.rows as usize).div_ceil(per_group), entries.div_ceil(tile))
+        (pipe, grid(self.ctx, (push.rows as usize).div_ceil(per_group), entries.div_ceil(tile)))
     }
 
     /// Before the fast matvecs of `n` tokens whose input is `count` vectors
@@ -223,6 +228,15 @@ impl<'a> Recorder<'a> {
         let groups = (count * cols / 32).div_ceil(Pipe::ActInt8.spec().workgroup as usize / 4);
         self.dispatch(Pipe::ActInt8, &[set], &p, [groups as u32, n as u32, 1]);
         push.xq_off = q_off;
+    }
+
+    /// Rounds the input of `m`'s matvec for `n` tokens once (as
+    /// [`Recorder::matvec_n`] does itself) ahead of an
+    /// [`Recorder::independent`] group that holds it, so that it runs the
+    /// batch modules there too.
+    pub fn round_for(&mut self, set: vk::DescriptorSet, m: &GpuMatrix, push: &mut MatvecPush, n: usize) {
+        let stride = push.x_stride;
+        self.round_once(set, m.ty, false, push, m.chunks[0].layout.cols, 1, n, stride);
     }
 
     /// `y = W x` over every chunk of `m`. The caller fills the offsets and epilogue of `push`.
@@ -247,7 +261,7 @@ impl<'a> Recorder<'a> {
             for c in &m.chunks {
                 push.rows = if swiglu { c.rows / 2 } else { c.rows } as u32;
                 push.row_base = c.first_row as u32;
-                let groups = rec.matvec_split(pipe, &c.layout, &mut push, 1, n as u32, true);
+                let (pipe, groups) = rec.matvec_split(pipe, &c.layout, &mut push, 1, n as u32, true);
                 rec.label_next(|| role(&m.name), c.layout.bytes as u64);
                 rec.dispatch(pipe, &[state_set, c.set], &push, groups);
             }
@@ -291,7 +305,7 @@ impl<'a> Recorder<'a> {
             self.round_once(sets[0], ty, true, &mut push, cols, count, experts / per_token, tok);
         }
         let grouped = push.order_off != 0;
-        let g = self.matvec_split(pipe, part, &mut push, per_token as u32, (experts / per_token) as u32, grouped);
+        let (pipe, g) = self.matvec_split(pipe, part, &mut push, per_token as u32, (experts / per_token) as u32, grouped);
         let what = if push.mode == 4 { "experts gate/up" } else { "experts down" };
         self.label_next(|| what.to_string(), (experts * part.bytes) as u64);
         self.dispatch(pipe, &sets, &push, g);

@@ -338,8 +338,8 @@ fn every_type(ctx: &Arc<Context>, fast: bool) {
 fn matvec_other_tunings_and_split_matrices() {
     let Some(ctx) = context() else { return };
     for tuning in [
-        MatvecTuning { wg: 64, rows: 1, unroll: 1, tpr: None, min_items: 2, fill: 0, tile: 1 },
-        MatvecTuning { wg: 256, rows: 3, unroll: 3, tpr: None, min_items: 8, fill: 4096, tile: 3 },
+        MatvecTuning { wg: 64, rows: 1, unroll: 1, tpr: None, min_items: 2, fill: 0, tile: 1, share: 1 },
+        MatvecTuning { wg: 256, rows: 3, unroll: 3, tpr: None, min_items: 8, fill: 4096, tile: 3, share: 1 },
     ] {
         let pipes = Pipelines::tuned(&ctx, false, |_| tuning).unwrap();
         let twin = Twin { ctx: &ctx, pipes: &pipes };
@@ -530,11 +530,13 @@ fn batched_matvecs_equal_single_tokens() {
     const T: usize = 11;
     // Experts: (token, expert) pairs.
     const TE: usize = 6;
-    for (fast, tile) in [(false, 8), (true, 8), (false, 3), (true, 4)] {
+    // Fast kernels: the batch modules, entries sharing weight decodes (share)
+    // in groups of the tile (8 of 8, 4 of 4, 3 of 8: groups across a tile's end).
+    for (fast, tile, share) in [(false, 8, 1), (true, 8, 8), (false, 3, 1), (true, 4, 8), (true, 8, 3)] {
         if fast && !ctx.int_dot.supported {
             continue;
         }
-        let pipes = Pipelines::tuned(&ctx, fast, |name| MatvecTuning { tile, ..MatvecTuning::for_pipeline(name, false) }).unwrap();
+        let pipes = Pipelines::tuned(&ctx, fast, |name| MatvecTuning { tile, share, ..MatvecTuning::for_pipeline(name, false) }).unwrap();
         let params = Buffer::new(&ctx, "twin params", 16, MemoryLocation::GpuOnly).unwrap();
         for ty in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
             let (rows, cols) = (300, 512);
@@ -582,7 +584,7 @@ fn batched_matvecs_equal_single_tokens() {
             for t in 0..T {
                 single[t * tok + xq..t * tok + xq + XQ_FLOATS].copy_from_slice(&batched[t * tok + xq..t * tok + xq + XQ_FLOATS]);
             }
-            assert_eq!(batched.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), single.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{ty} (fast {fast}, tile {tile}): a batch of {T} tokens");
+            assert_eq!(batched.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), single.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{ty} (fast {fast}, tile {tile}, share {share}): a batch of {T} tokens");
             let (want, abs) = cpu(&w, &single[..cols], fast);
             assert!(worst(&format!("{ty} token 0"), &single[y0..y0 + rows], &want, &abs) <= 1.0);
         }
@@ -657,7 +659,7 @@ fn batched_matvecs_equal_single_tokens() {
         for t in 0..TE {
             grouped[t * tok + order_off..t * tok + order_off + k].fill(0.0);
         }
-        assert_eq!(bits(&grouped), bits(&single), "experts (fast {fast}, tile {tile}): a batch of {TE} tokens grouped by expert");
+        assert_eq!(bits(&grouped), bits(&single), "experts (fast {fast}, tile {tile}, share {share}): a batch of {TE} tokens grouped by expert");
         // Token 2's second expert against the CPU.
         let b = 2 * tok;
         let (y, abs) = cpu(&experts[2].0, &scratch[b + x_off..b + x_off + h], fast);
