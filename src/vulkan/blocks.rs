@@ -22,8 +22,12 @@
 //! key, and the block key it completes) runs token after token; then, for
 //! runs of tokens whose scores fit the scratch, each token's block scores
 //! and its own top-k in one dispatch each (a workgroup row per token, its
-//! blocks those complete at its position), and the attention itself token
-//! after token. The PLE mix is recorded token after token. One token is the same
+//! blocks those complete at its position), and the attention itself for as
+//! many tokens as the probability region holds (a workgroup row per token,
+//! its keys, blocks and tail from its position). The PLE mix is recorded
+//! token after token. Matrices of a pass run the fast kernels' batch modules
+//! where the type has them (a weight decoded once for up to 8 tokens or
+//! pairs of one expert; `FNX_VK_MATVEC_SHARE`). One token is the same
 //! recording as before batches.
 //!
 //! Where the CPU adds a block's output back into the streams in a separate
@@ -540,8 +544,8 @@ impl Blocks for VkPass<'_> {
         }
         // Runs of tokens whose block scores and selections fit the scratch:
         // each token's scores and its top-k in one dispatch each for the
-        // run, then its attention, token after token (the weight region is
-        // shared).
+        // run, then its attention in dispatches of as many tokens as the
+        // probability region holds.
         let rows = l0.score_rows as usize;
         for t0 in (0..self.n).step_by(rows) {
             let run = rows.min(self.n - t0);
@@ -581,30 +585,35 @@ impl Blocks for VkPass<'_> {
                     self.rec.dispatch(Pipe::QsaTopk, &[set], &topk, [1, run as u32, 1]);
                 }
             }
-            for t in t0..t0 + run {
-                let (l, n_tokens) = (self.state.layout.at(t), self.pos + t + 1);
-                // Dense attention reads every token as the "tail".
-                let n_complete = if qsa.is_some() { n_tokens / ratio } else { 0 };
-                let (keep, tail_start) = (keep_max.min(n_complete), n_complete * ratio_used);
+            // The run's attention, `att_rows` tokens per dispatch, each with
+            // its own probability region (a grid row per token).
+            let att_rows = l0.att_rows as usize;
+            for a0 in (t0..t0 + run).step_by(att_rows) {
+                let chunk = att_rows.min(t0 + run - a0);
+                let l = self.state.layout.at(a0);
+                let tmp_stride = self.state.caches.capacity as u32;
                 let att = AttentionPush {
                     q_off: l.q,
                     qg_off: l.qg,
                     keys_off: a.keys,
                     values_off: a.values,
-                    sel_off: l0.sel + ((t - t0) as u32) * l0.score_stride,
-                    tmp_off: l.att_tmp,
-                    tmp_stride: self.state.caches.capacity as u32,
+                    sel_off: l0.sel + ((a0 - t0) as u32) * l0.score_stride,
+                    tmp_off: l0.att_tmp,
+                    tmp_stride,
                     y_off: l.att_out,
-                    keep: keep as u32,
+                    keep: keep_max as u32,
                     ratio: ratio_used as u32,
-                    tail_start: tail_start as u32,
-                    n_tail: (n_tokens - tail_start) as u32,
+                    n_first: (self.pos + a0 + 1) as u32,
+                    qsa: qsa.is_some() as u32,
                     hd,
                     nh,
                     nkv,
                     scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+                    tok_stride: l0.tok,
+                    sel_stride: l0.score_stride,
+                    tmp_tok: nh * tmp_stride,
                 };
-                self.rec.dispatch(Pipe::Attention, &[set], &att, [nh, 1, 1]);
+                self.rec.dispatch(Pipe::Attention, &[set], &att, [nh, chunk as u32, 1]);
             }
         }
         let post = self.post(self.state.layout.att_out);

@@ -166,7 +166,8 @@ QsaTopkPush { score_off: u32, sel_off: u32, n_blocks: u32, keep: u32, ratio: u32
     sel_stride: u32 });
 push_block!(/// shaders/attention.comp
 AttentionPush { q_off: u32, qg_off: u32, keys_off: u32, values_off: u32, sel_off: u32, tmp_off: u32, tmp_stride: u32,
-    y_off: u32, keep: u32, ratio: u32, tail_start: u32, n_tail: u32, hd: u32, nh: u32, nkv: u32, scale: f32 });
+    y_off: u32, keep: u32, ratio: u32, n_first: u32, qsa: u32, hd: u32, nh: u32, nkv: u32, scale: f32, tok_stride: u32,
+    sel_stride: u32, tmp_tok: u32 });
 push_block!(/// shaders/moe_route.comp
 MoeRoutePush { logits_off: u32, ids_off: u32, w_off: u32, n_experts: u32, k: u32, shared_in_arena: u32, x_off: u32,
     shared_gate: u32, h: u32, tok_stride: u32 });

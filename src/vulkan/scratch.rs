@@ -8,7 +8,8 @@
 //! After the blocks: the logits of the tokens that get them, then the
 //! regions that scale with the context: block scores and selections for a
 //! run of up to `score_rows` tokens at a time (`n_ctx` floats apart), and
-//! the attention weights, which the tokens of a pass use one after another.
+//! the attention probabilities of up to `att_rows` tokens attended in one
+//! dispatch (`n_heads * n_ctx` floats apart).
 
 use super::pipelines::XQ_FLOATS;
 use crate::error::{Error, Result};
@@ -18,6 +19,9 @@ use crate::model::{Config, LayerKind};
 /// pass scored together: up to 16 MB each, a whole pass of 512 tokens up to
 /// a context of 8192.
 const SCORE_FLOATS: usize = 1 << 22;
+/// Floats of the attention probabilities of the tokens of a pass attended
+/// together (heads x `n_ctx` each): up to 16 MB.
+const ATT_FLOATS: usize = 1 << 22;
 
 /// Float offsets of every activation in the scratch buffer.
 #[derive(Clone, Default, Debug)]
@@ -54,7 +58,9 @@ pub(crate) struct ScratchLayout {
     pub sel: u32,
     pub score_rows: u32,
     pub score_stride: u32,
+    /// Attention probabilities of `att_rows` tokens, `n_heads * n_ctx` floats apart.
     pub att_tmp: u32,
+    pub att_rows: u32,
     pub att_out: u32,
     pub router: u32,
     pub ids: u32,
@@ -148,13 +154,14 @@ impl ScratchLayout {
         l.logit_rows = logit_rows.clamp(1, batch.max(1)) as u32;
         l.logits = next(l.logit_rows as usize * cfg.vocab);
         // Last: the regions that scale with the capacity.
-        // FNX_VK_SCORE_ROWS caps the run (to test runs shorter than a pass).
+        // FNX_VK_SCORE_ROWS caps both runs (to test runs shorter than a pass).
         let cap = std::env::var("FNX_VK_SCORE_ROWS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(usize::MAX);
         l.score_rows = (SCORE_FLOATS / n_ctx.max(1)).min(cap).clamp(1, l.batch as usize) as u32;
         l.score_stride = n_ctx as u32;
         l.scores = next(l.score_rows as usize * n_ctx);
         l.sel = next(l.score_rows as usize * n_ctx);
-        l.att_tmp = next(cfg.n_heads * n_ctx);
+        l.att_rows = (ATT_FLOATS / (cfg.n_heads * n_ctx).max(1)).min(cap).clamp(1, l.batch as usize) as u32;
+        l.att_tmp = next(l.att_rows as usize * cfg.n_heads * n_ctx);
         l.total = next(0);
         if at > u32::MAX as usize / 4 {
             return Err(Error::OutOfMemory(format!("GPU scratch of {at} floats is too large; lower n_ctx")));

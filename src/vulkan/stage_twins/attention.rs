@@ -333,14 +333,16 @@ fn attention() {
             tmp_off,
             tmp_stride: c.n_ctx as u32,
             y_off,
-            keep: keep as u32,
+            // The most blocks a token keeps (the shader takes its share of them).
+            keep: if c.w.indexer.is_some() { (budget / c.ratio) as u32 } else { 0 },
             ratio: ratio_used as u32,
-            tail_start: tail_start as u32,
-            n_tail: (n_tokens - tail_start) as u32,
+            n_first: n_tokens as u32,
+            qsa: c.w.indexer.is_some() as u32,
             hd: hd as u32,
             nh: nh as u32,
             nkv: nkv as u32,
             scale: 1.0 / (hd as f32).sqrt(),
+            ..Default::default()
         };
         let written = [(tmp_off, nh * c.n_ctx), (y_off, nh * hd)];
         let out = g.run(Pipe::Attention, &push, Groups::Fixed([nh as u32, 1, 1]), &b, &written, &[]);
