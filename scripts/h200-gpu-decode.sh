@@ -6,7 +6,8 @@
 #
 #   On the build machine:  TESTS="vulkan_decode" bash scripts/h200-vulkan.sh prepare
 #                          bash scripts/h200-gpu-decode.sh pack
-#   On the GPU machine:    OUT=/some/dir bash scripts/h200-gpu-decode.sh [q4|q2|all]
+#   On the GPU machine:    OUT=/some/dir bash scripts/h200-gpu-decode.sh [q4|q2|all|tests]
+#                          (tests: the tests only)
 #
 # `pack` strips and xz-compresses .vk into .vkz (excluded from git; the
 # device tool carries at most 64 MiB with the checkout, which is most of
@@ -115,7 +116,7 @@ bench_model() {
 case $which in
     q4 | all) bench_model q4ref-24L 24 --type q8_0 --tensor-type '_exps=q4_k' --tensor-type '^output\.weight=q6_k' ;;&
     q2 | all) bench_model q2_k-48L 48 --type q2_k ;;
-    q4) ;;
-    *) echo "usage: $0 [q4|q2|all]" >&2; exit 2 ;;
+    q4 | tests) ;;
+    *) echo "usage: $0 [q4|q2|all|tests]" >&2; exit 2 ;;
 esac
 say "done"
