@@ -587,11 +587,10 @@ impl Blocks for VkPass<'_> {
             }
             // The run's attention, `att_rows` tokens per dispatch, each with
             // its own probability region (a grid row per token).
-            let att_rows = l0.att_rows as usize;
+            let (att_rows, tmp_stride) = (l0.att_rows as usize, self.state.caches.capacity as u32);
             for a0 in (t0..t0 + run).step_by(att_rows) {
                 let chunk = att_rows.min(t0 + run - a0);
                 let l = self.state.layout.at(a0);
-                let tmp_stride = self.state.caches.capacity as u32;
                 let att = AttentionPush {
                     q_off: l.q,
                     qg_off: l.qg,

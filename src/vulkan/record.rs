@@ -230,10 +230,10 @@ impl<'a> Recorder<'a> {
         push.xq_off = q_off;
     }
 
-    /// Rounds the input of `m`'s matvec for `n` tokens once (as
-    /// [`Recorder::matvec_n`] does itself) ahead of an
-    /// [`Recorder::independent`] group that holds it, so that it runs the
-    /// batch modules there too.
+    /// Rounds the input of `m`'s matvec for `n` tokens once
+    /// ([`Recorder::round_once`]); [`Recorder::matvec_n`] does it itself, and
+    /// a caller does it ahead of an [`Recorder::independent`] group that
+    /// holds the matvec, so that it runs the batch modules there too.
     pub fn round_for(&mut self, set: vk::DescriptorSet, m: &GpuMatrix, push: &mut MatvecPush, n: usize) {
         let stride = push.x_stride;
         self.round_once(set, m.ty, false, push, m.chunks[0].layout.cols, 1, n, stride);
@@ -252,8 +252,7 @@ impl<'a> Recorder<'a> {
         assert!(!swiglu || m.chunks.len() == 1, "{}: a SwiGLU matrix is never split", m.name);
         let cols = m.chunks[0].layout.cols;
         let pipe = Pipe::matvec(m.ty, false, self.fast(cols));
-        let stride = push.x_stride;
-        self.round_once(state_set, m.ty, false, &mut push, cols, 1, n, stride);
+        self.round_for(state_set, m, &mut push, n);
         push.total_rows = m.rows as u32;
         push.scale = if push.scale == 0.0 { 1.0 } else { push.scale };
         // The chunks write disjoint rows.
@@ -274,9 +273,8 @@ impl<'a> Recorder<'a> {
     /// [`Recorder::matvec_n`]).
     pub fn matvecs_n(&mut self, ms: &[GpuMatrix], state_set: vk::DescriptorSet, mut push: MatvecPush, n: usize) {
         // One rounding of the input for every part with fast kernels.
-        let stride = push.x_stride;
         for m in ms {
-            self.round_once(state_set, m.ty, false, &mut push, m.chunks[0].layout.cols, 1, n, stride);
+            self.round_for(state_set, m, &mut push, n);
         }
         // The parts write disjoint rows.
         self.independent(|rec| {
