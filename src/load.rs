@@ -82,8 +82,18 @@ pub struct LoadOptions {
     /// The decayed miss count at which the expert cache uploads a missed
     /// expert (at least 2: a first sighting is never uploaded); `None` = measured at load: the host's speed
     /// computing experts over the upload path's, at least 2 (see
-    /// `model::expert_policy`). `FNX_EXPERT_ADMISSION=N` wins.
+    /// `model::expert_policy`), or 2 when admitted experts are filled in the
+    /// background. `FNX_EXPERT_ADMISSION=N` wins.
     pub expert_admission: Option<f32>,
+    /// Whether the expert cache fills an admitted expert's slot in the
+    /// background (the host computes the expert the token it is admitted
+    /// and repacks its bytes while it waits for the GPU at the next router;
+    /// the slot serves hits from the next token; admission at the second
+    /// miss) rather than uploading it on the token's critical path and
+    /// running it on the GPU; `None` = no: on the H200 host the repack
+    /// (~0.18 ms an expert) outlasts a layer's wait and the fills cost more
+    /// than their hits save (docs/BENCHMARKS.md). `FNX_EXPERT_FILL=0|1` wins.
+    pub expert_fill: Option<bool>,
     /// Most tokens one pass of a prompt computes together (the prefill
     /// micro-batch); 0 = the default, [`DEFAULT_MICRO_BATCH`];
     /// `FNX_MICRO_BATCH=N` wins. Scratch memory grows with it (on the CPU
@@ -118,6 +128,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("rewind_window", &self.rewind_window)
             .field("spin_wait", &self.spin_wait)
             .field("expert_admission", &self.expert_admission)
+            .field("expert_fill", &self.expert_fill)
             .field("micro_batch", &self.micro_batch)
             .field("progress", &self.progress.as_ref().map(|_| "Fn(f32) -> bool"))
             .finish()
@@ -166,6 +177,13 @@ impl LoadOptions {
                 "0" => false,
                 "1" => true,
                 other => return Err(Error::arg(format!("FNX_SPIN_WAIT={other:?}: expected 0 or 1"))),
+            });
+        }
+        if let Some(v) = env_value("FNX_EXPERT_FILL") {
+            o.expert_fill = Some(match v.as_str() {
+                "0" => false,
+                "1" => true,
+                other => return Err(Error::arg(format!("FNX_EXPERT_FILL={other:?}: expected 0 or 1"))),
             });
         }
         if let Some(v) = env_value("FNX_EXPERT_ADMISSION") {
@@ -227,6 +245,7 @@ fn choose_backend(
         warm,
         spin_wait: opts.spin_wait,
         admission: opts.expert_admission,
+        fill: opts.expert_fill,
     };
     let vulkan = |index| crate::vulkan::VulkanBackend::load(config, weights, &choice(index), &placement, host);
     let cpu = || Box::new(CpuBackend);

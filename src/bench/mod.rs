@@ -140,6 +140,8 @@ pub struct ExpertCacheStats {
     /// Misses computed on the host, and uploaded, per token.
     pub host_experts_per_token: f64,
     pub uploads_per_token: f64,
+    /// Of the uploads, those filled in the background, per token.
+    pub fills_per_token: f64,
     /// Bytes uploaded into the cache per token.
     pub upload_bytes_per_token: f64,
     /// What the load measured: expert weights the host computes, and the
@@ -369,6 +371,7 @@ fn backend_stats(model: &Model, state: &State, opts: &BenchOptions) -> BackendSt
             hit_rate: c.hits as f64 / uses,
             host_experts_per_token: c.host_experts as f64 / tokens,
             uploads_per_token: c.uploads as f64 / tokens,
+            fills_per_token: c.fills as f64 / tokens,
             upload_bytes_per_token: c.upload_bytes as f64 / tokens,
             host_gbs: gb(c.host_bytes_per_s),
             upload_gbs: gb(c.upload_bytes_per_s),
@@ -579,12 +582,13 @@ impl BenchReport {
         });
         let cache = s.expert_cache.as_ref().map(|c| {
             format!(
-                "{} slots/layer, hit rate {:.1}%, {:.1} experts/token on the host ({:.2} ms), {:.1} uploads/token ({:.1} MB, {:.2} ms), GPU waits {:.2} ms/token; load measured host {:.1} GB/s, upload {:.1} GB/s",
+                "{} slots/layer, hit rate {:.1}%, {:.1} experts/token on the host ({:.2} ms), {:.1} uploads/token ({:.1} in the background; {:.1} MB, {:.2} ms), GPU waits {:.2} ms/token; load measured host {:.1} GB/s, upload {:.1} GB/s",
                 c.slots_per_layer,
                 100.0 * c.hit_rate,
                 c.host_experts_per_token,
                 c.host_ms_per_token,
                 c.uploads_per_token,
+                c.fills_per_token,
                 c.upload_bytes_per_token / 1e6,
                 c.upload_ms_per_token,
                 c.wait_ms_per_token,

@@ -321,10 +321,7 @@ fn replay_layer(
                 (0..slots as u32).collect()
             };
             cache.fill(&warm);
-            let split = Split {
-                host_bytes_per_s: admit_at as f64,
-                upload_bytes_per_s: 1.0,
-            };
+            let split = Split { host_bytes_per_s: 1.0, upload_bytes_per_s: 1.0, forced: Some(admit_at), background: false };
             let mut stats = CacheStats::default();
             // The engine's ticks start at 1 and advance before each token.
             for (i, t) in range.enumerate() {

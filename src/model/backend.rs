@@ -246,6 +246,9 @@ pub struct ExpertCacheReport {
     /// Misses computed on the host, and uploaded into the cache.
     pub host_experts: u64,
     pub uploads: u64,
+    /// Of the uploads, those filled in the background (their expert computed
+    /// on the host the token it was admitted).
+    pub fills: u64,
     pub upload_bytes: u64,
     /// Host seconds computing experts, repacking uploads, and waiting for
     /// the device at the routers.

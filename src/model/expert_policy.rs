@@ -8,7 +8,15 @@
 //! * Each expert's misses are counted with a decay (half-life [`HALF_LIFE`]
 //!   tokens); a miss is admitted when that count, rounded, reaches
 //!   [`Split::admit_at`], at most [`MAX_UPLOADS`] per layer and token; it
-//!   evicts the emptiest, then least recently used slot this token does not use.
+//!   evicts the emptiest, then least recently used slot this token does not
+//!   use (nor one being filled).
+//! * An admitted expert is either uploaded now and run on the GPU
+//!   ([`Place::Upload`]: the upload sits on the token's critical path) or,
+//!   with [`Split::background`], computed on the host this once while its
+//!   bytes go into the slot in time the host would otherwise spend waiting
+//!   ([`Place::Fill`]); the slot then serves hits once the backend
+//!   [`LayerSlots::commit`]s it, and until then the expert is a miss that is
+//!   not admitted again.
 
 /// Tokens after which an expert's miss count has halved.
 pub const HALF_LIFE: f32 = 64.0;
@@ -23,6 +31,9 @@ pub enum Place {
     Hit(usize),
     /// Uploaded into this local slot now, then run on the GPU.
     Upload(usize),
+    /// Computed on the host; its bytes go into this local slot in the
+    /// background, which serves hits once committed.
+    Fill(usize),
     /// Computed on the host.
     Host,
 }
@@ -34,17 +45,30 @@ pub struct Split {
     pub host_bytes_per_s: f64,
     /// Bytes per second an upload moves into the arena.
     pub upload_bytes_per_s: f64,
+    /// The admission count, forced (`None`: from the speeds, or 2 in the background).
+    pub forced: Option<f32>,
+    /// Whether admitted experts are filled in the background ([`Place::Fill`])
+    /// rather than uploaded on the critical path ([`Place::Upload`]).
+    pub background: bool,
 }
 
 impl Split {
-    /// The decayed miss count at which an expert is worth uploading: the
-    /// host's speed over the upload's (an upload costs that many host
-    /// computations of it), at least 2; never without upload bandwidth.
+    /// The decayed miss count at which an expert is worth admitting: forced,
+    /// or 2 in the background (a fill costs the token nothing: the host
+    /// computes the expert anyway and moves its bytes while it would wait),
+    /// or else the host's speed over the upload's (an upload costs that many
+    /// host computations of it), at least 2 (a first sighting never churns
+    /// the cache); never without upload bandwidth.
     pub fn admit_at(&self) -> f32 {
         if self.upload_bytes_per_s <= 0.0 {
             return f32::INFINITY;
         }
-        ((self.host_bytes_per_s / self.upload_bytes_per_s) as f32).max(2.0)
+        let count = match (self.forced, self.background) {
+            (Some(n), _) => n,
+            (None, true) => 2.0,
+            (None, false) => (self.host_bytes_per_s / self.upload_bytes_per_s) as f32,
+        };
+        count.max(2.0)
     }
 }
 
@@ -57,8 +81,10 @@ pub struct CacheStats {
     pub misses: u64,
     /// Misses computed on the host.
     pub host_experts: u64,
-    /// Misses uploaded into the arena.
+    /// Misses admitted into the arena (uploaded now or filled in the background).
     pub uploads: u64,
+    /// Of those, filled in the background.
+    pub fills: u64,
     pub upload_bytes: u64,
     /// Decode steps (tokens) that went through the cache.
     pub tokens: u64,
@@ -80,7 +106,9 @@ pub(crate) struct LayerSlots {
     expert: Vec<Option<u32>>,
     /// Token of each slot's last use (LRU).
     used: Vec<u64>,
-    /// Local slot of each expert, when resident.
+    /// Whether each slot is being filled (reserved; not yet serving hits).
+    filling: Vec<bool>,
+    /// Local slot of each expert, when resident or being filled.
     slot_of: Vec<Option<u32>>,
     /// Each expert's decayed miss count, and the token it was last updated at.
     score: Vec<f32>,
@@ -94,6 +122,7 @@ impl LayerSlots {
         LayerSlots {
             expert: vec![None; slots],
             used: vec![0; slots],
+            filling: vec![false; slots],
             slot_of: vec![None; experts],
             score: vec![0.0; experts],
             seen: vec![0; experts],
@@ -110,7 +139,7 @@ impl LayerSlots {
         }
         let mut places: Vec<Place> = ids
             .iter()
-            .map(|&e| match self.slot_of.get(e as usize).copied().flatten() {
+            .map(|&e| match self.slot_of.get(e as usize).copied().flatten().filter(|&s| !self.filling[s as usize]) {
                 Some(s) => {
                     self.used[s as usize] = tick;
                     Place::Hit(s as usize)
@@ -124,6 +153,10 @@ impl LayerSlots {
         let (threshold, mut budget) = (split.admit_at(), MAX_UPLOADS);
         for &i in &misses {
             let e = ids[i] as usize;
+            if self.slot_of[e].is_some() {
+                // Being filled.
+                continue;
+            }
             let age = tick.saturating_sub(self.seen[e]) as f32;
             self.score[e] = self.score[e] * (-age / HALF_LIFE).exp2() + 1.0;
             self.seen[e] = tick;
@@ -131,7 +164,9 @@ impl LayerSlots {
                 continue;
             }
             // The emptiest, then least recently used slot this token does not use.
-            let victim = (0..self.expert.len()).filter(|&s| self.used[s] < tick).min_by_key(|&s| (self.expert[s].is_some(), self.used[s]));
+            let victim = (0..self.expert.len())
+                .filter(|&s| self.used[s] < tick && !self.filling[s])
+                .min_by_key(|&s| (self.expert[s].is_some(), self.used[s]));
             let Some(s) = victim else { break };
             if let Some(old) = self.expert[s] {
                 self.slot_of[old as usize] = None;
@@ -140,15 +175,33 @@ impl LayerSlots {
             self.slot_of[e] = Some(s as u32);
             self.used[s] = tick;
             self.score[e] = 0.0;
-            places[i] = Place::Upload(s);
+            self.filling[s] = split.background;
+            places[i] = if split.background { Place::Fill(s) } else { Place::Upload(s) };
             budget -= 1;
         }
         places
     }
 
+    /// A [`Place::Fill`]'s bytes are in slot `slot` (or ordered before any
+    /// later read of it): it serves hits from now on.
+    pub(crate) fn commit(&mut self, slot: usize) {
+        self.filling[slot] = false;
+    }
+
+    /// A [`Place::Fill`] that did not happen: the slot is empty.
+    pub(crate) fn cancel(&mut self, slot: usize) {
+        if self.filling[slot] {
+            if let Some(e) = self.expert[slot].take() {
+                self.slot_of[e as usize] = None;
+            }
+            self.filling[slot] = false;
+        }
+    }
+
     /// Marks `experts` resident in the first slots (a warm start).
     pub(crate) fn fill(&mut self, experts: &[u32]) {
         for (s, &e) in experts.iter().take(self.expert.len()).enumerate() {
+            self.filling[s] = false;
             if let Some(old) = self.expert[s] {
                 self.slot_of[old as usize] = None;
             }
@@ -162,9 +215,11 @@ impl LayerSlots {
 mod tests {
     use super::*;
 
-    const NO_UPLOADS: Split = Split { host_bytes_per_s: 1.0, upload_bytes_per_s: 0.0 };
+    const NO_UPLOADS: Split = Split { host_bytes_per_s: 1.0, upload_bytes_per_s: 0.0, forced: None, background: false };
     /// Uploads as fast as the host: a second sighting admits.
-    const FAST_UPLOADS: Split = Split { host_bytes_per_s: 1e9, upload_bytes_per_s: 1e9 };
+    const FAST_UPLOADS: Split = Split { host_bytes_per_s: 1e9, upload_bytes_per_s: 1e9, forced: None, background: false };
+    /// Slow uploads, but fills in the background: a second sighting admits.
+    const FILLS: Split = Split { host_bytes_per_s: 10e9, upload_bytes_per_s: 1e9, forced: None, background: true };
 
     #[test]
     fn second_sightings_are_admitted_and_lru_evicts() {
@@ -194,8 +249,10 @@ mod tests {
     #[test]
     fn slow_uploads_need_hot_experts() {
         // Uploads ten times slower than the host: ten recent misses admit.
-        let slow = Split { host_bytes_per_s: 10e9, upload_bytes_per_s: 1e9 };
+        let slow = Split { host_bytes_per_s: 10e9, upload_bytes_per_s: 1e9, forced: None, background: false };
         assert_eq!(slow.admit_at(), 10.0);
+        assert_eq!(Split { forced: Some(4.0), ..slow }.admit_at(), 4.0);
+        assert_eq!(Split { forced: Some(4.0), ..FILLS }.admit_at(), 4.0);
         let mut l = LayerSlots::new(1, 8);
         let mut st = CacheStats::default();
         let places: Vec<Place> = (1..=10).map(|t| l.place(t, &[6], &slow, &mut st)[0]).collect();
@@ -214,5 +271,29 @@ mod tests {
         assert_eq!(l.place(2, &[1, 2], &FAST_UPLOADS, &mut st), [Place::Upload(0), Place::Host]);
         assert_eq!(l.place(3, &[2, 1], &FAST_UPLOADS, &mut st), [Place::Host, Place::Hit(0)]);
         assert_eq!(MAX_UPLOADS, 2);
+    }
+
+    #[test]
+    fn fills_serve_hits_once_committed() {
+        assert_eq!(FILLS.admit_at(), 2.0);
+        let mut l = LayerSlots::new(2, 8);
+        let mut st = CacheStats::default();
+        assert_eq!(l.place(1, &[3, 4], &FILLS, &mut st), [Place::Host, Place::Host]);
+        // Seen again: computed on the host once more, its slot reserved.
+        assert_eq!(l.place(2, &[3, 4], &FILLS, &mut st), [Place::Fill(0), Place::Fill(1)]);
+        // Not committed yet: still misses, and not admitted a second time.
+        assert_eq!(l.place(3, &[3, 4], &FILLS, &mut st), [Place::Host, Place::Host]);
+        l.commit(0);
+        assert_eq!(l.place(4, &[3, 4], &FILLS, &mut st), [Place::Hit(0), Place::Host]);
+        // A slot being filled is never a victim: 5 and 6 find no slot while 0 is
+        // in use and 1 fills; once 1 is cancelled (empty), 5 takes it.
+        l.place(5, &[5, 6], &FILLS, &mut st);
+        assert_eq!(l.place(6, &[3, 5, 6], &FILLS, &mut st), [Place::Hit(0), Place::Host, Place::Host]);
+        l.cancel(1);
+        assert_eq!(l.place(7, &[4], &FILLS, &mut st), [Place::Host]);
+        assert_eq!(l.place(8, &[3, 5], &FILLS, &mut st), [Place::Hit(0), Place::Fill(1)]);
+        // Cancelling a committed slot changes nothing.
+        l.cancel(0);
+        assert_eq!(l.place(9, &[3], &FILLS, &mut st), [Place::Hit(0)]);
     }
 }

@@ -42,11 +42,16 @@
 //! once, while the host computes the rest from the mapped file on its cores
 //! (`moe_experts`); the host's weighted sum goes up with the next segment,
 //! which combines everything (`moe_combine`) and records on to the next
-//! layer's router.
+//! layer's router. Background fills ([`super::cache`]) admitted at one
+//! layer's MoE are repacked at the next layer's router wait (in the staging
+//! bank of their layer's parity) and copied by the next segment of the GPU's
+//! experts, after its expert dispatches; the last layer's in one more
+//! submission at the end of the step ([`VkPass::end`]).
 
 use super::arena::expert_bytes;
 use super::buffer::Buffer;
 use super::cache::{Place, Token};
+use crate::model::expert_policy::MAX_UPLOADS;
 use super::model::{GpuHyper, GpuMixer, GpuModel};
 use super::pipelines::*;
 use super::record::{Recorder, TokenStats};
@@ -59,6 +64,9 @@ use crate::model::backend::{Batch, Blocks, LogitsFor, Site};
 use crate::model::{Config, GateActivation, LayerKind, Model};
 use ash::vk;
 use std::sync::atomic::{AtomicBool, Ordering};
+
+/// A background fill: (layer, local slot, expert).
+type Fill = (usize, usize, usize);
 
 /// The residual streams, at `residual` of the scratch buffer.
 pub(crate) struct Streams;
@@ -107,8 +115,13 @@ pub(crate) struct VkPass<'a> {
     /// layer's experts (`FNX_MEASURE_PREDICTION=1`; costs a router on the host).
     measure_prediction: bool,
     /// Whether the model's threads spin while the host waits for the GPU at
-    /// a router (see [`VkPass::sync_hot`]).
+    /// a router (see [`VkPass::wait_hot`]).
     spin_wait: bool,
+    /// Background fills admitted at the last MoE, not yet staged.
+    fills: Vec<Fill>,
+    /// Fills repacked into staging, to be copied into their slots by the
+    /// next segment of the GPU's experts: (layer, local slot, staging slot).
+    staged: Vec<(usize, usize, usize)>,
 }
 
 /// The host's cos/sin table of position `pos`: `(1.., 0..)` rotated, i.e.
@@ -171,7 +184,23 @@ impl<'a> VkPass<'a> {
         let measure_prediction = cache.is_some() && std::env::var("FNX_MEASURE_PREDICTION").is_ok_and(|v| v == "1");
         let spin_wait = cache.is_some() && gpu.spin_wait;
         let logits = batch.logits;
-        VkPass { state, gpu, model, cfg, rec, pos, n, logits, attn_index, cache, submits: 0, measure_prediction, spin_wait }
+        VkPass {
+            state,
+            gpu,
+            model,
+            cfg,
+            rec,
+            pos,
+            n,
+            logits,
+            attn_index,
+            cache,
+            submits: 0,
+            measure_prediction,
+            spin_wait,
+            fills: Vec::new(),
+            staged: Vec::new(),
+        }
     }
 
     /// The token's counts (segments submitted included) and the pipelines it timed.
@@ -183,7 +212,12 @@ impl<'a> VkPass<'a> {
 
     /// After a failed block: ends the recording and waits for any segment in
     /// flight, so the next step can begin.
-    pub fn abandon(self) {
+    pub fn abandon(mut self) {
+        if let Some(t) = self.cache.as_mut() {
+            for &(layer, slot, _) in self.fills.iter().chain(&self.staged) {
+                t.cancel(layer, slot);
+            }
+        }
         let d = &self.gpu.ctx.device;
         // SAFETY: the main command buffer is recording (every segment begins it again).
         let _ = unsafe { d.end_command_buffer(self.state.cmds.cmd) };
@@ -277,38 +311,51 @@ impl<'a> VkPass<'a> {
         self.state.offload.is_none() && self.gpu.layers[layer].moe.shared.is_some()
     }
 
-    /// Ends the main segment, submits it and waits; then begins the next one.
-    fn sync(&mut self) -> Result<()> {
-        self.state.cmds.submit()?;
+    /// Ends the main segment and submits it; stages the fills admitted at
+    /// the last MoE while the GPU runs it; waits (threads kept hot with
+    /// `spin_wait`) and begins the next segment. Returns the nanoseconds
+    /// waited after the staging.
+    fn sync(&mut self) -> Result<u64> {
+        self.state.cmds.submit_async()?;
         self.submits += 1;
+        self.stage_fills();
+        let waited = std::time::Instant::now();
+        if self.spin_wait {
+            self.wait_hot()?;
+        } else {
+            self.state.cmds.wait()?;
+        }
+        let wait_ns = waited.elapsed().as_nanos() as u64;
         self.state.cmds.begin()?;
         self.rec.cmd = self.state.cmds.cmd;
-        Ok(())
+        Ok(wait_ns)
     }
 
-    /// [`VkPass::sync`] with the model's threads kept busy meanwhile: one
+    /// Waits for the main segment with the model's threads kept busy: one
     /// polls the fence, the others spin until it is signalled, so none has
     /// to be woken for the host's share of the MoE that follows (tens of
     /// microseconds per layer and thread otherwise). It keeps every core the
     /// model has busy while the GPU works: on the H200 host it took the
     /// offloaded decode from 21.1 to 27.8 tok/s at a 4 GB budget (the host's
     /// experts from 23.8 to 18.7 ms per token, the waits from 18.2 to 13.6).
-    fn sync_hot(&mut self) -> Result<()> {
-        self.state.cmds.submit_async()?;
-        self.submits += 1;
+    fn wait_hot(&mut self) -> Result<()> {
         let cmds = &self.state.cmds;
         let done = AtomicBool::new(false);
         let polled = self.model.install(|| {
             rayon::broadcast(|ctx| {
+                // Each round yields the core: on a contended host (a
+                // virtual machine's stolen time) spinning on every core
+                // starved the threads the driver needs (waits 5x longer);
+                // on an idle one a yield returns at once.
                 if ctx.index() != 0 {
                     while !done.load(Ordering::Acquire) {
-                        std::hint::spin_loop();
+                        std::thread::yield_now();
                     }
                     return None;
                 }
                 let r = loop {
                     match cmds.done() {
-                        Ok(false) => (0..64).for_each(|_| std::hint::spin_loop()),
+                        Ok(false) => std::thread::yield_now(),
                         other => break other.map(|_| ()),
                     }
                 };
@@ -316,9 +363,113 @@ impl<'a> VkPass<'a> {
                 Some(r)
             })
         });
-        polled.into_iter().flatten().next().expect("thread 0 polled the fence")?;
-        self.state.cmds.begin()?;
-        self.rec.cmd = self.state.cmds.cmd;
+        polled.into_iter().flatten().next().expect("thread 0 polled the fence")
+    }
+
+    /// Repacks the fills admitted at the last MoE (layer `l`) into staging
+    /// bank `l mod 2` on the model's threads. The bank's last copies were
+    /// those of layer `l - 1`'s fills, recorded in a segment that ended
+    /// before the segment this follows: the host never rewrites staging the
+    /// GPU may still read.
+    fn stage_fills(&mut self) {
+        if self.fills.is_empty() {
+            return;
+        }
+        let (gpu, cfg, model) = (self.gpu, self.cfg, self.model);
+        let slot_bytes = gpu.arena.slot_bytes;
+        let started = std::time::Instant::now();
+        let fills = std::mem::take(&mut self.fills);
+        let o = self.state.offload.as_mut().expect("fills only with a cache");
+        let mut regions: Vec<&mut [u8]> = o.fill_staging.mapped().chunks_exact_mut(slot_bytes).collect();
+        let mut jobs: Vec<(Fill, &mut [u8])> = Vec::with_capacity(fills.len());
+        for (j, &(layer, slot, e)) in fills.iter().enumerate() {
+            assert!(j < MAX_UPLOADS, "at most {MAX_UPLOADS} fills per layer");
+            let at = (layer % 2) * MAX_UPLOADS + j;
+            jobs.push(((layer, slot, e), std::mem::take(&mut regions[at])));
+            self.staged.push((layer, slot, at));
+        }
+        model.install(|| {
+            use rayon::prelude::*;
+            jobs.into_par_iter().for_each(|((layer, _, e), out)| {
+                gpu.arena.repack_into(layer, &expert_bytes(&model.weights.layers[layer].moe, cfg, e), out);
+            })
+        });
+        if let Some(t) = self.cache.as_mut() {
+            t.uploaded((fills.len() * slot_bytes) as u64, started.elapsed().as_nanos() as u64);
+        }
+    }
+
+    /// Records the copies of the staged fills into `cmd` and a barrier that
+    /// orders them before every later read of their slots. (Earlier reads of
+    /// a slot ended before the segment's first barrier, and the segment
+    /// itself does not read it: a slot being filled serves no hit.)
+    fn record_fill_copies(&self, cmd: vk::CommandBuffer) {
+        if self.staged.is_empty() {
+            return;
+        }
+        let (d, slot_bytes) = (&self.gpu.ctx.device, self.gpu.arena.slot_bytes);
+        let staging = &self.state.offload.as_ref().expect("fills only with a cache").fill_staging;
+        for &(layer, slot, at) in &self.staged {
+            let (slab, to) = self.gpu.arena.place(layer, slot);
+            let region = [vk::BufferCopy { src_offset: (at * slot_bytes) as u64, dst_offset: to, size: slot_bytes as u64 }];
+            // SAFETY: recording; the staging buffer holds slot `at` and the slot lies in its slab.
+            unsafe { d.cmd_copy_buffer(cmd, staging.raw, slab.raw, &region) };
+        }
+        let copied = [vk::MemoryBarrier::default().src_access_mask(vk::AccessFlags::TRANSFER_WRITE).dst_access_mask(vk::AccessFlags::SHADER_READ)];
+        // SAFETY: recording a barrier.
+        unsafe {
+            d.cmd_pipeline_barrier(cmd, vk::PipelineStageFlags::TRANSFER, vk::PipelineStageFlags::COMPUTE_SHADER, vk::DependencyFlags::empty(), &copied, &[], &[])
+        };
+    }
+
+    /// The staged fills were submitted: their slots serve hits from now on
+    /// (any later read of them comes later in the queue, after the barrier
+    /// that follows the copies).
+    fn commit_fills(&mut self) {
+        let staged = std::mem::take(&mut self.staged);
+        if let Some(t) = self.cache.as_mut() {
+            for (layer, slot, _) in staged {
+                t.commit(layer, slot);
+            }
+        }
+    }
+
+    /// After the walk, with an expert cache: submits the last segment,
+    /// stages the last layer's fills while it runs, waits, and copies them
+    /// in one more submission (waited for), so that every fill of the step
+    /// lands within it. Without a cache, submits and waits.
+    pub fn end(&mut self) -> Result<()> {
+        let ended = self.end_inner();
+        if ended.is_err() {
+            if let Some(t) = self.cache.as_mut() {
+                for &(layer, slot, _) in self.fills.iter().chain(&self.staged) {
+                    t.cancel(layer, slot);
+                }
+            }
+            self.fills.clear();
+            self.staged.clear();
+        }
+        ended
+    }
+
+    fn end_inner(&mut self) -> Result<()> {
+        self.state.cmds.submit_async()?;
+        self.stage_fills();
+        self.state.cmds.wait()?;
+        if self.staged.is_empty() {
+            return Ok(());
+        }
+        let o = self.state.offload.as_mut().expect("fills only with a cache");
+        if o.pending {
+            o.cmds.wait()?;
+            o.pending = false;
+        }
+        o.cmds.begin()?;
+        let cmd = o.cmds.cmd;
+        self.record_fill_copies(cmd);
+        self.state.offload.as_ref().expect("checked above").cmds.submit()?;
+        self.submits += 1;
+        self.commit_fills();
         Ok(())
     }
 
@@ -666,13 +817,7 @@ impl Blocks for VkPass<'_> {
         self.copy(cmd, scratch, l.ids, &o.down, 0, k);
         self.copy(cmd, scratch, l.weights, &o.down, k as u32, k);
         self.copy(cmd, scratch, l.input, &o.down, 2 * k as u32, h);
-        let waited = std::time::Instant::now();
-        if self.spin_wait {
-            self.sync_hot()?;
-        } else {
-            self.sync()?;
-        }
-        let wait_ns = waited.elapsed().as_nanos() as u64;
+        let wait_ns = self.sync()?;
         if let Some(t) = self.cache.as_mut() {
             t.timed(0, wait_ns);
         }
@@ -716,6 +861,10 @@ impl Blocks for VkPass<'_> {
                     }
                 }
                 Place::Host => on_host.push((Expert::Routed(host.ids[i] as usize), host.weights[i])),
+                Place::Fill(s) => {
+                    on_host.push((Expert::Routed(host.ids[i] as usize), host.weights[i]));
+                    self.fills.push((layer, s, host.ids[i] as usize));
+                }
             }
         }
         let on_gpu = slots.len();
@@ -732,10 +881,11 @@ impl Blocks for VkPass<'_> {
         }
         // Experts admitted now: repacked into staging, copied into their slots.
         let repacked = std::time::Instant::now();
-        let staging = o.staging.mapped();
+        o.repack.resize_with(o.repack.len().max(1), Vec::new);
+        let (staging, scratch) = (o.staging.mapped(), &mut o.repack[0]);
         self.model.install(|| {
             for (j, &(_, e)) in uploads.iter().enumerate() {
-                gpu.arena.repack_into(layer, &expert_bytes(moe, cfg, e), &mut staging[j * slot_bytes..(j + 1) * slot_bytes]);
+                gpu.arena.repack_through(layer, &expert_bytes(moe, cfg, e), scratch, &mut staging[j * slot_bytes..(j + 1) * slot_bytes]);
             }
         });
         if let Some(t) = self.cache.as_mut() {
@@ -769,11 +919,14 @@ impl Blocks for VkPass<'_> {
         };
         self.rec.cmd = cmd;
         self.record_experts(layer, set, on_gpu, true);
+        // The last MoE's fills after the hits, which they need not delay.
+        self.record_fill_copies(cmd);
         self.rec.cmd = self.state.cmds.cmd;
         let o = self.state.offload.as_mut().expect("checked above");
         o.cmds.submit_async()?;
         o.pending = true;
         self.submits += 1;
+        self.commit_fills();
         // The host's share meanwhile, from the mapped file on the model's threads.
         let host_sum = !on_host.is_empty();
         if host_sum {

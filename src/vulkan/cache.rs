@@ -18,6 +18,18 @@
 //!   least 2: a first sighting never churns the cache: routing is flat), at
 //!   most [`MAX_UPLOADS`](crate::model::expert_policy::MAX_UPLOADS) per layer and token. An admitted expert evicts the
 //!   least recently used slot that this token does not use.
+//! * **Fills in the background** (`FNX_EXPERT_FILL=1`, a load option; off
+//!   by default). An admitted expert is computed on the host like any miss
+//!   and its slot reserved; at the next router the host repacks it into
+//!   cached staging memory while the GPU runs that layer's dense part, and
+//!   the next segment of the GPU's experts copies it into the slot, which
+//!   serves hits from then on (`commit`; a step that fails `cancel`s what
+//!   it had not copied, and a step copies all its fills before it ends, so
+//!   states sharing the cache never see a half-filled slot). Admission is
+//!   then at the second miss: it brings the hit rate to plain LRU's. Off by
+//!   default because on the H200 host the repack (~0.18 ms an expert) is
+//!   longer than a layer's wait, so the fills cost the token more than
+//!   their hits save (docs/BENCHMARKS.md).
 //! * The placement itself (hits, admission, eviction) is
 //!   [`crate::model::expert_policy`], shared with offline replays.
 //! * Every slot is filled at load (a routing profile's most used experts,
@@ -114,9 +126,21 @@ impl Token<'_> {
         }
         let Inner { tick, layers, stats, .. } = &mut *self.inner;
         let places = layers[layer].place(*tick, ids, &self.split, stats);
-        stats.host_experts += places.iter().filter(|p| **p == Place::Host).count() as u64;
-        stats.uploads += places.iter().filter(|p| matches!(p, Place::Upload(_))).count() as u64;
+        stats.host_experts += places.iter().filter(|p| matches!(p, Place::Host | Place::Fill(_))).count() as u64;
+        stats.uploads += places.iter().filter(|p| matches!(p, Place::Upload(_) | Place::Fill(_))).count() as u64;
+        stats.fills += places.iter().filter(|p| matches!(p, Place::Fill(_))).count() as u64;
         places
+    }
+
+    /// Layer `layer`'s fill of local slot `slot` is ordered before any later
+    /// read of the slot: it serves hits from now on.
+    pub fn commit(&mut self, layer: usize, slot: usize) {
+        self.inner.layers[layer].commit(slot);
+    }
+
+    /// Layer `layer`'s fill of local slot `slot` will not happen.
+    pub fn cancel(&mut self, layer: usize, slot: usize) {
+        self.inner.layers[layer].cancel(slot);
     }
 
     /// Counts `bytes` uploaded, repacked in `ns`.

@@ -175,23 +175,49 @@ impl PartLayout {
                     .zip(rows.chunks(per_task))
                     .map(|(p, r)| (p, r, f0_it.next(), f1_it.next()))
                     .collect();
-                tasks.into_par_iter().for_each(|(out, rows, mut a, mut b)| {
+                tasks.into_par_iter().for_each(|(out, rows, a, b)| {
                     let blocks = rows.iter().flat_map(|row| row.chunks_exact(ty.block_bytes()));
-                    for (g, block) in blocks.enumerate() {
-                        let mut at = g * per_block;
+                    let mut fa = a.map(|a| a.chunks_exact_mut(lens[0]));
+                    let mut fb = b.map(|b| b.chunks_exact_mut(lens[1].max(1)));
+                    if let ([(po, pl)], [(fo, fl)], Some(fa)) = (t.payload, t.fields, fa.as_mut()) {
+                        // One payload piece and one field (most types).
+                        for ((block, out), f) in blocks.zip(out.chunks_exact_mut(per_block)).zip(fa) {
+                            copy_piece(out, &block[*po..po + pl]);
+                            copy_piece(f, &block[*fo..fo + fl]);
+                        }
+                        return;
+                    }
+                    for (block, out) in blocks.zip(out.chunks_exact_mut(per_block)) {
+                        let mut at = 0;
                         for &(off, len) in t.payload {
-                            out[at..at + len].copy_from_slice(&block[off..off + len]);
+                            copy_piece(&mut out[at..at + len], &block[off..off + len]);
                             at += len;
                         }
                         for (i, &(off, len)) in t.fields.iter().enumerate() {
-                            let dst = if i == 0 { a.as_deref_mut() } else { b.as_deref_mut() };
-                            dst.expect("a field chunk per task")[g * len..(g + 1) * len].copy_from_slice(&block[off..off + len]);
+                            let dst = if i == 0 { fa.as_mut() } else { fb.as_mut() };
+                            copy_piece(dst.and_then(|d| d.next()).expect("a field chunk per task"), &block[off..off + len]);
                         }
                     }
                 });
             }
         }
     }
+}
+
+/// `dst.copy_from_slice(src)` with the lengths of the layouts' pieces
+/// known to the compiler (inline moves rather than a `memcpy` call per
+/// piece of 2 to 208 bytes: repacking an expert went 2x faster).
+#[inline(always)]
+fn copy_piece(dst: &mut [u8], src: &[u8]) {
+    macro_rules! fixed {
+        ($($n:literal)*) => {
+            match src.len() {
+                $($n => dst[..$n].copy_from_slice(&src[..$n]),)*
+                _ => dst.copy_from_slice(src),
+            }
+        };
+    }
+    fixed!(2 4 12 16 32 80 96 128 160 208)
 }
 
 #[cfg(test)]

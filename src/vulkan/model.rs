@@ -158,8 +158,11 @@ pub struct ExpertPlacement {
     /// yes, unless the device is the host's CPU (lavapipe).
     pub spin_wait: Option<bool>,
     /// The expert cache's admission count, forced (`None` = from the
-    /// speeds measured at load).
+    /// speeds measured at load, or 2 with fills in the background).
     pub admission: Option<f32>,
+    /// Whether admitted experts are filled in the background (computed on
+    /// the host the token they are admitted); `None` = no.
+    pub fill: Option<bool>,
 }
 
 impl std::fmt::Debug for GpuModel {
@@ -302,11 +305,7 @@ impl GpuModel {
         } else {
             let measured = measure_split(cfg, w, &ctx, &arena, host)?;
             report.split = Some(measured);
-            // A forced admission count as a split whose ratio is that count.
-            let split = match placement.admission {
-                Some(n) => Split { host_bytes_per_s: n as f64, upload_bytes_per_s: 1.0 },
-                None => measured,
-            };
+            let split = Split { forced: placement.admission, background: placement.fill.unwrap_or(false), ..measured };
             let cache = ExpertCache::new(cfg.n_layers, arena.per_layer, cfg.n_experts, split);
             // Every slot filled at load: each layer's most used experts by
             // the routing profile when there is one, else the first ones
@@ -515,7 +514,12 @@ fn measure_split(
             upload_s = upload_s.min(t.elapsed().as_secs_f64());
         }
     }
-    Ok(Split { host_bytes_per_s: bytes as f64 / host_s.max(1e-9), upload_bytes_per_s: if upload_s.is_finite() { bytes as f64 / upload_s.max(1e-9) } else { 0.0 } })
+    Ok(Split {
+        host_bytes_per_s: bytes as f64 / host_s.max(1e-9),
+        upload_bytes_per_s: if upload_s.is_finite() { bytes as f64 / upload_s.max(1e-9) } else { 0.0 },
+        forced: None,
+        background: false,
+    })
 }
 
 /// The Vulkan backend of a model: its weights on the device, shared with every state.
@@ -570,6 +574,7 @@ impl BackendModel for VulkanBackend {
             misses: s.misses,
             host_experts: s.host_experts,
             uploads: s.uploads,
+            fills: s.fills,
             upload_bytes: s.upload_bytes,
             host_seconds: s.host_ns as f64 * 1e-9,
             upload_seconds: s.upload_ns as f64 * 1e-9,

@@ -47,6 +47,9 @@ pub struct GpuState {
 }
 
 /// What a state needs to run layers whose experts are partly on the host.
+/// Staging slots for background fills: two banks of the most one layer admits.
+const FILL_STAGING: usize = 2 * crate::model::expert_policy::MAX_UPLOADS;
+
 pub(crate) struct Offload {
     /// The expert dispatches of a layer, submitted while the host computes its share.
     pub cmds: Commands,
@@ -56,8 +59,16 @@ pub(crate) struct Offload {
     pub down: Buffer,
     /// Written by the host: slots [k], weights [k], the host's sum [H].
     pub up: Buffer,
-    /// Experts to upload into the arena, in its layout: [k][slot bytes].
+    /// Experts to upload into the arena now, in its layout: [k][slot bytes].
     pub staging: Buffer,
+    /// Background fills, in the arena's layout, in cached host memory (the
+    /// host repacks at memory speed; the GPU's copies pull them across the
+    /// bus): two banks, one per layer parity, so a bank is rewritten only
+    /// after its copies ran: [2][MAX_UPLOADS][slot bytes].
+    pub fill_staging: Buffer,
+    /// Cached host memory each upload is repacked in before it is copied
+    /// into `staging` (one per upload of a layer).
+    pub repack: Vec<Vec<u8>>,
 }
 
 impl std::fmt::Debug for GpuState {
@@ -100,6 +111,8 @@ impl GpuState {
                     down: Buffer::new(ctx, "expert routing readback", f(2 * k + h), MemoryLocation::GpuToCpu)?,
                     up: Buffer::new(ctx, "expert placement upload", f(2 * k + h), MemoryLocation::CpuToGpu)?,
                     staging: Buffer::new(ctx, "expert upload staging", (k * gpu.arena.slot_bytes) as u64, super::buffer::STAGING)?,
+                    fill_staging: Buffer::new(ctx, "expert fill staging", (FILL_STAGING * gpu.arena.slot_bytes) as u64, MemoryLocation::GpuToCpu)?,
+                    repack: Vec::new(),
                 })
             }
         };
@@ -204,9 +217,10 @@ impl BackendState for GpuState {
                 pass.abandon();
                 return Err(if submitted { Error::StateLost(format!("a decode step failed part way: {e}")) } else { e });
             }
+            // The last segment (and, with an expert cache, the last layer's fills).
+            pass.end().map_err(lost("a decode step"))?;
             pass.finish()
         };
-        self.cmds.submit().map_err(lost("a decode step"))?;
         stats.submits += 1;
         if let Some(o) = self.offload.as_mut().filter(|o| o.pending) {
             o.cmds.wait().map_err(lost("a decode step's expert work"))?;
