@@ -52,7 +52,8 @@
 // k * stride. With kdiv > 0 (a batch of tokens' experts) k is a pair:
 // token k / kdiv's expert k % kdiv, the token's ids, x and y tok_stride
 // floats further per token; with order_off, entry k is the k-th pair of
-// the order moe_group.comp wrote (grouped by expert), so a tile's entries
+// the order moe_group.comp (or the host) wrote (grouped by expert), from
+// entry order_base on (the expert cache's rounds of a pass), so a tile's entries
 // mostly share their expert's rows.
 #define WG 128
 #include "common.glsl"
@@ -104,6 +105,7 @@ layout(push_constant) uniform Push {
     uint ntok;        // with tile > 1: entries of the dispatch
     uint order_off;   // ARENA with kdiv: the pairs grouped by expert (moe_group.comp); 0: in order
     uint xq_off;      // FAST: token 0's activations rounded by act_int8.comp; 0: round them here
+    uint order_base;  // ARENA with order_off: the dispatch's entry k is entry order_base + k of the order
 } pc;
 
 #include "weights.glsl"
@@ -121,7 +123,10 @@ Entry entry(uint k) {
     uint tok = 0u, slot = 0u;
 #ifdef ARENA
     if (pc.kdiv != 0u) {
-        if (pc.order_off != 0u) k = floatBitsToUint(s[pc.order_off + (k / pc.kdiv) * pc.tok_stride + k % pc.kdiv]);
+        if (pc.order_off != 0u) {
+            uint q = pc.order_base + k;
+            k = floatBitsToUint(s[pc.order_off + (q / pc.kdiv) * pc.tok_stride + q % pc.kdiv]);
+        }
         tok = (k / pc.kdiv) * pc.tok_stride;
         k = k % pc.kdiv;
     }

@@ -241,6 +241,9 @@ fn choose_backend(
     let placement = crate::vulkan::ExpertPlacement {
         forced_slots: opts.expert_cache_slots,
         state_positions: n_ctx.min(crate::vulkan::INITIAL_CAPACITY),
+        // Room for one doubling of the caches: a prompt of a few thousand tokens.
+        grow_to: n_ctx.min(2 * crate::vulkan::INITIAL_CAPACITY),
+        micro_batch: if opts.micro_batch == 0 { DEFAULT_MICRO_BATCH } else { opts.micro_batch },
         window: rewind_window(opts),
         warm,
         spin_wait: opts.spin_wait,

@@ -136,6 +136,47 @@ every_backend! {
     }
 }
 
+/// Passes with the expert cache (1 and 2 slots per layer: the experts a
+/// pass chooses are streamed through the slots in rounds of one or two):
+/// every golden position at micro-batches 7 and whole within the GPU's bound
+/// (transformers' token-by-token logits), and a token decoded after the
+/// prompt, which hits whatever the pass left in the slots.
+#[test]
+fn vulkan_passes_stream_experts_through_the_cache() {
+    for name in FIXTURES {
+        let fixture = fixture_dir(name);
+        let manifest = Manifest::read(&fixture);
+        let path = converted(name, OutType::F32);
+        for (slots, split) in [(1, 7), (2, 0)] {
+            let opts = LoadOptions { expert_cache_slots: Some(slots), micro_batch: split, ..Default::default() };
+            let Some(model) = On::Vulkan.load(&path, opts) else { return };
+            let vocab = model.vocab_size();
+            let mut worst = 0f32;
+            for seq in &manifest.sequences {
+                let want = seq.logits(&fixture);
+                let n = seq.tokens.len().min(seq.first_tie());
+                let got = prefill(&model, &seq.tokens[..n]);
+                for pos in 0..n {
+                    let at = pos * vocab..(pos + 1) * vocab;
+                    let err = rel_err(&got[at.clone()], &want[at]);
+                    assert!(err <= 1e-4, "{name} {slots} slots micro-batch {split} {} position {pos}: rel err {err:.3e}", seq.name);
+                    worst = worst.max(err);
+                }
+                if n > 2 {
+                    let mut s = State::new(model.clone()).unwrap();
+                    decode_tokens_with(&mut s, &seq.tokens[..n - 1], LogitsFor::Last, &mut || false).unwrap();
+                    s.decode(seq.tokens[n - 1]).unwrap();
+                    let err = rel_err(s.logits().unwrap(), &want[(n - 1) * vocab..n * vocab]);
+                    assert!(err <= 1e-4, "{name} {slots} slots: the token after the prompt: rel err {err:.3e}");
+                }
+            }
+            let c = model.expert_cache().expect("a cache when fewer slots than experts");
+            println!("{name} {slots} slots micro-batch {split}: worst rel err {worst:.3e}; {} hits, {} misses, {} streamed", c.hits, c.misses, c.uploads);
+            assert!(c.uploads > 0 && c.hits > 0, "passes streamed experts and decoding hit them");
+        }
+    }
+}
+
 /// QSA block scores in runs shorter than a pass (what the scratch's cap
 /// gives at long contexts: src/vulkan/scratch.rs) keep the logits of token
 /// by token: the Vulkan batched test again, in a child process with runs of

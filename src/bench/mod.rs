@@ -473,10 +473,13 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
     }
     let decode = Rates::from_seconds(&per_token);
     let (stage_ms, work) = gpu_stage_times(&mut state)?;
+    let backend = backend_stats(&model, &state, opts);
+    // One state at a time: a VRAM budget keeps room for one.
+    drop(state);
     let prefill_work = if opts.prompt_tokens > 1 { gpu_prefill_times(&model)? } else { None };
     // Before the bandwidth measurement, whose buffer would dominate it.
     let peak_rss = peak_rss_bytes();
-    let stats = BackendStats { stage_ms, work, prefill_work, expert_cache: cache_stats, ..backend_stats(&model, &state, opts) };
+    let stats = BackendStats { stage_ms, work, prefill_work, expert_cache: cache_stats, ..backend };
     let threads = if opts.threads == 0 {
         rayon::current_num_threads()
     } else {

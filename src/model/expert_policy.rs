@@ -100,6 +100,25 @@ pub struct CacheStats {
     pub predicted_of: u64,
 }
 
+/// One layer's plan for a pass of several tokens ([`LayerSlots::stream`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stream {
+    /// Each (token, choice) pair's local slot, in pass order (`t * k + j`).
+    pub pair_slot: Vec<u32>,
+    /// The pairs, round by round, each round's grouped by slot.
+    pub order: Vec<u32>,
+    pub rounds: Vec<Round>,
+}
+
+/// One round of a streamed pass: its pairs are `order[start..start + count]`,
+/// run once `copies` (local slot, expert) are in their slots.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Round {
+    pub start: usize,
+    pub count: usize,
+    pub copies: Vec<(usize, u32)>,
+}
+
 /// One layer's slots.
 pub(crate) struct LayerSlots {
     /// Expert in each local slot.
@@ -188,6 +207,14 @@ impl LayerSlots {
         self.filling[slot] = false;
     }
 
+    /// Slot `slot` holds nothing known: it is empty.
+    pub(crate) fn forget(&mut self, slot: usize) {
+        if let Some(e) = self.expert[slot].take() {
+            self.slot_of[e as usize] = None;
+        }
+        self.filling[slot] = false;
+    }
+
     /// A [`Place::Fill`] that did not happen: the slot is empty.
     pub(crate) fn cancel(&mut self, slot: usize) {
         if self.filling[slot] {
@@ -196,6 +223,80 @@ impl LayerSlots {
             }
             self.filling[slot] = false;
         }
+    }
+
+    /// Plans a pass of several tokens (a prompt): every chosen expert runs
+    /// on the GPU, the resident ones from their slots, the others streamed
+    /// through the layer's slots in rounds of at most `per_round` copies
+    /// (round 0 into the slots no chosen resident expert holds, later rounds
+    /// into any). `ids` holds every token's choices, token after token. The slots end up
+    /// holding what was streamed into them last (LRU-fresh).
+    pub(crate) fn stream(&mut self, tick: u64, ids: &[u32], per_round: usize, stats: &mut CacheStats) -> Stream {
+        assert!(!self.expert.is_empty() && per_round > 0, "a streamed pass needs slots");
+        debug_assert!(!self.filling.iter().any(|&f| f), "a step's fills land within it");
+        for &e in ids {
+            if let Some(c) = self.chosen.get_mut(e as usize) {
+                *c = c.saturating_add(1);
+            }
+        }
+        let mut used: Vec<u32> = ids.to_vec();
+        used.sort_unstable();
+        used.dedup();
+        let n_slots = self.expert.len();
+        let mut slot_for = vec![u32::MAX; self.slot_of.len()];
+        let mut held = vec![false; n_slots];
+        let mut misses = Vec::new();
+        for &e in &used {
+            match self.slot_of[e as usize] {
+                Some(s) => {
+                    slot_for[e as usize] = s;
+                    held[s as usize] = true;
+                    self.used[s as usize] = tick;
+                }
+                None => misses.push(e),
+            }
+        }
+        let hit_pairs = ids.iter().filter(|&&e| self.slot_of[e as usize].is_some()).count();
+        stats.hits += hit_pairs as u64;
+        stats.misses += (ids.len() - hit_pairs) as u64;
+        // Each round's experts (with their slots) and which of them are copied.
+        let free0: Vec<usize> = (0..n_slots).filter(|&s| !held[s]).collect();
+        let first = misses.len().min(free0.len()).min(per_round);
+        let mut rounds: Vec<Vec<(u32, usize, bool)>> = vec![used.iter().filter(|&&e| slot_for[e as usize] != u32::MAX).map(|&e| (e, slot_for[e as usize] as usize, false)).collect()];
+        rounds[0].extend(misses[..first].iter().zip(&free0).map(|(&e, &s)| (e, s, true)));
+        for chunk in misses[first..].chunks(n_slots.min(per_round)) {
+            rounds.push(chunk.iter().enumerate().map(|(s, &e)| (e, s, true)).collect());
+        }
+        for round in &rounds {
+            for &(e, s, copy) in round {
+                slot_for[e as usize] = s as u32;
+                if copy {
+                    if let Some(old) = self.expert[s].replace(e) {
+                        self.slot_of[old as usize] = None;
+                    }
+                    self.slot_of[e as usize] = Some(s as u32);
+                    self.used[s] = tick;
+                }
+            }
+        }
+        let round_of: std::collections::HashMap<u32, usize> = rounds.iter().enumerate().flat_map(|(r, x)| x.iter().map(move |&(e, _, _)| (e, r))).collect();
+        // The pairs round by round, each round's grouped by slot (then pass order).
+        let mut order: Vec<u32> = (0..ids.len() as u32).collect();
+        order.sort_by_key(|&p| (round_of[&ids[p as usize]], slot_for[ids[p as usize] as usize], p));
+        let mut start = 0;
+        let rounds = rounds
+            .iter()
+            .enumerate()
+            .map(|(r, x)| {
+                let count = order[start..].iter().take_while(|&&p| round_of[&ids[p as usize]] == r).count();
+                let round = Round { start, count, copies: x.iter().filter(|c| c.2).map(|&(e, s, _)| (s, e)).collect() };
+                start += count;
+                round
+            })
+            .collect::<Vec<_>>();
+        stats.uploads += rounds.iter().map(|r| r.copies.len() as u64).sum::<u64>();
+        debug_assert_eq!(start, ids.len());
+        Stream { pair_slot: ids.iter().map(|&e| slot_for[e as usize]).collect(), order, rounds }
     }
 
     /// Marks `experts` resident in the first slots (a warm start).
@@ -295,5 +396,25 @@ mod tests {
         // Cancelling a committed slot changes nothing.
         l.cancel(0);
         assert_eq!(l.place(9, &[3], &FILLS, &mut st), [Place::Hit(0)]);
+    }
+
+    #[test]
+    fn a_pass_streams_its_misses_through_the_slots() {
+        let mut l = LayerSlots::new(2, 8);
+        l.fill(&[1, 2]);
+        let mut st = CacheStats::default();
+        // Three tokens, two choices each; 1 resident, 3, 4 and 5 not.
+        let plan = l.stream(5, &[1, 3, 4, 1, 5, 3], 8, &mut st);
+        assert_eq!(plan.pair_slot, [0, 1, 0, 0, 1, 1]);
+        assert_eq!(plan.order, [0, 3, 1, 5, 2, 4]);
+        assert_eq!(plan.rounds, [Round { start: 0, count: 4, copies: vec![(1, 3)] }, Round { start: 4, count: 2, copies: vec![(0, 4), (1, 5)] }]);
+        assert_eq!(st, CacheStats { hits: 2, misses: 4, uploads: 3, ..Default::default() });
+        // The slots hold what was streamed last.
+        assert_eq!(l.place(6, &[4, 5, 1], &FAST_UPLOADS, &mut st)[..2], [Place::Hit(0), Place::Hit(1)]);
+        // Rounds of one copy.
+        let mut l = LayerSlots::new(2, 8);
+        let plan = l.stream(1, &[6, 7, 6], 1, &mut st);
+        assert_eq!(plan.rounds.iter().map(|r| (r.count, r.copies.len())).collect::<Vec<_>>(), [(2, 1), (1, 1)]);
+        assert_eq!(plan.order, [0, 2, 1]);
     }
 }

@@ -34,8 +34,15 @@
 //! step, the GPU fuses it into the block's last dispatch: the mixers' out
 //! projections (matvec epilogue 3) and `moe_combine`.
 //!
-//! With the expert cache ([`super::cache`]) a layer's MoE splits the token
-//! into segments: the work up to the router is submitted and waited for,
+//! With the expert cache ([`super::cache`]) a pass of several tokens (a
+//! prompt) reads every token's choices back at each layer's router and runs
+//! every chosen expert on the GPU: the resident ones from their slots, the
+//! others streamed through the layer's slots in rounds (each round's experts
+//! repacked into a staging bank on the host while the GPU runs the round
+//! before, copied into their slots, and the round's (token, expert) pairs
+//! run as entries `start..start + count` of the host's order of the pairs);
+//! a token's experts are spread over the rounds and combined once. A
+//! single token's MoE splits into segments: the work up to the router is submitted and waited for,
 //! and the router's choice and the MoE input are read back
 //! (`moe_route`); the cache places each chosen expert; the resident ones
 //! (and those uploaded now) run in a second command buffer, submitted at
@@ -149,7 +156,7 @@ impl<'a> VkPass<'a> {
         let cfg = &model.config;
         let (pos, n) = (batch.pos, batch.tokens.len());
         assert!(n <= state.layout.batch as usize && batch.n_logits() <= state.layout.logit_rows as usize, "the scratch fits the pass");
-        assert!(n == 1 || cache.is_none(), "with the expert cache a pass is one token");
+
         let l = &state.layout;
         if n > 1 {
             rec.xq = Some((l.xq, l.tok));
@@ -181,7 +188,7 @@ impl<'a> VkPass<'a> {
             }
         }
         state.write_upload(0, &inputs);
-        let measure_prediction = cache.is_some() && std::env::var("FNX_MEASURE_PREDICTION").is_ok_and(|v| v == "1");
+        let measure_prediction = cache.is_some() && n == 1 && std::env::var("FNX_MEASURE_PREDICTION").is_ok_and(|v| v == "1");
         let spin_wait = cache.is_some() && gpu.spin_wait;
         let logits = batch.logits;
         VkPass {
@@ -224,6 +231,9 @@ impl<'a> VkPass<'a> {
         if let Some(o) = self.state.offload.as_mut().filter(|o| o.pending) {
             let _ = o.cmds.wait();
             o.pending = false;
+        }
+        if let Some(st) = self.state.offload.as_mut().and_then(|o| o.stream.as_mut()) {
+            let _ = st.wait();
         }
     }
 
@@ -338,24 +348,23 @@ impl<'a> VkPass<'a> {
     /// model has busy while the GPU works: on the H200 host it took the
     /// offloaded decode from 21.1 to 27.8 tok/s at a 4 GB budget (the host's
     /// experts from 23.8 to 18.7 ms per token, the waits from 18.2 to 13.6).
+    /// On a contended host (a virtual machine with stolen time) spinning on
+    /// every core starved the threads the driver needs: waits of 62-80 ms
+    /// per token against 13 asleep (`FNX_SPIN_WAIT=0`, or fewer threads).
     fn wait_hot(&mut self) -> Result<()> {
         let cmds = &self.state.cmds;
         let done = AtomicBool::new(false);
         let polled = self.model.install(|| {
             rayon::broadcast(|ctx| {
-                // Each round yields the core: on a contended host (a
-                // virtual machine's stolen time) spinning on every core
-                // starved the threads the driver needs (waits 5x longer);
-                // on an idle one a yield returns at once.
                 if ctx.index() != 0 {
                     while !done.load(Ordering::Acquire) {
-                        std::thread::yield_now();
+                        std::hint::spin_loop();
                     }
                     return None;
                 }
                 let r = loop {
                     match cmds.done() {
-                        Ok(false) => std::thread::yield_now(),
+                        Ok(false) => (0..64).for_each(|_| std::hint::spin_loop()),
                         other => break other.map(|_| ()),
                     }
                 };
@@ -473,6 +482,159 @@ impl<'a> VkPass<'a> {
         Ok(())
     }
 
+    /// A pass of several tokens with the expert cache: every token's choices
+    /// go to the host (the walk waits here, as a decode step does).
+    fn pass_routes(&mut self, layer: usize) -> Result<Routes> {
+        let (k, n) = (self.cfg.n_experts_used, self.n);
+        self.rec.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::TRANSFER);
+        let l = &self.state.layout;
+        let st = self.state.offload.as_ref().and_then(|o| o.stream.as_ref()).expect("a pass of several tokens has the stream buffers");
+        let regions: Vec<_> = (0..n)
+            .map(|t| vk::BufferCopy { src_offset: (l.at(t).ids as u64) * 4, dst_offset: (t * k * 4) as u64, size: (k * 4) as u64 })
+            .collect();
+        // SAFETY: recording; every region lies inside both buffers.
+        unsafe { self.gpu.ctx.device.cmd_copy_buffer(self.rec.cmd, self.state.scratch.raw, st.ids.raw, &regions) };
+        let wait_ns = self.sync()?;
+        if let Some(t) = self.cache.as_mut() {
+            t.timed(0, wait_ns);
+        }
+        let st = self.state.offload.as_mut().and_then(|o| o.stream.as_mut()).expect("checked above");
+        let ids = st.ids.mapped()[..n * k * 4].chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().unwrap())).collect();
+        let _ = layer;
+        Ok(Routes { host: Some(HostRoutes { ids, weights: Vec::new(), x: Vec::new() }) })
+    }
+
+    /// A pass of several tokens with the expert cache: every chosen expert
+    /// runs on the GPU, the resident ones from their slots and the others
+    /// streamed through the layer's slots in rounds ([`super::cache`]'s
+    /// plan): a round's experts are repacked into a staging bank on the
+    /// host while the GPU runs the round before, copied into their slots,
+    /// and the round's pairs run (entries `start..start + count` of the
+    /// pairs' order). The shared expert runs with the first round.
+    fn stream_experts(&mut self, layer: usize, ids: &[u32]) -> Result<Experts> {
+        use super::state::STREAM_BANK;
+        let (cfg, gpu, set, model) = (self.cfg, self.gpu, self.set(layer), self.model);
+        let (k, n) = (cfg.n_experts_used, self.n);
+        for t in 0..n {
+            model.report_routing(layer, &ids[t * k..(t + 1) * k]);
+        }
+        let plan = self.cache.as_mut().expect("routes come back only with a cache").stream(layer, ids, STREAM_BANK.min(gpu.arena.per_layer));
+        let slot_bytes = gpu.arena.slot_bytes;
+        let moe = &model.weights.layers[layer].moe;
+        let o = self.state.offload.as_mut().expect("a state of a cached model has the exchange buffers");
+        if o.pending {
+            o.cmds.wait()?;
+            o.pending = false;
+        }
+        let st = o.stream.as_mut().expect("a pass of several tokens has the stream buffers");
+        // Each pair's arena slot, then the order, as float bits, token after token.
+        let (up, first) = (st.plan.mapped(), (layer * gpu.arena.per_layer) as u32);
+        for (i, v) in plan.pair_slot.iter().map(|s| first + s).chain(plan.order.iter().copied()).enumerate() {
+            up[i * 4..i * 4 + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        let l = self.state.layout.clone();
+        let part = gpu.arena.layers[layer];
+        let f_stride = exp_h_stride(cfg);
+        let base = MatvecPush {
+            kdiv: k as u32,
+            tok_stride: l.tok,
+            expert_off: l.ids,
+            order_off: l.order,
+            slot_table: SLOTS_DIRECT,
+            slots_per_slab: gpu.arena.slots_per_slab as u32,
+            slot_bytes: slot_bytes as u32,
+            scale: 1.0,
+            ..Default::default()
+        };
+        let gate_up = MatvecPush { rows: cfg.expert_ff as u32, x_off: l.input, y_off: l.exp_h, y_stride: f_stride, mode: 4, ..base };
+        let down = MatvecPush { rows: cfg.hidden as u32, x_off: l.exp_h, x_stride: f_stride, y_off: l.exp_y, y_stride: cfg.hidden as u32, part_off: part.gate.bytes as u32, ..base };
+        let d = &gpu.ctx.device;
+        let stages = vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER;
+        // A round that fails leaves its slots' contents unknown: they are forgotten.
+        let rounds = (|| -> Result<()> {
+            for (r, round) in plan.rounds.iter().enumerate() {
+                let bank = r % 2;
+                let st = self.state.offload.as_mut().and_then(|o| o.stream.as_mut()).expect("checked above");
+                // The bank's last copies (two rounds ago) have run.
+                if st.pending[bank] {
+                    st.cmds[bank].wait()?;
+                    st.pending[bank] = false;
+                }
+                let repacked = std::time::Instant::now();
+                let mut regions: Vec<&mut [u8]> = st.staging.mapped()[bank * STREAM_BANK * slot_bytes..(bank + 1) * STREAM_BANK * slot_bytes].chunks_exact_mut(slot_bytes).collect();
+                let jobs: Vec<(u32, &mut [u8])> = round.copies.iter().zip(regions.iter_mut()).map(|(&(_, e), r)| (e, std::mem::take(r))).collect();
+                model.install(|| {
+                    use rayon::prelude::*;
+                    jobs.into_par_iter().for_each(|(e, out)| gpu.arena.repack_into(layer, &expert_bytes(moe, cfg, e as usize), out));
+                });
+                if let Some(t) = self.cache.as_mut() {
+                    t.uploaded((round.copies.len() * slot_bytes) as u64, repacked.elapsed().as_nanos() as u64);
+                }
+                let st = self.state.offload.as_ref().and_then(|o| o.stream.as_ref()).expect("checked above");
+                st.cmds[bank].begin()?;
+                let cmd = st.cmds[bank].cmd;
+                // After everything before in the queue: the router's choices, the
+                // previous round's reads of the slots this one rewrites.
+                let after = [vk::MemoryBarrier::default()
+                    .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE)
+                    .dst_access_mask(vk::AccessFlags::TRANSFER_WRITE | vk::AccessFlags::SHADER_READ)];
+                // SAFETY: recording a barrier.
+                unsafe { d.cmd_pipeline_barrier(cmd, stages, stages, vk::DependencyFlags::empty(), &after, &[], &[]) };
+                if r == 0 {
+                    let (per_tok, plan_buf, scratch) = ((k * 4) as u64, st.plan.raw, self.state.scratch.raw);
+                    let regions: Vec<_> = (0..n)
+                        .flat_map(|t| {
+                            let at = l.at(t);
+                            [
+                                vk::BufferCopy { src_offset: t as u64 * per_tok, dst_offset: at.ids as u64 * 4, size: per_tok },
+                                vk::BufferCopy { src_offset: (n + t) as u64 * per_tok, dst_offset: at.order as u64 * 4, size: per_tok },
+                            ]
+                        })
+                        .collect();
+                    // SAFETY: recording; every region lies inside both buffers.
+                    unsafe { d.cmd_copy_buffer(cmd, plan_buf, scratch, &regions) };
+                }
+                for (j, &(s, _)) in round.copies.iter().enumerate() {
+                    let (slab, at) = gpu.arena.place(layer, s);
+                    let region = [vk::BufferCopy { src_offset: ((bank * STREAM_BANK + j) * slot_bytes) as u64, dst_offset: at, size: slot_bytes as u64 }];
+                    // SAFETY: recording; the bank holds the round's copies and the slot lies in its slab.
+                    unsafe { d.cmd_copy_buffer(cmd, st.staging.raw, slab.raw, &region) };
+                }
+                let copied = [vk::MemoryBarrier::default().src_access_mask(vk::AccessFlags::TRANSFER_WRITE).dst_access_mask(vk::AccessFlags::SHADER_READ)];
+                // SAFETY: recording a barrier.
+                unsafe { d.cmd_pipeline_barrier(cmd, vk::PipelineStageFlags::TRANSFER, vk::PipelineStageFlags::COMPUTE_SHADER, vk::DependencyFlags::empty(), &copied, &[], &[]) };
+                self.rec.cmd = cmd;
+                let sets = [set, gpu.arena.set];
+                self.rec.expert_entries(part.gate_ty, sets, gate_up, &part.gate, round.start, round.count);
+                self.rec.expert_entries(part.down_ty, sets, down, &part.down, round.start, round.count);
+                if r == 0 {
+                    self.record_experts(layer, set, 0, true);
+                }
+                self.rec.cmd = self.state.cmds.cmd;
+                let st = self.state.offload.as_mut().and_then(|o| o.stream.as_mut()).expect("checked above");
+                st.cmds[bank].submit_async()?;
+                st.pending[bank] = true;
+                self.submits += 1;
+            }
+            Ok(())
+        })();
+        if let Err(e) = rounds {
+            if let Some(t) = self.cache.as_mut() {
+                for &(slot, _) in plan.rounds.iter().flat_map(|r| &r.copies) {
+                    t.forget(layer, slot);
+                }
+            }
+            return Err(e);
+        }
+        // The combine reads what the rounds wrote.
+        let after = [vk::MemoryBarrier::default()
+            .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE)
+            .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE)];
+        // SAFETY: recording a barrier.
+        unsafe { d.cmd_pipeline_barrier(self.rec.cmd, stages, vk::PipelineStageFlags::COMPUTE_SHADER, vk::DependencyFlags::empty(), &after, &[], &[]) };
+        Ok(Experts { on_gpu: k, host_sum: false })
+    }
+
     fn set(&self, layer: usize) -> vk::DescriptorSet {
         self.state.caches.bindings.sets[layer]
     }
@@ -539,8 +701,13 @@ impl Blocks for VkPass<'_> {
         }
         let l = &self.state.layout;
         if self.submits > 0 {
-            // The token's first segment, which uploaded its inputs, has run: these rows go up now.
-            self.copy(self.rec.cmd, &self.state.upload, l.ple_rows, &self.state.scratch, l.ple_rows, cfg.hidden);
+            // The pass's first segment, which uploaded its inputs, has run: these rows go up now.
+            let (len, h) = (l.input_len as u64 * 4, cfg.hidden as u64 * 4);
+            let regions: Vec<_> = (0..self.n)
+                .map(|t| vk::BufferCopy { src_offset: t as u64 * len + l.ple_rows as u64 * 4, dst_offset: l.at(t).ple_rows as u64 * 4, size: h })
+                .collect();
+            // SAFETY: recording; every region lies inside both buffers.
+            unsafe { gpu.ctx.device.cmd_copy_buffer(self.rec.cmd, self.state.upload.raw, self.state.scratch.raw, &regions) };
             self.rec.barrier(vk::PipelineStageFlags::TRANSFER, vk::AccessFlags::TRANSFER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
         }
         let (set, ple_set) = (self.set(layer), *self.state.caches.bindings.sets.last().expect("the PLE layer's set"));
@@ -810,6 +977,9 @@ impl Blocks for VkPass<'_> {
             }
         });
         let Some(o) = self.state.offload.as_ref() else { return Ok(Routes { host: None }) };
+        if n > 1 {
+            return self.pass_routes(layer);
+        }
         // The choice and the input go to the host.
         let (k, h) = (cfg.n_experts_used, cfg.hidden);
         self.rec.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::TRANSFER);
@@ -844,6 +1014,9 @@ impl Blocks for VkPass<'_> {
             self.record_experts(layer, set, experts, shared);
             return Ok(Experts { on_gpu: experts, host_sum: false });
         };
+        if self.n > 1 {
+            return self.stream_experts(layer, &host.ids);
+        }
         self.model.report_routing(layer, &host.ids);
         // Where each chosen expert runs.
         let places = self.cache.as_mut().expect("routes come back only with a cache").place(layer, &host.ids);

@@ -32,6 +32,13 @@
 //!   their hits save (docs/BENCHMARKS.md).
 //! * The placement itself (hits, admission, eviction) is
 //!   [`crate::model::expert_policy`], shared with offline replays.
+//! * **Passes of several tokens** (prompts) run every chosen expert on the
+//!   GPU: a batch of 512 tokens chooses most of a layer's experts, each for
+//!   ~10 tokens, so moving an expert across the bus once beats computing it
+//!   on the host for each of its tokens. The resident ones hit; the others
+//!   are streamed through the layer's slots in rounds
+//!   ([`crate::model::expert_policy`]'s `stream`), which leaves the slots
+//!   holding the last round's experts.
 //! * Every slot is filled at load (a routing profile's most used experts,
 //!   else the first ones).
 //! * The shared experts, which every token uses, stay resident outside the
@@ -132,10 +139,24 @@ impl Token<'_> {
         places
     }
 
+    /// Plans layer `layer`'s experts for a pass of several tokens (`ids`:
+    /// every token's choices), streamed through its slots in rounds of at
+    /// most `per_round` copies.
+    pub fn stream(&mut self, layer: usize, ids: &[u32], per_round: usize) -> crate::model::expert_policy::Stream {
+        let Inner { tick, layers, stats, .. } = &mut *self.inner;
+        layers[layer].stream(*tick, ids, per_round, stats)
+    }
+
     /// Layer `layer`'s fill of local slot `slot` is ordered before any later
     /// read of the slot: it serves hits from now on.
     pub fn commit(&mut self, layer: usize, slot: usize) {
         self.inner.layers[layer].commit(slot);
+    }
+
+    /// Layer `layer`'s local slot `slot` holds nothing known (a streamed
+    /// round that failed).
+    pub fn forget(&mut self, layer: usize, slot: usize) {
+        self.inner.layers[layer].forget(slot);
     }
 
     /// Layer `layer`'s fill of local slot `slot` will not happen.

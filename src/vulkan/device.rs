@@ -351,6 +351,11 @@ impl Context {
         Ok(((props.limits, subgroup.subgroup_size, heap, on_cpu, int_dot), name, device, queue_family, queue, allocator))
     }
 
+    /// The VRAM budget in bytes (0: none).
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+
     /// Counts `bytes` of device memory against the budget.
     pub fn reserve(&self, bytes: u64, what: &str) -> Result<()> {
         let used = self.used.fetch_add(bytes, Ordering::SeqCst) + bytes;

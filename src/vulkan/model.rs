@@ -149,6 +149,10 @@ pub struct ExpertPlacement {
     pub forced_slots: Option<usize>,
     /// Positions one state's caches are sized for (the budget keeps room for one).
     pub state_positions: usize,
+    /// Most tokens of a state's passes (its scratch holds that many).
+    pub micro_batch: usize,
+    /// Positions the budget lets one state grow to (from `state_positions`).
+    pub grow_to: usize,
     /// The model's rewind window (part of a state's size).
     pub window: usize,
     /// Fills the expert cache with each layer's most used experts at load.
@@ -461,14 +465,21 @@ fn dense_bytes(w: &Weights, shared_in_arena: bool) -> u64 {
     n
 }
 
-/// Device bytes of one state at `placement.state_positions` positions
-/// (scratch, caches, rings) and of one checkpoint of it (a recurrent plane
+/// Device bytes of one state grown from `placement.state_positions` to
+/// `placement.grow_to` positions with passes of `placement.micro_batch`
+/// tokens (scratch, caches, rings) and of one checkpoint of it (a recurrent plane
 /// and the rings per Gated DeltaNet layer, the PLE ring), plus a sixteenth
 /// and 1 MiB for the allocator's rounding.
 fn state_bytes(cfg: &Config, placement: &ExpertPlacement) -> u64 {
     let positions = placement.state_positions.max(1);
-    let scratch = super::scratch::ScratchLayout::new(cfg, positions, 1, 1).map_or(0, |l| l.total as u64 * 4);
-    let layers: u64 = cfg.layers.iter().map(|k| 4 * super::caches::layer_len(cfg, k, placement.window, positions) as u64).sum();
+    let grown = placement.grow_to.max(positions);
+    let batch = placement.micro_batch.clamp(1, super::state::MAX_BATCH);
+    let scratch = super::scratch::ScratchLayout::new(cfg, grown, batch, 1).map_or(0, |l| l.total as u64 * 4);
+    let len = |k: &LayerKind, p: usize| 4 * super::caches::layer_len(cfg, k, placement.window, p) as u64;
+    // The caches at `grown` positions, and while they grow the attention
+    // layers' old ones beside them.
+    let old: u64 = if grown > positions { cfg.layers.iter().filter(|k| **k != LayerKind::Linear).map(|k| len(k, positions)).sum() } else { 0 };
+    let layers: u64 = cfg.layers.iter().map(|k| len(k, grown)).sum::<u64>() + old;
     let ple = cfg.ple.as_ref().map_or(0, |p| 4 * (crate::cpu::ple::conv_rows(p, placement.window) * cfg.hc * cfg.hidden) as u64);
     let g = super::caches::GdnLayout::new(cfg, placement.window);
     let n_gdn = cfg.layers.iter().filter(|k| **k == LayerKind::Linear).count() as u64;

@@ -311,6 +311,25 @@ impl<'a> Recorder<'a> {
     }
 }
 
+impl Recorder<'_> {
+    /// The expert matvec over entries `start..start + count` of the pairs'
+    /// order at `push.order_off` (a round of a pass streamed through the
+    /// expert cache's slots; `push.expert_off` holds each pair's slot). Each
+    /// workgroup rounds its own inputs.
+    pub fn expert_entries(&mut self, ty: GgmlType, sets: [vk::DescriptorSet; 2], mut push: MatvecPush, part: &PartLayout, start: usize, count: usize) {
+        if count == 0 {
+            return;
+        }
+        let pipe = Pipe::matvec(ty, true, self.fast(part.cols));
+        push.total_rows = push.rows;
+        push.order_base = start as u32;
+        let (pipe, g) = self.matvec_split(pipe, part, &mut push, count as u32, 1, true);
+        let what = if push.mode == 4 { "experts gate/up" } else { "experts down" };
+        self.label_next(|| what.to_string(), part.bytes as u64);
+        self.dispatch(pipe, &sets, &push, g);
+    }
+}
+
 /// A descriptor pool for a known number of storage-buffer sets.
 pub(crate) struct DescriptorPool {
     pub raw: vk::DescriptorPool,

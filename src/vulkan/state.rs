@@ -12,6 +12,7 @@
 //! it (see [`super::scratch`]).
 
 use super::buffer::{Buffer, Commands};
+use super::device::Context;
 use super::caches::{Caches, INITIAL_CAPACITY};
 use super::model::GpuModel;
 use super::record::{Recorder, Timestamps, TokenStats};
@@ -28,9 +29,9 @@ pub struct GpuState {
     pub(crate) caches: Caches,
     /// Most positions a state may hold.
     n_ctx: usize,
-    /// Most tokens one pass takes: one with the expert cache (a layer's
-    /// experts are placed per token), else the model's micro-batch up to
-    /// [`MAX_BATCH`]. The scratch grows to a pass's size when one needs it.
+    /// Most tokens one pass takes: the model's micro-batch up to
+    /// [`MAX_BATCH`] (one with an expert cache of no slots, which has none to
+    /// stream through). The scratch grows to a pass's size when one needs it.
     max_batch: usize,
     stats: TokenStats,
     /// Per-dispatch timestamps when profiling ([`BackendState::enable_profiling`]).
@@ -49,6 +50,50 @@ pub struct GpuState {
 /// What a state needs to run layers whose experts are partly on the host.
 /// Staging slots for background fills: two banks of the most one layer admits.
 const FILL_STAGING: usize = 2 * crate::model::expert_policy::MAX_UPLOADS;
+
+/// Experts one staging bank of a streamed pass holds (each bank is a round's
+/// copies at most; two banks: 128 MiB of host memory at the real model's
+/// 2 MiB experts).
+pub(crate) const STREAM_BANK: usize = 32;
+
+/// A pass of several tokens with the expert cache: the exchange with the
+/// host (allocated at the state's first such pass).
+pub(crate) struct StreamBuffers {
+    /// Read back after the router: every token's choices [T][k].
+    pub ids: Buffer,
+    /// Written by the host: each pair's local slot [T][k], then the order of
+    /// the pairs [T][k].
+    pub plan: Buffer,
+    /// Two banks of [`STREAM_BANK`] experts in the arena's layout, in cached
+    /// host memory (the GPU's copies pull them across the bus).
+    pub staging: Buffer,
+    /// A submission per bank, and whether it is in flight.
+    pub cmds: [Commands; 2],
+    pub pending: [bool; 2],
+}
+
+impl StreamBuffers {
+    fn new(ctx: &Arc<Context>, pairs: usize, slot_bytes: usize) -> Result<StreamBuffers> {
+        Ok(StreamBuffers {
+            ids: Buffer::new(ctx, "streamed pass choices", (pairs * 4) as u64, MemoryLocation::GpuToCpu)?,
+            plan: Buffer::new(ctx, "streamed pass plan", (2 * pairs * 4) as u64, MemoryLocation::CpuToGpu)?,
+            staging: Buffer::new(ctx, "streamed expert staging", (2 * STREAM_BANK * slot_bytes) as u64, MemoryLocation::GpuToCpu)?,
+            cmds: [Commands::new(ctx)?, Commands::new(ctx)?],
+            pending: [false; 2],
+        })
+    }
+
+    /// Waits for both banks' submissions.
+    pub fn wait(&mut self) -> Result<()> {
+        for (c, p) in self.cmds.iter().zip(self.pending.iter_mut()) {
+            if *p {
+                c.wait()?;
+                *p = false;
+            }
+        }
+        Ok(())
+    }
+}
 
 pub(crate) struct Offload {
     /// The expert dispatches of a layer, submitted while the host computes its share.
@@ -69,6 +114,8 @@ pub(crate) struct Offload {
     /// Cached host memory each upload is repacked in before it is copied
     /// into `staging` (one per upload of a layer).
     pub repack: Vec<Vec<u8>>,
+    /// Passes of several tokens (prompts): see [`StreamBuffers`].
+    pub stream: Option<StreamBuffers>,
 }
 
 impl std::fmt::Debug for GpuState {
@@ -113,6 +160,7 @@ impl GpuState {
                     staging: Buffer::new(ctx, "expert upload staging", (k * gpu.arena.slot_bytes) as u64, super::buffer::STAGING)?,
                     fill_staging: Buffer::new(ctx, "expert fill staging", (FILL_STAGING * gpu.arena.slot_bytes) as u64, MemoryLocation::GpuToCpu)?,
                     repack: Vec::new(),
+                    stream: None,
                 })
             }
         };
@@ -124,7 +172,8 @@ impl GpuState {
             layout,
             caches,
             n_ctx,
-            max_batch: if gpu.cache.is_some() { 1 } else { model.micro_batch.clamp(1, MAX_BATCH) },
+            // With the expert cache a pass streams experts through the slots (none: token by token).
+            max_batch: if gpu.cache.is_some() && gpu.arena.per_layer == 0 { 1 } else { model.micro_batch.clamp(1, MAX_BATCH) },
             stats: TokenStats::default(),
             timestamps: None,
             stage_ms: Vec::new(),
@@ -159,23 +208,59 @@ impl GpuState {
         let cfg = &model.config;
         let batch = batch.max(self.layout.batch as usize);
         let layout = ScratchLayout::new(cfg, capacity, batch, logit_rows.max(self.layout.logit_rows as usize))?;
-        let ctx = &self.gpu.ctx;
-        let scratch = Buffer::new(ctx, "GPU scratch", (layout.total as u64) * 4, MemoryLocation::GpuOnly)?;
-        let buffers = if grow_batch {
-            let upload = Buffer::new(ctx, "token upload", (layout.input_len * layout.batch) as u64 * 4, MemoryLocation::CpuToGpu)?;
-            let bytes = (layout.logit_rows as usize * cfg.vocab * 4) as u64;
-            Some((upload, Buffer::new(ctx, "logits readback", bytes, MemoryLocation::GpuToCpu)?))
-        } else {
-            None
+        let ctx = self.gpu.ctx.clone();
+        let ctx = &ctx;
+        let bytes = (layout.total as u64) * 4;
+        // The scratch holds nothing between passes: under a VRAM budget its
+        // old allocation makes room for the new one when both do not fit
+        // (and comes back if anything after fails).
+        let mut freed = None;
+        let scratch = match Buffer::new(ctx, "GPU scratch", bytes, MemoryLocation::GpuOnly) {
+            Err(Error::OutOfMemory(_)) if ctx.budget() > 0 => {
+                let placeholder = Buffer::new(ctx, "GPU scratch", 16, MemoryLocation::GpuOnly)?;
+                freed = Some(std::mem::replace(&mut self.scratch, placeholder).size);
+                Buffer::new(ctx, "GPU scratch", bytes, MemoryLocation::GpuOnly)
+            }
+            other => other,
         };
-        if grow_ctx {
-            self.caches.set_capacity(&self.gpu, cfg, &self.cmds, capacity, keep, &scratch)?;
-        } else {
-            self.caches.rebind(&self.gpu, cfg, &scratch)?;
-        }
+        let rest = scratch.and_then(|scratch| {
+            let buffers = if grow_batch {
+                let upload = Buffer::new(ctx, "token upload", (layout.input_len * layout.batch) as u64 * 4, MemoryLocation::CpuToGpu)?;
+                let bytes = (layout.logit_rows as usize * cfg.vocab * 4) as u64;
+                Some((upload, Buffer::new(ctx, "logits readback", bytes, MemoryLocation::GpuToCpu)?))
+            } else {
+                None
+            };
+            // With the expert cache, passes of several tokens stream experts.
+            let stream = match &self.offload {
+                Some(_) if grow_batch && layout.batch > 1 => {
+                    Some(StreamBuffers::new(ctx, layout.batch as usize * cfg.n_experts_used, self.gpu.arena.slot_bytes)?)
+                }
+                _ => None,
+            };
+            if grow_ctx {
+                self.caches.set_capacity(&self.gpu, cfg, &self.cmds, capacity, keep, &scratch)?;
+            } else {
+                self.caches.rebind(&self.gpu, cfg, &scratch)?;
+            }
+            Ok((scratch, buffers, stream))
+        });
+        let (scratch, buffers, stream) = match rest {
+            Ok(r) => r,
+            Err(e) => {
+                if let Some(size) = freed {
+                    self.scratch = Buffer::new(ctx, "GPU scratch", size, MemoryLocation::GpuOnly).map_err(lost("restoring the scratch"))?;
+                    self.caches.rebind(&self.gpu, cfg, &self.scratch)?;
+                }
+                return Err(e);
+            }
+        };
         if let Some((upload, readback)) = buffers {
             self.upload = upload;
             self.readback = readback;
+        }
+        if let (Some(st), Some(o)) = (stream, self.offload.as_mut()) {
+            o.stream = Some(st);
         }
         self.scratch = scratch;
         self.layout = layout;
@@ -225,6 +310,9 @@ impl BackendState for GpuState {
         if let Some(o) = self.offload.as_mut().filter(|o| o.pending) {
             o.cmds.wait().map_err(lost("a decode step's expert work"))?;
             o.pending = false;
+        }
+        if let Some(st) = self.offload.as_mut().and_then(|o| o.stream.as_mut()) {
+            st.wait().map_err(lost("a pass's streamed experts"))?;
         }
         self.stats = stats;
         if let Some(t) = &self.timestamps {
