@@ -267,9 +267,10 @@ impl LayerSlots {
         for chunk in misses[first..].chunks(n_slots.min(per_round)) {
             rounds.push(chunk.iter().enumerate().map(|(s, &e)| (e, s, true)).collect());
         }
-        for round in &rounds {
+        let mut round_of = vec![0usize; self.slot_of.len()];
+        for (r, round) in rounds.iter().enumerate() {
             for &(e, s, copy) in round {
-                slot_for[e as usize] = s as u32;
+                (slot_for[e as usize], round_of[e as usize]) = (s as u32, r);
                 if copy {
                     if let Some(old) = self.expert[s].replace(e) {
                         self.slot_of[old as usize] = None;
@@ -279,16 +280,15 @@ impl LayerSlots {
                 }
             }
         }
-        let round_of: std::collections::HashMap<u32, usize> = rounds.iter().enumerate().flat_map(|(r, x)| x.iter().map(move |&(e, _, _)| (e, r))).collect();
         // The pairs round by round, each round's grouped by slot (then pass order).
         let mut order: Vec<u32> = (0..ids.len() as u32).collect();
-        order.sort_by_key(|&p| (round_of[&ids[p as usize]], slot_for[ids[p as usize] as usize], p));
+        order.sort_by_key(|&p| (round_of[ids[p as usize] as usize], slot_for[ids[p as usize] as usize], p));
         let mut start = 0;
         let rounds = rounds
             .iter()
             .enumerate()
             .map(|(r, x)| {
-                let count = order[start..].iter().take_while(|&&p| round_of[&ids[p as usize]] == r).count();
+                let count = order[start..].iter().take_while(|&&p| round_of[ids[p as usize] as usize] == r).count();
                 let round = Round { start, count, copies: x.iter().filter(|c| c.2).map(|&(e, s, _)| (s, e)).collect() };
                 start += count;
                 round

@@ -166,9 +166,15 @@ impl ExpertArena {
         Ok(ExpertArena { layers, slot_bytes, slots_per_slab, per_layer, set, shared_in_arena, slabs, _pool: pool })
     }
 
+    /// The arena slot of layer `layer`'s local slot `slot` (what the expert
+    /// matvecs read when the host passes them slots).
+    pub fn slot(&self, layer: usize, slot: usize) -> u32 {
+        (layer * self.per_layer + slot) as u32
+    }
+
     /// The slab and byte offset of layer `layer`'s local slot `slot`.
     pub fn place(&self, layer: usize, slot: usize) -> (&Buffer, u64) {
-        let s = layer * self.per_layer + slot;
+        let s = self.slot(layer, slot) as usize;
         (&self.slabs[s / self.slots_per_slab], ((s % self.slots_per_slab) * self.slot_bytes) as u64)
     }
 

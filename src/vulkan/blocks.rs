@@ -58,16 +58,16 @@
 use super::arena::expert_bytes;
 use super::buffer::Buffer;
 use super::cache::{Place, Token};
-use crate::model::expert_policy::MAX_UPLOADS;
 use super::model::{GpuHyper, GpuMixer, GpuModel};
 use super::pipelines::*;
 use super::record::{Recorder, TokenStats};
 use super::scratch::exp_h_stride;
-use super::state::GpuState;
+use super::state::{GpuState, STREAM_BANK};
 use crate::cpu::moe::{expert_outputs, Expert};
 use crate::cpu::ops::Rope;
 use crate::error::Result;
 use crate::model::backend::{Batch, Blocks, LogitsFor, Site};
+use crate::model::expert_policy::MAX_UPLOADS;
 use crate::model::{Config, GateActivation, LayerKind, Model};
 use ash::vk;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -140,6 +140,44 @@ pub(crate) fn rope_table(rope: &Rope, dims: usize, pos: usize, out: &mut [f32]) 
     rope.apply(out, pos);
 }
 
+/// Records a global memory barrier into `cmd`.
+fn memory_barrier(
+    d: &ash::Device,
+    cmd: vk::CommandBuffer,
+    (src, src_access): (vk::PipelineStageFlags, vk::AccessFlags),
+    (dst, dst_access): (vk::PipelineStageFlags, vk::AccessFlags),
+) {
+    let mb = [vk::MemoryBarrier::default().src_access_mask(src_access).dst_access_mask(dst_access)];
+    // SAFETY: `cmd` is recording.
+    unsafe { d.cmd_pipeline_barrier(cmd, src, dst, vk::DependencyFlags::empty(), &mb, &[], &[]) };
+}
+
+/// Shaders and copies before it, against copies and shaders after it.
+const ANY_WORK: vk::PipelineStageFlags = vk::PipelineStageFlags::from_raw(
+    vk::PipelineStageFlags::COMPUTE_SHADER.as_raw() | vk::PipelineStageFlags::TRANSFER.as_raw(),
+);
+
+/// Ordered after everything before it in the queue (the main segment's
+/// results, earlier reads of the slots it rewrites): the start of a segment
+/// of the GPU's experts.
+fn after_earlier_work(d: &ash::Device, cmd: vk::CommandBuffer) {
+    let written = vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE;
+    memory_barrier(d, cmd, (ANY_WORK, written), (ANY_WORK, vk::AccessFlags::TRANSFER_WRITE | vk::AccessFlags::SHADER_READ));
+}
+
+/// Copies into arena slots, before the shaders that read them.
+fn copies_before_shaders(d: &ash::Device, cmd: vk::CommandBuffer) {
+    let (transfer, shader) = (vk::PipelineStageFlags::TRANSFER, vk::PipelineStageFlags::COMPUTE_SHADER);
+    memory_barrier(d, cmd, (transfer, vk::AccessFlags::TRANSFER_WRITE), (shader, vk::AccessFlags::SHADER_READ));
+}
+
+/// The GPU's experts and the host's sum, before the combine.
+fn before_combine(d: &ash::Device, cmd: vk::CommandBuffer) {
+    let written = vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE;
+    let access = vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE;
+    memory_barrier(d, cmd, (ANY_WORK, written), (vk::PipelineStageFlags::COMPUTE_SHADER, access));
+}
+
 impl<'a> VkPass<'a> {
     /// Starts recording the batch's tokens: the upload of the host's inputs
     /// (written by the blocks as they are called, read when the command
@@ -156,7 +194,6 @@ impl<'a> VkPass<'a> {
         let cfg = &model.config;
         let (pos, n) = (batch.pos, batch.tokens.len());
         assert!(n <= state.layout.batch as usize && batch.n_logits() <= state.layout.logit_rows as usize, "the scratch fits the pass");
-
         let l = &state.layout;
         if n > 1 {
             rec.xq = Some((l.xq, l.tok));
@@ -220,20 +257,15 @@ impl<'a> VkPass<'a> {
     /// After a failed block: ends the recording and waits for any segment in
     /// flight, so the next step can begin.
     pub fn abandon(mut self) {
-        if let Some(t) = self.cache.as_mut() {
-            for &(layer, slot, _) in self.fills.iter().chain(&self.staged) {
-                t.cancel(layer, slot);
-            }
-        }
+        self.cancel_fills();
         let d = &self.gpu.ctx.device;
         // SAFETY: the main command buffer is recording (every segment begins it again).
         let _ = unsafe { d.end_command_buffer(self.state.cmds.cmd) };
-        if let Some(o) = self.state.offload.as_mut().filter(|o| o.pending) {
-            let _ = o.cmds.wait();
-            o.pending = false;
-        }
-        if let Some(st) = self.state.offload.as_mut().and_then(|o| o.stream.as_mut()) {
-            let _ = st.wait();
+        if let Some(o) = self.state.offload.as_mut() {
+            let _ = o.wait_experts();
+            if let Some(st) = o.stream.as_mut() {
+                let _ = st.wait();
+            }
         }
     }
 
@@ -255,7 +287,6 @@ impl<'a> VkPass<'a> {
         let l = &self.state.layout;
         let w = &gpu.layers[layer].moe;
         let ar = &gpu.arena;
-        let (h, f) = (cfg.hidden, cfg.expert_ff);
         if experts > 0 {
             let part = &ar.layers[layer];
             // (token, expert) pairs: each token's ids and activations in its
@@ -273,30 +304,9 @@ impl<'a> VkPass<'a> {
                 };
                 self.rec.dispatch(Pipe::MoeGroup, &[set], &group, [1, 1, 1]);
             }
-            let base = MatvecPush {
-                kdiv: experts as u32,
-                tok_stride: l.tok,
-                expert_off: l.ids,
-                order_off: if grouped { l.order } else { 0 },
-                slot_table: w.slot_table,
-                slots_per_slab: ar.slots_per_slab as u32,
-                slot_bytes: ar.slot_bytes as u32,
-                scale: 1.0,
-                ..Default::default()
-            };
-            let f_stride = exp_h_stride(cfg);
-            let gate_up = MatvecPush { rows: f as u32, x_off: l.input, y_off: l.exp_h, y_stride: f_stride, mode: 4, ..base };
+            let (gate_up, down) = self.expert_pushes(layer, experts, if grouped { l.order } else { 0 }, w.slot_table);
             let sets = [set, ar.set];
             self.rec.expert_matvec(part.gate_ty, sets, gate_up, &part.gate, self.n * experts);
-            let down = MatvecPush {
-                rows: h as u32,
-                x_off: l.exp_h,
-                x_stride: f_stride,
-                y_off: l.exp_y,
-                y_stride: h as u32,
-                part_off: part.gate.bytes as u32,
-                ..base
-            };
             self.rec.expert_matvec(part.down_ty, sets, down, &part.down, self.n * experts);
         }
         if let Some(sh) = w.shared.as_ref().filter(|_| shared) {
@@ -384,25 +394,18 @@ impl<'a> VkPass<'a> {
         if self.fills.is_empty() {
             return;
         }
-        let (gpu, cfg, model) = (self.gpu, self.cfg, self.model);
-        let slot_bytes = gpu.arena.slot_bytes;
+        let slot_bytes = self.gpu.arena.slot_bytes;
         let started = std::time::Instant::now();
         let fills = std::mem::take(&mut self.fills);
+        let staged: Vec<(usize, usize, usize)> = fills.iter().enumerate().map(|(j, &(layer, slot, _))| {
+            assert!(j < MAX_UPLOADS, "at most {MAX_UPLOADS} fills per layer");
+            (layer, slot, (layer % 2) * MAX_UPLOADS + j)
+        }).collect();
         let o = self.state.offload.as_mut().expect("fills only with a cache");
         let mut regions: Vec<&mut [u8]> = o.fill_staging.mapped().chunks_exact_mut(slot_bytes).collect();
-        let mut jobs: Vec<(Fill, &mut [u8])> = Vec::with_capacity(fills.len());
-        for (j, &(layer, slot, e)) in fills.iter().enumerate() {
-            assert!(j < MAX_UPLOADS, "at most {MAX_UPLOADS} fills per layer");
-            let at = (layer % 2) * MAX_UPLOADS + j;
-            jobs.push(((layer, slot, e), std::mem::take(&mut regions[at])));
-            self.staged.push((layer, slot, at));
-        }
-        model.install(|| {
-            use rayon::prelude::*;
-            jobs.into_par_iter().for_each(|((layer, _, e), out)| {
-                gpu.arena.repack_into(layer, &expert_bytes(&model.weights.layers[layer].moe, cfg, e), out);
-            })
-        });
+        let jobs = fills.iter().zip(&staged).map(|(&(layer, _, e), &(_, _, at))| (layer, e, std::mem::take(&mut regions[at]))).collect();
+        Self::repack_experts(self.model, self.gpu, jobs);
+        self.staged.extend(staged);
         if let Some(t) = self.cache.as_mut() {
             t.uploaded((fills.len() * slot_bytes) as u64, started.elapsed().as_nanos() as u64);
         }
@@ -416,19 +419,11 @@ impl<'a> VkPass<'a> {
         if self.staged.is_empty() {
             return;
         }
-        let (d, slot_bytes) = (&self.gpu.ctx.device, self.gpu.arena.slot_bytes);
         let staging = &self.state.offload.as_ref().expect("fills only with a cache").fill_staging;
         for &(layer, slot, at) in &self.staged {
-            let (slab, to) = self.gpu.arena.place(layer, slot);
-            let region = [vk::BufferCopy { src_offset: (at * slot_bytes) as u64, dst_offset: to, size: slot_bytes as u64 }];
-            // SAFETY: recording; the staging buffer holds slot `at` and the slot lies in its slab.
-            unsafe { d.cmd_copy_buffer(cmd, staging.raw, slab.raw, &region) };
+            self.copy_to_slot(cmd, staging, at, layer, slot);
         }
-        let copied = [vk::MemoryBarrier::default().src_access_mask(vk::AccessFlags::TRANSFER_WRITE).dst_access_mask(vk::AccessFlags::SHADER_READ)];
-        // SAFETY: recording a barrier.
-        unsafe {
-            d.cmd_pipeline_barrier(cmd, vk::PipelineStageFlags::TRANSFER, vk::PipelineStageFlags::COMPUTE_SHADER, vk::DependencyFlags::empty(), &copied, &[], &[])
-        };
+        copies_before_shaders(&self.gpu.ctx.device, cmd);
     }
 
     /// The staged fills were submitted: their slots serve hits from now on
@@ -450,15 +445,63 @@ impl<'a> VkPass<'a> {
     pub fn end(&mut self) -> Result<()> {
         let ended = self.end_inner();
         if ended.is_err() {
-            if let Some(t) = self.cache.as_mut() {
-                for &(layer, slot, _) in self.fills.iter().chain(&self.staged) {
-                    t.cancel(layer, slot);
-                }
-            }
-            self.fills.clear();
-            self.staged.clear();
+            self.cancel_fills();
         }
         ended
+    }
+
+    /// The fills not copied yet will not happen.
+    fn cancel_fills(&mut self) {
+        let (fills, staged) = (std::mem::take(&mut self.fills), std::mem::take(&mut self.staged));
+        if let Some(t) = self.cache.as_mut() {
+            for (layer, slot, _) in fills.into_iter().chain(staged) {
+                t.cancel(layer, slot);
+            }
+        }
+    }
+
+    /// Records a copy of staging slot `at` of `staging` into layer `layer`'s local slot `slot`.
+    fn copy_to_slot(&self, cmd: vk::CommandBuffer, staging: &Buffer, at: usize, layer: usize, slot: usize) {
+        let slot_bytes = self.gpu.arena.slot_bytes;
+        let (slab, to) = self.gpu.arena.place(layer, slot);
+        let region = [vk::BufferCopy { src_offset: (at * slot_bytes) as u64, dst_offset: to, size: slot_bytes as u64 }];
+        // SAFETY: recording; `staging` holds slot `at` and the slot lies in its slab.
+        unsafe { self.gpu.ctx.device.cmd_copy_buffer(cmd, staging.raw, slab.raw, &region) };
+    }
+
+    /// Repacks each (layer, expert) of `jobs` from the mapped file into its
+    /// staging slot, in parallel on the model's threads.
+    fn repack_experts(model: &Model, gpu: &GpuModel, jobs: Vec<(usize, usize, &mut [u8])>) {
+        let cfg = &model.config;
+        model.install(|| {
+            use rayon::prelude::*;
+            jobs.into_par_iter().for_each(|(layer, e, out)| {
+                gpu.arena.repack_into(layer, &expert_bytes(&model.weights.layers[layer].moe, cfg, e), out);
+            })
+        });
+    }
+
+    /// The routed experts' matvec pushes (gate/up with SwiGLU, then down)
+    /// of layer `layer`: `kdiv` pairs per token whose ids (through
+    /// `slot_table`) are at `ids`, in the order at `order_off` (0: in order).
+    fn expert_pushes(&self, layer: usize, kdiv: usize, order_off: u32, slot_table: u32) -> (MatvecPush, MatvecPush) {
+        let (cfg, ar, l) = (self.cfg, &self.gpu.arena, &self.state.layout);
+        let base = MatvecPush {
+            kdiv: kdiv as u32,
+            tok_stride: l.tok,
+            expert_off: l.ids,
+            order_off,
+            slot_table,
+            slots_per_slab: ar.slots_per_slab as u32,
+            slot_bytes: ar.slot_bytes as u32,
+            scale: 1.0,
+            ..Default::default()
+        };
+        let (h, f_stride) = (cfg.hidden as u32, exp_h_stride(cfg));
+        let gate_up = MatvecPush { rows: cfg.expert_ff as u32, x_off: l.input, y_off: l.exp_h, y_stride: f_stride, mode: 4, ..base };
+        let part_off = ar.layers[layer].gate.bytes as u32;
+        let down = MatvecPush { rows: h, x_off: l.exp_h, x_stride: f_stride, y_off: l.exp_y, y_stride: h, part_off, ..base };
+        (gate_up, down)
     }
 
     fn end_inner(&mut self) -> Result<()> {
@@ -469,10 +512,7 @@ impl<'a> VkPass<'a> {
             return Ok(());
         }
         let o = self.state.offload.as_mut().expect("fills only with a cache");
-        if o.pending {
-            o.cmds.wait()?;
-            o.pending = false;
-        }
+        o.wait_experts()?;
         o.cmds.begin()?;
         let cmd = o.cmds.cmd;
         self.record_fill_copies(cmd);
@@ -484,7 +524,7 @@ impl<'a> VkPass<'a> {
 
     /// A pass of several tokens with the expert cache: every token's choices
     /// go to the host (the walk waits here, as a decode step does).
-    fn pass_routes(&mut self, layer: usize) -> Result<Routes> {
+    fn pass_routes(&mut self) -> Result<Routes> {
         let (k, n) = (self.cfg.n_experts_used, self.n);
         self.rec.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::TRANSFER);
         let l = &self.state.layout;
@@ -500,7 +540,6 @@ impl<'a> VkPass<'a> {
         }
         let st = self.state.offload.as_mut().and_then(|o| o.stream.as_mut()).expect("checked above");
         let ids = st.ids.mapped()[..n * k * 4].chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().unwrap())).collect();
-        let _ = layer;
         Ok(Routes { host: Some(HostRoutes { ids, weights: Vec::new(), x: Vec::new() }) })
     }
 
@@ -512,7 +551,6 @@ impl<'a> VkPass<'a> {
     /// and the round's pairs run (entries `start..start + count` of the
     /// pairs' order). The shared expert runs with the first round.
     fn stream_experts(&mut self, layer: usize, ids: &[u32]) -> Result<Experts> {
-        use super::state::STREAM_BANK;
         let (cfg, gpu, set, model) = (self.cfg, self.gpu, self.set(layer), self.model);
         let (k, n) = (cfg.n_experts_used, self.n);
         for t in 0..n {
@@ -520,36 +558,19 @@ impl<'a> VkPass<'a> {
         }
         let plan = self.cache.as_mut().expect("routes come back only with a cache").stream(layer, ids, STREAM_BANK.min(gpu.arena.per_layer));
         let slot_bytes = gpu.arena.slot_bytes;
-        let moe = &model.weights.layers[layer].moe;
         let o = self.state.offload.as_mut().expect("a state of a cached model has the exchange buffers");
-        if o.pending {
-            o.cmds.wait()?;
-            o.pending = false;
-        }
+        o.wait_experts()?;
         let st = o.stream.as_mut().expect("a pass of several tokens has the stream buffers");
         // Each pair's arena slot, then the order, as float bits, token after token.
-        let (up, first) = (st.plan.mapped(), (layer * gpu.arena.per_layer) as u32);
-        for (i, v) in plan.pair_slot.iter().map(|s| first + s).chain(plan.order.iter().copied()).enumerate() {
+        let up = st.plan.mapped();
+        let slots = plan.pair_slot.iter().map(|&s| gpu.arena.slot(layer, s as usize));
+        for (i, v) in slots.chain(plan.order.iter().copied()).enumerate() {
             up[i * 4..i * 4 + 4].copy_from_slice(&v.to_le_bytes());
         }
         let l = self.state.layout.clone();
         let part = gpu.arena.layers[layer];
-        let f_stride = exp_h_stride(cfg);
-        let base = MatvecPush {
-            kdiv: k as u32,
-            tok_stride: l.tok,
-            expert_off: l.ids,
-            order_off: l.order,
-            slot_table: SLOTS_DIRECT,
-            slots_per_slab: gpu.arena.slots_per_slab as u32,
-            slot_bytes: slot_bytes as u32,
-            scale: 1.0,
-            ..Default::default()
-        };
-        let gate_up = MatvecPush { rows: cfg.expert_ff as u32, x_off: l.input, y_off: l.exp_h, y_stride: f_stride, mode: 4, ..base };
-        let down = MatvecPush { rows: cfg.hidden as u32, x_off: l.exp_h, x_stride: f_stride, y_off: l.exp_y, y_stride: cfg.hidden as u32, part_off: part.gate.bytes as u32, ..base };
+        let (gate_up, down) = self.expert_pushes(layer, k, l.order, SLOTS_DIRECT);
         let d = &gpu.ctx.device;
-        let stages = vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER;
         // A round that fails leaves its slots' contents unknown: they are forgotten.
         let rounds = (|| -> Result<()> {
             for (r, round) in plan.rounds.iter().enumerate() {
@@ -561,25 +582,17 @@ impl<'a> VkPass<'a> {
                     st.pending[bank] = false;
                 }
                 let repacked = std::time::Instant::now();
-                let mut regions: Vec<&mut [u8]> = st.staging.mapped()[bank * STREAM_BANK * slot_bytes..(bank + 1) * STREAM_BANK * slot_bytes].chunks_exact_mut(slot_bytes).collect();
-                let jobs: Vec<(u32, &mut [u8])> = round.copies.iter().zip(regions.iter_mut()).map(|(&(_, e), r)| (e, std::mem::take(r))).collect();
-                model.install(|| {
-                    use rayon::prelude::*;
-                    jobs.into_par_iter().for_each(|(e, out)| gpu.arena.repack_into(layer, &expert_bytes(moe, cfg, e as usize), out));
-                });
+                let bank_bytes = &mut st.staging.mapped()[bank * STREAM_BANK * slot_bytes..(bank + 1) * STREAM_BANK * slot_bytes];
+                let jobs = round.copies.iter().zip(bank_bytes.chunks_exact_mut(slot_bytes)).map(|(&(_, e), out)| (layer, e as usize, out)).collect();
+                Self::repack_experts(model, gpu, jobs);
                 if let Some(t) = self.cache.as_mut() {
                     t.uploaded((round.copies.len() * slot_bytes) as u64, repacked.elapsed().as_nanos() as u64);
                 }
                 let st = self.state.offload.as_ref().and_then(|o| o.stream.as_ref()).expect("checked above");
                 st.cmds[bank].begin()?;
                 let cmd = st.cmds[bank].cmd;
-                // After everything before in the queue: the router's choices, the
-                // previous round's reads of the slots this one rewrites.
-                let after = [vk::MemoryBarrier::default()
-                    .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE)
-                    .dst_access_mask(vk::AccessFlags::TRANSFER_WRITE | vk::AccessFlags::SHADER_READ)];
-                // SAFETY: recording a barrier.
-                unsafe { d.cmd_pipeline_barrier(cmd, stages, stages, vk::DependencyFlags::empty(), &after, &[], &[]) };
+                // After the router's choices and the previous round's reads of the slots this one rewrites.
+                after_earlier_work(d, cmd);
                 if r == 0 {
                     let (per_tok, plan_buf, scratch) = ((k * 4) as u64, st.plan.raw, self.state.scratch.raw);
                     let regions: Vec<_> = (0..n)
@@ -595,14 +608,9 @@ impl<'a> VkPass<'a> {
                     unsafe { d.cmd_copy_buffer(cmd, plan_buf, scratch, &regions) };
                 }
                 for (j, &(s, _)) in round.copies.iter().enumerate() {
-                    let (slab, at) = gpu.arena.place(layer, s);
-                    let region = [vk::BufferCopy { src_offset: ((bank * STREAM_BANK + j) * slot_bytes) as u64, dst_offset: at, size: slot_bytes as u64 }];
-                    // SAFETY: recording; the bank holds the round's copies and the slot lies in its slab.
-                    unsafe { d.cmd_copy_buffer(cmd, st.staging.raw, slab.raw, &region) };
+                    self.copy_to_slot(cmd, &st.staging, bank * STREAM_BANK + j, layer, s);
                 }
-                let copied = [vk::MemoryBarrier::default().src_access_mask(vk::AccessFlags::TRANSFER_WRITE).dst_access_mask(vk::AccessFlags::SHADER_READ)];
-                // SAFETY: recording a barrier.
-                unsafe { d.cmd_pipeline_barrier(cmd, vk::PipelineStageFlags::TRANSFER, vk::PipelineStageFlags::COMPUTE_SHADER, vk::DependencyFlags::empty(), &copied, &[], &[]) };
+                copies_before_shaders(d, cmd);
                 self.rec.cmd = cmd;
                 let sets = [set, gpu.arena.set];
                 self.rec.expert_entries(part.gate_ty, sets, gate_up, &part.gate, round.start, round.count);
@@ -627,11 +635,7 @@ impl<'a> VkPass<'a> {
             return Err(e);
         }
         // The combine reads what the rounds wrote.
-        let after = [vk::MemoryBarrier::default()
-            .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE)
-            .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE)];
-        // SAFETY: recording a barrier.
-        unsafe { d.cmd_pipeline_barrier(self.rec.cmd, stages, vk::PipelineStageFlags::COMPUTE_SHADER, vk::DependencyFlags::empty(), &after, &[], &[]) };
+        before_combine(d, self.rec.cmd);
         Ok(Experts { on_gpu: k, host_sum: false })
     }
 
@@ -978,7 +982,7 @@ impl Blocks for VkPass<'_> {
         });
         let Some(o) = self.state.offload.as_ref() else { return Ok(Routes { host: None }) };
         if n > 1 {
-            return self.pass_routes(layer);
+            return self.pass_routes();
         }
         // The choice and the input go to the host.
         let (k, h) = (cfg.n_experts_used, cfg.hidden);
@@ -1027,7 +1031,7 @@ impl Blocks for VkPass<'_> {
         for (i, p) in places.iter().enumerate() {
             match *p {
                 Place::Hit(s) | Place::Upload(s) => {
-                    slots.push(f32::from_bits((layer * gpu.arena.per_layer + s) as u32));
+                    slots.push(f32::from_bits(gpu.arena.slot(layer, s)));
                     weights.push(host.weights[i]);
                     if let Place::Upload(s) = *p {
                         uploads.push((s, host.ids[i] as usize));
@@ -1043,10 +1047,7 @@ impl Blocks for VkPass<'_> {
         let on_gpu = slots.len();
         let slot_bytes = gpu.arena.slot_bytes;
         let o = self.state.offload.as_mut().expect("a state of a cached model has the exchange buffers");
-        if o.pending {
-            o.cmds.wait()?;
-            o.pending = false;
-        }
+        o.wait_experts()?;
         let up = o.up.mapped();
         for (i, v) in slots.iter().chain(&weights).enumerate() {
             let at = if i < on_gpu { i } else { k + i - on_gpu };
@@ -1054,8 +1055,7 @@ impl Blocks for VkPass<'_> {
         }
         // Experts admitted now: repacked into staging, copied into their slots.
         let repacked = std::time::Instant::now();
-        o.repack.resize_with(o.repack.len().max(1), Vec::new);
-        let (staging, scratch) = (o.staging.mapped(), &mut o.repack[0]);
+        let (staging, scratch) = (o.staging.mapped(), &mut o.repack);
         self.model.install(|| {
             for (j, &(_, e)) in uploads.iter().enumerate() {
                 gpu.arena.repack_through(layer, &expert_bytes(moe, cfg, e), scratch, &mut staging[j * slot_bytes..(j + 1) * slot_bytes]);
@@ -1071,25 +1071,13 @@ impl Blocks for VkPass<'_> {
         let l = &self.state.layout;
         let d = &gpu.ctx.device;
         // Ordered after the main segment's work (queue order) for the slots and scratch.
-        let after = [vk::MemoryBarrier::default()
-            .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE)
-            .dst_access_mask(vk::AccessFlags::TRANSFER_WRITE | vk::AccessFlags::SHADER_READ)];
-        let stages = vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER;
-        // SAFETY: recording a barrier.
-        unsafe { d.cmd_pipeline_barrier(cmd, stages, stages, vk::DependencyFlags::empty(), &after, &[], &[]) };
+        after_earlier_work(d, cmd);
         self.copy(cmd, &o.up, 0, &self.state.scratch, l.ids, on_gpu);
         self.copy(cmd, &o.up, k as u32, &self.state.scratch, l.weights, on_gpu);
         for (j, &(s, _)) in uploads.iter().enumerate() {
-            let (slab, at) = gpu.arena.place(layer, s);
-            let region = [vk::BufferCopy { src_offset: (j * slot_bytes) as u64, dst_offset: at, size: slot_bytes as u64 }];
-            // SAFETY: recording; the staging buffer holds `uploads.len()` slots and the slot lies in its slab.
-            unsafe { d.cmd_copy_buffer(cmd, o.staging.raw, slab.raw, &region) };
+            self.copy_to_slot(cmd, &o.staging, j, layer, s);
         }
-        let copied = [vk::MemoryBarrier::default().src_access_mask(vk::AccessFlags::TRANSFER_WRITE).dst_access_mask(vk::AccessFlags::SHADER_READ)];
-        // SAFETY: recording a barrier.
-        unsafe {
-            d.cmd_pipeline_barrier(cmd, vk::PipelineStageFlags::TRANSFER, vk::PipelineStageFlags::COMPUTE_SHADER, vk::DependencyFlags::empty(), &copied, &[], &[])
-        };
+        copies_before_shaders(d, cmd);
         self.rec.cmd = cmd;
         self.record_experts(layer, set, on_gpu, true);
         // The last MoE's fills after the hits, which they need not delay.
@@ -1123,11 +1111,7 @@ impl Blocks for VkPass<'_> {
             self.copy(self.rec.cmd, &o.up, 2 * k as u32, &self.state.scratch, l.partial, h);
         }
         // The combine reads what both the GPU's segment and the copy wrote.
-        let after = [vk::MemoryBarrier::default()
-            .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE)
-            .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE)];
-        // SAFETY: recording a barrier.
-        unsafe { d.cmd_pipeline_barrier(self.rec.cmd, stages, vk::PipelineStageFlags::COMPUTE_SHADER, vk::DependencyFlags::empty(), &after, &[], &[]) };
+        before_combine(d, self.rec.cmd);
         Ok(Experts { on_gpu, host_sum })
     }
 

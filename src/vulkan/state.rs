@@ -48,6 +48,17 @@ pub struct GpuState {
 }
 
 /// What a state needs to run layers whose experts are partly on the host.
+impl Offload {
+    /// Waits for the segment of the GPU's experts in flight, if any.
+    pub fn wait_experts(&mut self) -> Result<()> {
+        if self.pending {
+            self.cmds.wait()?;
+            self.pending = false;
+        }
+        Ok(())
+    }
+}
+
 /// Staging slots for background fills: two banks of the most one layer admits.
 const FILL_STAGING: usize = 2 * crate::model::expert_policy::MAX_UPLOADS;
 
@@ -111,9 +122,8 @@ pub(crate) struct Offload {
     /// bus): two banks, one per layer parity, so a bank is rewritten only
     /// after its copies ran: [2][MAX_UPLOADS][slot bytes].
     pub fill_staging: Buffer,
-    /// Cached host memory each upload is repacked in before it is copied
-    /// into `staging` (one per upload of a layer).
-    pub repack: Vec<Vec<u8>>,
+    /// Cached host memory an upload is repacked in before it is copied into `staging`.
+    pub repack: Vec<u8>,
     /// Passes of several tokens (prompts): see [`StreamBuffers`].
     pub stream: Option<StreamBuffers>,
 }
@@ -307,12 +317,11 @@ impl BackendState for GpuState {
             pass.finish()
         };
         stats.submits += 1;
-        if let Some(o) = self.offload.as_mut().filter(|o| o.pending) {
-            o.cmds.wait().map_err(lost("a decode step's expert work"))?;
-            o.pending = false;
-        }
-        if let Some(st) = self.offload.as_mut().and_then(|o| o.stream.as_mut()) {
-            st.wait().map_err(lost("a pass's streamed experts"))?;
+        if let Some(o) = self.offload.as_mut() {
+            o.wait_experts().map_err(lost("a decode step's expert work"))?;
+            if let Some(st) = o.stream.as_mut() {
+                st.wait().map_err(lost("a pass's streamed experts"))?;
+            }
         }
         self.stats = stats;
         if let Some(t) = &self.timestamps {
