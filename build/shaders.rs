@@ -61,6 +61,10 @@ const WEIGHT_TYPES: &[(&str, &str)] = &[
 /// Each batch module is 100-170 KB of SPIR-V (its loops over entries unrolled).
 const BATCH_TYPES: &[&str] = &["q4_0", "q5_0", "q8_0", "q2_k", "q4_k", "q6_k"];
 
+/// Types with matrix-matrix modules for passes on cooperative matrices
+/// (shaders/mm.comp: `mm_<t>`, with `ARENA` `mm_expert_<t>`): every quantized type.
+const MM_TYPES: &[&str] = &["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"];
+
 /// One SPIR-V module: `shaders/<file>` compiled with `-D<define>` for each define.
 pub struct Module {
     pub name: String,
@@ -73,7 +77,8 @@ pub struct Module {
 /// 8-bit activations, integer dot products) `matvec_<t>_fast` and
 /// `expert_<t>_fast`, then for [`BATCH_TYPES`] their batch modules (`BATCH`:
 /// entries of a pass share each weight decode) `matvec_<t>_fast_batch` and
-/// `expert_<t>_fast_batch`.
+/// `expert_<t>_fast_batch`, then for [`MM_TYPES`] the matrix-matrix modules
+/// `mm_<t>` and `mm_expert_<t>`.
 pub fn modules() -> Vec<Module> {
     let mut out = Vec::new();
     for (suffix, define) in WEIGHT_TYPES {
@@ -91,6 +96,10 @@ pub fn modules() -> Vec<Module> {
             file: "matvec.comp",
             defines: vec![define, "ARENA", "FAST", "BATCH"],
         });
+    }
+    for (suffix, define) in WEIGHT_TYPES.iter().filter(|(s, _)| MM_TYPES.contains(s)) {
+        out.push(Module { name: format!("mm_{suffix}"), file: "mm.comp", defines: vec![define] });
+        out.push(Module { name: format!("mm_expert_{suffix}"), file: "mm.comp", defines: vec![define, "ARENA"] });
     }
     out.extend(VARIANTS.iter().map(|(name, file, defines)| Module {
         name: name.to_string(),

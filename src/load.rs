@@ -67,6 +67,15 @@ pub struct LoadOptions {
     /// products and exact elsewhere; fast on a device without integer dot
     /// products runs exact. An explicit choice wins.
     pub gpu_kernels: Option<Kernels>,
+    /// Whether a prompt pass on Vulkan runs its quantized matrices as
+    /// matrix-matrix products on the device's cooperative matrices (tensor
+    /// cores; weights and activations rounded to f16, sums in f32: error
+    /// stated in shaders/mm.comp) where the device has them
+    /// (`VK_NV_cooperative_matrix`) and the fast kernels run; `None` = no,
+    /// until their speed is measured against the matvec kernels'
+    /// (docs/BENCHMARKS.md). Without them a pass gives token-by-token
+    /// decoding's logits bit for bit. `FNX_VK_COOPMAT=0|1` wins.
+    pub gpu_coopmat: Option<bool>,
     /// Positions a state can step back without a copy (`State::rewind`);
     /// 0 = the default, [`DEFAULT_REWIND_WINDOW`]; `FNX_REWIND_WINDOW=N` wins.
     /// Each position of the window keeps one more copy of every Gated
@@ -125,6 +134,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("routing_profile", &self.routing_profile)
             .field("cpu_kernels", &self.cpu_kernels)
             .field("gpu_kernels", &self.gpu_kernels)
+            .field("gpu_coopmat", &self.gpu_coopmat)
             .field("rewind_window", &self.rewind_window)
             .field("spin_wait", &self.spin_wait)
             .field("expert_admission", &self.expert_admission)
@@ -132,6 +142,15 @@ impl std::fmt::Debug for LoadOptions {
             .field("micro_batch", &self.micro_batch)
             .field("progress", &self.progress.as_ref().map(|_| "Fn(f32) -> bool"))
             .finish()
+    }
+}
+
+/// An environment switch's value: `0` or `1`.
+fn parse_bool(var: &str, v: &str) -> Result<bool> {
+    match v {
+        "0" => Ok(false),
+        "1" => Ok(true),
+        other => Err(Error::arg(format!("{var}={other:?}: expected 0 or 1"))),
     }
 }
 
@@ -162,6 +181,9 @@ impl LoadOptions {
             let k = Kernels::parse(&v).ok_or_else(|| Error::arg(format!("FNX_GPU_KERNELS={v:?}: expected exact or fast")))?;
             o.gpu_kernels = o.gpu_kernels.or(Some(k));
         }
+        if let Some(v) = env_value("FNX_VK_COOPMAT") {
+            o.gpu_coopmat = Some(parse_bool("FNX_VK_COOPMAT", &v)?);
+        }
         if let Some(v) = env_value("FNX_EXPERT_CACHE_SLOTS") {
             o.expert_cache_slots =
                 Some(v.parse().map_err(|_| Error::arg(format!("FNX_EXPERT_CACHE_SLOTS={v:?}: expected a number of slots per layer")))?);
@@ -173,18 +195,10 @@ impl LoadOptions {
             o.rewind_window = v.parse().map_err(|_| Error::arg(format!("FNX_REWIND_WINDOW={v:?}: expected a number of positions")))?;
         }
         if let Some(v) = env_value("FNX_SPIN_WAIT") {
-            o.spin_wait = Some(match v.as_str() {
-                "0" => false,
-                "1" => true,
-                other => return Err(Error::arg(format!("FNX_SPIN_WAIT={other:?}: expected 0 or 1"))),
-            });
+            o.spin_wait = Some(parse_bool("FNX_SPIN_WAIT", &v)?);
         }
         if let Some(v) = env_value("FNX_EXPERT_FILL") {
-            o.expert_fill = Some(match v.as_str() {
-                "0" => false,
-                "1" => true,
-                other => return Err(Error::arg(format!("FNX_EXPERT_FILL={other:?}: expected 0 or 1"))),
-            });
+            o.expert_fill = Some(parse_bool("FNX_EXPERT_FILL", &v)?);
         }
         if let Some(v) = env_value("FNX_EXPERT_ADMISSION") {
             o.expert_admission =
@@ -236,7 +250,7 @@ fn choose_backend(
     host: &OnModelThreads<'_>,
 ) -> Result<(Box<dyn BackendModel>, String)> {
     let budget = opts.vram_budget_mb.saturating_mul(1 << 20);
-    let choice = |index| crate::vulkan::DeviceChoice { index, budget, kernels: opts.gpu_kernels };
+    let choice = |index| crate::vulkan::DeviceChoice { index, budget, kernels: opts.gpu_kernels, coopmat: opts.gpu_coopmat };
     let warm = opts.routing_profile.as_deref().map(|p| crate::model::profile::RoutingProfile::load(p, config)).transpose()?;
     let placement = crate::vulkan::ExpertPlacement {
         forced_slots: opts.expert_cache_slots,

@@ -215,6 +215,11 @@ pub trait BackendModel: Send + Sync {
     fn gpu_kernels(&self) -> Option<crate::quant::kernels::Kernels> {
         None
     }
+    /// Whether a pass's quantized matrices run on the device's cooperative
+    /// matrices (f16 inputs; shaders/mm.comp); `false` on the CPU.
+    fn gpu_coopmat(&self) -> bool {
+        false
+    }
 }
 
 /// Device time of a pass spent on one kind of work: every dispatch of one

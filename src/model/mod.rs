@@ -119,6 +119,13 @@ impl Model {
         self.backend.gpu_kernels()
     }
 
+    /// Whether the GPU runs a prompt pass's quantized matrices on its
+    /// cooperative matrices (tensor cores; f16 inputs, error stated in
+    /// shaders/mm.comp): see [`crate::LoadOptions::gpu_coopmat`].
+    pub fn gpu_coopmat(&self) -> bool {
+        self.backend.gpu_coopmat()
+    }
+
     /// Where the model computes and why, e.g. `vulkan on NVIDIA H200 (auto)`
     /// or `cpu (auto: no hardware GPU among llvmpipe (Cpu))`.
     pub fn backend_note(&self) -> &str {

@@ -49,6 +49,11 @@ pub struct DeviceChoice {
     /// accelerated 8-bit integer dot products, else exact; fast on a device
     /// without integer dot products runs exact.
     pub kernels: Option<crate::quant::kernels::Kernels>,
+    /// Whether passes run their quantized matrices on cooperative matrices
+    /// (shaders/mm.comp) where the device has them and the fast kernels
+    /// run; `None` = no (their speed is not measured yet). Only then are
+    /// the device's cooperative-matrix features enabled.
+    pub coopmat: Option<bool>,
 }
 
 impl DeviceChoice {
@@ -60,6 +65,11 @@ impl DeviceChoice {
             Some(Kernels::Fast) => ctx.int_dot.supported,
             None => ctx.int_dot.accelerated,
         }
+    }
+
+    /// Whether the opened device `ctx` runs passes on cooperative matrices under this choice.
+    pub(crate) fn coopmat(&self, ctx: &Context) -> bool {
+        self.fast_kernels(ctx) && ctx.coopmat
     }
 }
 
@@ -166,6 +176,11 @@ pub(crate) struct Context {
     pub on_cpu: bool,
     /// 8-bit integer dot products in shaders (the fast matvec kernels).
     pub int_dot: IntDot,
+    /// Cooperative matrices are enabled (asked for by [`DeviceChoice::coopmat`]
+    /// and supported; shaders/mm.comp: a pass's matrices on the tensor cores): `VK_NV_cooperative_matrix` with a 16x16x16
+    /// f16 x f16 + f32 subgroup shape, f16 arithmetic, the Vulkan memory
+    /// model (with device scope) and subgroups of 32.
+    pub coopmat: bool,
 }
 
 /// What a device offers for 8-bit integer dot products
@@ -204,6 +219,51 @@ unsafe fn int_dot_support(instance: &ash::Instance, physical: vk::PhysicalDevice
     let accelerated = props.integer_dot_product4x8_bit_packed_signed_accelerated == vk::TRUE
         && props.integer_dot_product4x8_bit_packed_mixed_signedness_accelerated == vk::TRUE;
     IntDot { supported: true, accelerated }
+}
+
+/// The device extensions shaders/mm.comp needs.
+const COOPMAT_EXTENSIONS: [&std::ffi::CStr; 3] =
+    [ash::nv::cooperative_matrix::NAME, ash::khr::shader_float16_int8::NAME, ash::khr::vulkan_memory_model::NAME];
+
+/// Whether `physical` (with subgroups of `subgroup_size`) can run
+/// shaders/mm.comp: see [`Context::coopmat`].
+///
+/// # Safety
+/// `physical` belongs to `instance`.
+unsafe fn coopmat_support(entry: &ash::Entry, instance: &ash::Instance, physical: vk::PhysicalDevice, subgroup_size: u32) -> bool {
+    // SAFETY (whole body): valid handles; the chained structs and the output array outlive the calls.
+    let listed = unsafe { instance.enumerate_device_extension_properties(physical) }.unwrap_or_default();
+    if subgroup_size != 32 || !COOPMAT_EXTENSIONS.iter().all(|n| listed.iter().any(|e| e.extension_name_as_c_str() == Ok(n))) {
+        return false;
+    }
+    let mut coop = vk::PhysicalDeviceCooperativeMatrixFeaturesNV::default();
+    let mut half = vk::PhysicalDeviceShaderFloat16Int8Features::default();
+    let mut model = vk::PhysicalDeviceVulkanMemoryModelFeatures::default();
+    let mut f2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut coop).push_next(&mut half).push_next(&mut model);
+    unsafe { instance.get_physical_device_features2(physical, &mut f2) };
+    if coop.cooperative_matrix == vk::FALSE
+        || half.shader_float16 == vk::FALSE
+        || model.vulkan_memory_model == vk::FALSE
+        || model.vulkan_memory_model_device_scope == vk::FALSE
+    {
+        return false;
+    }
+    let fns = ash::nv::cooperative_matrix::Instance::new(entry, instance);
+    let get = fns.fp().get_physical_device_cooperative_matrix_properties_nv;
+    let mut count = 0u32;
+    if unsafe { get(physical, &mut count, std::ptr::null_mut()) } != vk::Result::SUCCESS {
+        return false;
+    }
+    let mut shapes = vec![vk::CooperativeMatrixPropertiesNV::default(); count as usize];
+    if unsafe { get(physical, &mut count, shapes.as_mut_ptr()) } != vk::Result::SUCCESS {
+        return false;
+    }
+    let (f16, f32) = (vk::ComponentTypeNV::FLOAT16, vk::ComponentTypeNV::FLOAT32);
+    shapes.iter().take(count as usize).any(|p| {
+        (p.m_size, p.n_size, p.k_size) == (16, 16, 16)
+            && (p.a_type, p.b_type, p.c_type, p.d_type) == (f16, f16, f32, f32)
+            && p.scope == vk::ScopeNV::SUBGROUP
+    })
 }
 
 pub(crate) fn err(what: &str) -> impl Fn(vk::Result) -> Error + '_ {
@@ -255,10 +315,11 @@ impl Context {
                 None
             };
             match Self::open_device(instance.clone(), choice) {
-                Ok(((limits, subgroup_size, device_local_bytes, on_cpu, int_dot), name, device, queue_family, queue, allocator)) => Ok(Context {
+                Ok(((limits, subgroup_size, device_local_bytes, on_cpu, int_dot, coopmat), name, device, queue_family, queue, allocator)) => Ok(Context {
                     device_local_bytes,
                     on_cpu,
                     int_dot,
+                    coopmat,
                     instance,
                     debug,
                     limits,
@@ -286,7 +347,7 @@ impl Context {
     unsafe fn open_device(
         instance: ash::Instance,
         choice: &DeviceChoice,
-    ) -> Result<((vk::PhysicalDeviceLimits, u32, u64, bool, IntDot), String, ash::Device, u32, vk::Queue, Allocator)> {
+    ) -> Result<((vk::PhysicalDeviceLimits, u32, u64, bool, IntDot, bool), String, ash::Device, u32, vk::Queue, Allocator)> {
         // SAFETY (whole body): valid instance; create infos outlive the calls.
         let devices = unsafe { instance.enumerate_physical_devices() }.map_err(err("listing devices"))?;
         if devices.is_empty() {
@@ -322,10 +383,22 @@ impl Context {
         let int_dot = unsafe { int_dot_support(&instance, physical) };
         let mut dot_features = vk::PhysicalDeviceShaderIntegerDotProductFeatures::default().shader_integer_dot_product(true);
         let dot_ext = [ash::khr::shader_integer_dot_product::NAME.as_ptr()];
+        let coopmat = choice.coopmat == Some(true) && unsafe { coopmat_support(entry()?, &instance, physical, subgroup.subgroup_size) };
+        let mut coop = vk::PhysicalDeviceCooperativeMatrixFeaturesNV::default().cooperative_matrix(true);
+        let mut half = vk::PhysicalDeviceShaderFloat16Int8Features::default().shader_float16(true);
+        // Device scope too: with the memory model on, the other shaders' buffer barriers need it.
+        let mut model = vk::PhysicalDeviceVulkanMemoryModelFeatures::default().vulkan_memory_model(true).vulkan_memory_model_device_scope(true);
+        let mut extensions = Vec::new();
         let mut info = vk::DeviceCreateInfo::default().queue_create_infos(&queues).enabled_features(&enabled);
         if int_dot.supported {
-            info = info.enabled_extension_names(&dot_ext).push_next(&mut dot_features);
+            extensions.extend(dot_ext);
+            info = info.push_next(&mut dot_features);
         }
+        if coopmat {
+            extensions.extend(COOPMAT_EXTENSIONS.map(|n| n.as_ptr()));
+            info = info.push_next(&mut coop).push_next(&mut half).push_next(&mut model);
+        }
+        let info = info.enabled_extension_names(&extensions);
         let device = unsafe { instance.create_device(physical, &info, None) }.map_err(err("creating the device"))?;
         let queue = unsafe { device.get_device_queue(queue_family, 0) };
         let allocator = Allocator::new(&AllocatorCreateDesc {
@@ -348,7 +421,7 @@ impl Context {
             .max()
             .unwrap_or(0);
         let on_cpu = props.device_type == vk::PhysicalDeviceType::CPU;
-        Ok(((props.limits, subgroup.subgroup_size, heap, on_cpu, int_dot), name, device, queue_family, queue, allocator))
+        Ok(((props.limits, subgroup.subgroup_size, heap, on_cpu, int_dot, coopmat), name, device, queue_family, queue, allocator))
     }
 
     /// The VRAM budget in bytes (0: none).

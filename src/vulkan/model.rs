@@ -294,7 +294,7 @@ impl GpuModel {
                 ctx.subgroup_size
             )));
         }
-        let pipes = Pipelines::new(&ctx, choice.fast_kernels(&ctx))?;
+        let pipes = Pipelines::new(&ctx, choice.fast_kernels(&ctx), choice.coopmat(&ctx))?;
         let mut stream = Stream::new(&ctx)?;
         let started = std::time::Instant::now();
         let loaded = Self::upload(cfg, w, &ctx, &pipes, &mut stream, placement, host);
@@ -612,5 +612,9 @@ impl BackendModel for VulkanBackend {
     fn gpu_kernels(&self) -> Option<crate::quant::kernels::Kernels> {
         use crate::quant::kernels::Kernels;
         Some(if self.0.pipes.fast { Kernels::Fast } else { Kernels::Exact })
+    }
+
+    fn gpu_coopmat(&self) -> bool {
+        self.0.pipes.mm
     }
 }

@@ -54,6 +54,15 @@
 //! rows and entries unrolls at compile time) and their workgroup is halved
 //! where the reduction slots would not fit.
 //!
+//! Where the device has cooperative matrices ([`Context::coopmat`], asked
+//! for by `LoadOptions::gpu_coopmat` or `FNX_VK_COOPMAT=1`) and the fast
+//! kernels run, a pass's quantized matrices whose rows are a multiple of
+//! [`MM_COLS`] values take a third family instead when the dispatch has at
+//! least `FNX_VK_MM_MIN` entries (default 8; [`Pipelines::mm`]): the
+//! matrix-matrix modules `mm_<t>` and
+//! `mm_expert_<t>` (shaders/mm.comp), workgroups of tiles of [`MM_ROWS`]
+//! rows by [`MM_ENTRIES`] entries on the tensor cores, f16 inputs.
+//!
 //! The quantized types have a second family of pipelines, the fast kernels
 //! (`matvec_<t>_fast`, `expert_<t>_fast`: 8-bit activations, integer dot
 //! products; shaders/weights_int.glsl), created where the device has
@@ -298,6 +307,26 @@ pipes! {
     ExpertQ2KBatch = "expert_q2_k_fast_batch", StateArena, MatvecPush, 128;
     ExpertQ4KBatch = "expert_q4_k_fast_batch", StateArena, MatvecPush, 128;
     ExpertQ6KBatch = "expert_q6_k_fast_batch", StateArena, MatvecPush, 128;
+    MmQ4_0 = "mm_q4_0", StateWeight, MatvecPush, 128;
+    MmQ4_1 = "mm_q4_1", StateWeight, MatvecPush, 128;
+    MmQ5_0 = "mm_q5_0", StateWeight, MatvecPush, 128;
+    MmQ5_1 = "mm_q5_1", StateWeight, MatvecPush, 128;
+    MmQ8_0 = "mm_q8_0", StateWeight, MatvecPush, 128;
+    MmQ2K = "mm_q2_k", StateWeight, MatvecPush, 128;
+    MmQ3K = "mm_q3_k", StateWeight, MatvecPush, 128;
+    MmQ4K = "mm_q4_k", StateWeight, MatvecPush, 128;
+    MmQ5K = "mm_q5_k", StateWeight, MatvecPush, 128;
+    MmQ6K = "mm_q6_k", StateWeight, MatvecPush, 128;
+    MmExpertQ4_0 = "mm_expert_q4_0", StateArena, MatvecPush, 128;
+    MmExpertQ4_1 = "mm_expert_q4_1", StateArena, MatvecPush, 128;
+    MmExpertQ5_0 = "mm_expert_q5_0", StateArena, MatvecPush, 128;
+    MmExpertQ5_1 = "mm_expert_q5_1", StateArena, MatvecPush, 128;
+    MmExpertQ8_0 = "mm_expert_q8_0", StateArena, MatvecPush, 128;
+    MmExpertQ2K = "mm_expert_q2_k", StateArena, MatvecPush, 128;
+    MmExpertQ3K = "mm_expert_q3_k", StateArena, MatvecPush, 128;
+    MmExpertQ4K = "mm_expert_q4_k", StateArena, MatvecPush, 128;
+    MmExpertQ5K = "mm_expert_q5_k", StateArena, MatvecPush, 128;
+    MmExpertQ6K = "mm_expert_q6_k", StateArena, MatvecPush, 128;
     HcNorm = "hc_norm", State, HcNormPush, 256;
     HcCombine = "hc_combine", State, HcCombinePush, 64;
     PleMix = "ple_mix", State, PleMixPush, 256;
@@ -382,6 +411,19 @@ impl Pipe {
             (GgmlType::Q6K, true) => Pipe::ExpertQ6KFast,
             _ => return None,
         })
+    }
+
+    /// The matrix-matrix module for weights of `ty` (shaders/mm.comp), if it
+    /// has one (`mm_<t>`, `mm_expert_<t>`: the quantized types).
+    pub fn mm(ty: GgmlType, arena: bool) -> Option<Pipe> {
+        let name = format!("mm_{}{}", if arena { "expert_" } else { "" }, ty.name().to_ascii_lowercase());
+        TABLE.iter().position(|s| s.name == name).map(|i| TABLE_PIPES[i])
+    }
+
+    /// Whether this is a matrix-matrix module (created only where
+    /// [`Pipelines::mm`]).
+    pub fn is_mm(self) -> bool {
+        self.spec().name.starts_with("mm_")
     }
 
     /// Whether this is a fast-kernel pipeline, a batch module or not
@@ -589,6 +631,14 @@ pub(crate) const BATCH_ENTRIES: u32 = 8;
 /// Output rows per row set of the batch modules (their `ROWS`, fixed in the shader).
 pub(crate) const BATCH_ROWS: u32 = 2;
 
+/// Output rows of a workgroup's tile in shaders/mm.comp (`BM`; SwiGLU: half
+/// gate rows, half up rows).
+pub(crate) const MM_ROWS: usize = 64;
+/// Entries of a workgroup's tile in shaders/mm.comp (`BN`).
+pub(crate) const MM_ENTRIES: u32 = 32;
+/// Columns of one step of shaders/mm.comp (`BK`): its rows must be a multiple.
+pub(crate) const MM_COLS: usize = 128;
+
 /// Longest rows the fast kernels take (`FAST_MAX_COLS` in
 /// shaders/weights_int.glsl); longer rows use the exact pipelines.
 pub(crate) const FAST_MAX_COLS: usize = 10240;
@@ -613,6 +663,14 @@ pub(crate) struct Pipelines {
     /// activations, integer dot products; see shaders/weights_int.glsl): their
     /// pipelines exist only then.
     pub fast: bool,
+    /// Whether a pass's quantized matrices run as matrix-matrix products on
+    /// cooperative matrices (shaders/mm.comp; with the fast kernels, where
+    /// [`Context::coopmat`]): their pipelines exist only then.
+    pub mm: bool,
+    /// Fewest entries (tokens, or a pass's expert pairs) a dispatch must have
+    /// to run on the matrix-matrix modules; smaller batches run the
+    /// matvecs. `FNX_VK_MM_MIN`, default 8.
+    pub mm_min: usize,
     ctx: Arc<Context>,
 }
 
@@ -636,15 +694,26 @@ fn set_layout(ctx: &Context, counts: &[u32]) -> Result<vk::DescriptorSetLayout> 
 impl Pipelines {
     /// Every pipeline, the matvecs tuned by the defaults and
     /// `FNX_VK_MATVEC_*`; the fast kernels when `fast` (which the device must
-    /// support: [`Context::int_dot`]).
-    pub fn new(ctx: &Arc<Context>, fast: bool) -> Result<Pipelines> {
-        Self::tuned(ctx, fast, MatvecTuning::from_env)
+    /// support: [`Context::int_dot`]), and with them the matrix-matrix
+    /// modules when `mm` (which it must support too: [`Context::coopmat`]).
+    pub fn new(ctx: &Arc<Context>, fast: bool, mm: bool) -> Result<Pipelines> {
+        Self::with_mm(ctx, fast, mm, MatvecTuning::from_env)
     }
 
-    /// Every pipeline, the matvecs tuned by `tuning(name)` (rounded to the device's limits).
+    /// Every pipeline but the matrix-matrix modules, the matvecs tuned by
+    /// `tuning(name)` (rounded to the device's limits).
+    #[cfg(test)]
     pub fn tuned(ctx: &Arc<Context>, fast: bool, tuning: impl Fn(&str) -> MatvecTuning) -> Result<Pipelines> {
+        Self::with_mm(ctx, fast, false, tuning)
+    }
+
+    /// [`Pipelines::tuned`], with the matrix-matrix modules when `mm`.
+    pub fn with_mm(ctx: &Arc<Context>, fast: bool, mm: bool, tuning: impl Fn(&str) -> MatvecTuning) -> Result<Pipelines> {
         if fast && !ctx.int_dot.supported {
             return Err(crate::Error::Backend(format!("Vulkan device {} has no integer dot products for the fast kernels", ctx.name)));
+        }
+        if mm && !(fast && ctx.coopmat) {
+            return Err(crate::Error::Backend(format!("Vulkan device {}: matrix-matrix modules need cooperative matrices and the fast kernels", ctx.name)));
         }
         let mut p = Pipelines {
             state_layout: set_layout(ctx, &[1, 1, 1])?,
@@ -655,16 +724,19 @@ impl Pipelines {
             pipelines: Vec::new(),
             tuning: Vec::new(),
             fast,
+            mm,
+            mm_min: std::env::var("FNX_VK_MM_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(8).max(2),
             ctx: ctx.clone(),
         };
         p.weight_layout = set_layout(ctx, &[1])?;
         p.arena_layout = set_layout(ctx, &[p.max_slabs])?;
         for (i, spec) in TABLE.iter().enumerate() {
-            let is_fast = TABLE_PIPES[i].is_fast();
-            let t = tuning(spec.name).fit(ctx, TABLE_PIPES[i]);
+            let pipe = TABLE_PIPES[i];
+            let t = tuning(spec.name).fit(ctx, pipe);
             p.tuning.push(t);
-            if is_fast && !fast {
-                // Never bound (the recorder asks for fast pipelines only when `fast`).
+            if (pipe.is_fast() && !fast) || (pipe.is_mm() && !mm) {
+                // Never bound (the recorder asks for fast pipelines only when
+                // `fast`, matrix-matrix ones only when `mm`).
                 p.layouts.push(vk::PipelineLayout::null());
                 p.pipelines.push(vk::Pipeline::null());
                 continue;
@@ -768,6 +840,18 @@ mod tests {
         let share = |name| MatvecTuning::for_pipeline(name, false).share;
         assert_eq!((share("matvec_q2_k_fast"), share("expert_q4_k_fast"), share("expert_q5_0_fast")), (8, 8, 8));
         assert_eq!((share("expert_q2_k_fast"), share("expert_q4_0_fast")), (1, 1));
+    }
+
+    #[test]
+    fn matrix_matrix_modules_for_the_quantized_types() {
+        for ty in crate::quant::QUANT_TYPES {
+            for arena in [false, true] {
+                let p = Pipe::mm(ty, arena).unwrap_or_else(|| panic!("{ty} (arena {arena}): no matrix-matrix module"));
+                assert!(p.is_mm() && (p.spec().sets == Sets::StateArena) == arena, "{ty}: {}", p.spec().name);
+            }
+        }
+        assert_eq!(Pipe::mm(GgmlType::F32, false), None);
+        assert_eq!(Pipe::mm(GgmlType::BF16, true), None);
     }
 
     #[test]

@@ -13,7 +13,7 @@
 use super::device::{err, Context};
 use super::layout::PartLayout;
 use super::matrix::GpuMatrix;
-use super::pipelines::{ActInt8Push, MatvecTuning, MatvecPush, Pipe, Pipelines, Push, FAST_MAX_COLS};
+use super::pipelines::{ActInt8Push, MatvecPush, MatvecTuning, Pipe, Pipelines, Push, Sets, FAST_MAX_COLS, MM_COLS, MM_ENTRIES, MM_ROWS};
 use crate::error::Result;
 use crate::gguf::GgmlType;
 use ash::vk;
@@ -26,6 +26,8 @@ pub struct TokenStats {
     pub submits: u32,
     /// Bytes of weights the token's dispatches read (each matrix once).
     pub weight_bytes: u64,
+    /// Dispatches on the matrix-matrix modules (shaders/mm.comp).
+    pub mm: u32,
 }
 
 pub(crate) struct Recorder<'a> {
@@ -135,6 +137,7 @@ impl<'a> Recorder<'a> {
             };
         }
         self.stats.dispatches += 1;
+        self.stats.mm += u32::from(pipe.is_mm());
         if !self.grouped {
             self.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
         }
@@ -191,6 +194,18 @@ impl<'a> Recorder<'a> {
     fn matvec_split(&self, pipe: Pipe, part: &PartLayout, push: &mut MatvecPush, experts: u32, n: u32, tiled: bool) -> (Pipe, [u32; 3]) {
         assert!(push.x_off.is_multiple_of(4) && push.x_stride.is_multiple_of(4), "matvec activations must start at multiples of 4 floats");
         let entries = experts * n;
+        push.cols = part.cols as u32;
+        push.row_bytes = part.row_bytes as u32;
+        push.fld0 = part.fields[0] as u32;
+        push.fld1 = part.fields[1] as u32;
+        let arena = pipe.spec().sets == Sets::StateArena;
+        if let Some(mm) = part.ty.and_then(|ty| self.mm(ty, arena, part.cols, entries as usize)).filter(|_| tiled) {
+            // shaders/mm.comp: tiles of MM_ROWS rows (SwiGLU: half of them gate
+            // rows, half up rows) by MM_ENTRIES entries.
+            let tile_rows = if push.mode == 4 { MM_ROWS / 2 } else { MM_ROWS };
+            (push.tpr_shift, push.tile, push.ntok) = (0, MM_ENTRIES, entries);
+            return (mm, grid(self.ctx, (push.rows as usize).div_ceil(tile_rows), entries.div_ceil(MM_ENTRIES)));
+        }
         let tile = if tiled { self.pipes.tuning[pipe as usize].tile.min(entries) } else { 1 };
         // The batch modules read the activations act_int8 rounded (push.xq_off).
         let pipe = if tile > 1 && push.xq_off != 0 && self.pipes.tuning[pipe as usize].share > 1 { pipe.batch() } else { pipe };
@@ -200,13 +215,17 @@ impl<'a> Recorder<'a> {
         };
         let shift = tuning.tpr_shift_filled(part.items, push.rows as usize, experts as usize);
         push.tpr_shift = shift;
-        push.cols = part.cols as u32;
-        push.row_bytes = part.row_bytes as u32;
-        push.fld0 = part.fields[0] as u32;
-        push.fld1 = part.fields[1] as u32;
         let per_group = tuning.rows_per_workgroup(shift) as usize;
         (push.tile, push.ntok) = (tile, entries);
         (pipe, grid(self.ctx, (push.rows as usize).div_ceil(per_group), entries.div_ceil(tile)))
+    }
+
+    /// The matrix-matrix module (shaders/mm.comp) for a batch of `entries`
+    /// entries of rows of `cols` values of `ty`, if the pipelines have it
+    /// and the batch is large enough ([`Pipelines::mm_min`]).
+    fn mm(&self, ty: GgmlType, arena: bool, cols: usize, entries: usize) -> Option<Pipe> {
+        let fits = self.pipes.mm && entries >= self.pipes.mm_min && cols.is_multiple_of(MM_COLS) && cols <= FAST_MAX_COLS;
+        fits.then(|| Pipe::mm(ty, arena)).flatten()
     }
 
     /// Before the fast matvecs of `n` tokens whose input is `count` vectors
@@ -221,6 +240,10 @@ impl<'a> Recorder<'a> {
         let Some((q_off, stride)) = self.xq else { return };
         let fast = self.fast(cols) && Pipe::matvec(ty, arena, true) != Pipe::matvec(ty, arena, false);
         if n < 2 || !fast || self.grouped || push.xq_off != 0 || tok_stride != stride || !cols.is_multiple_of(32) || count * cols > FAST_MAX_COLS {
+            return;
+        }
+        // The matrix-matrix modules read the activations as they are (experts: grouped pairs).
+        if self.mm(ty, arena, cols, n).is_some() && (!arena || push.order_off != 0) {
             return;
         }
         let p = ActInt8Push { x_off: push.x_off, x_stride: push.x_stride, tok_stride, cols: cols as u32, count: count as u32, q_off };

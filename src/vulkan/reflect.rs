@@ -116,10 +116,11 @@ mod tests {
         out
     }
 
-    /// The shader source of pipeline `name` (the matvec variants share one).
+    /// The source of pipeline `name`'s push-constant block (the matvec
+    /// variants and the matrix-matrix modules share shaders/matvec_push.glsl).
     fn source_of(name: &str) -> String {
-        let file = if name.starts_with("matvec_") || name.starts_with("expert_") { "matvec" } else { name };
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders").join(format!("{file}.comp"));
+        let file = if ["matvec_", "expert_", "mm_"].iter().any(|p| name.starts_with(p)) { "matvec_push.glsl".into() } else { format!("{name}.comp") };
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders").join(file);
         std::fs::read_to_string(path).unwrap()
     }
 

@@ -76,7 +76,7 @@ fn gpu() -> Option<&'static Gpu> {
     let made = GPU.get_or_init(|| {
         std::env::set_var("FNX_VULKAN_VALIDATION", "1");
         let ctx = Arc::new(Context::new(&DeviceChoice::default()).map_err(|e| e.to_string())?);
-        let pipes = Pipelines::new(&ctx, false).map_err(|e| e.to_string())?;
+        let pipes = Pipelines::new(&ctx, false, false).map_err(|e| e.to_string())?;
         Ok(Gpu { ctx, pipes })
     });
     match made {

@@ -52,8 +52,12 @@ fn all_types() -> impl Iterator<Item = GgmlType> {
 const TOL: f32 = 4e-6;
 
 fn context() -> Option<Arc<Context>> {
+    context_with(&DeviceChoice::default())
+}
+
+fn context_with(choice: &DeviceChoice) -> Option<Arc<Context>> {
     std::env::set_var("FNX_VULKAN_VALIDATION", "1");
-    match Context::new(&DeviceChoice::default()) {
+    match Context::new(choice) {
         Ok(c) => Some(Arc::new(c)),
         Err(e) if std::env::var("FNX_REQUIRE_VULKAN").as_deref() != Ok("1") => {
             println!("SKIPPED: no usable Vulkan device ({e})");
@@ -500,6 +504,35 @@ fn a_nan_activation_reaches_every_row() {
     assert_eq!(validation_errors(), 0, "Vulkan validation errors (printed above)");
 }
 
+/// `per_layer` experts of `ty` (gate/up `2f x h`, down `h x f`) in an arena
+/// of one layer, two slabs, every expert resident; their tensors, the
+/// layer, the arena and its slot table (a params buffer).
+fn one_layer_arena(ctx: &Arc<Context>, pipes: &Pipelines, ty: GgmlType, h: usize, f: usize, per_layer: usize) -> (Vec<(Tensor, Tensor)>, ArenaLayer, ExpertArena, Buffer) {
+    let experts: Vec<(Tensor, Tensor)> = (0..per_layer).map(|x| (tensor(ty, 2 * f, h, x as u64), tensor(ty, h, f, x as u64 + 50))).collect();
+    let layer = ArenaLayer::new(ty, ty, h, f).unwrap();
+    let slot = layer.gate.bytes + layer.down.bytes;
+    let arena = ExpertArena::alloc(ctx, pipes, vec![layer], per_layer, false, 2 * slot).unwrap();
+    let mut stream = Stream::new(ctx).unwrap();
+    let table = arena.fill_all(&mut stream, |_, x| (vec![experts[x].0.bytes()], experts[x].1.bytes())).unwrap();
+    stream.finish().unwrap();
+    let slots = Buffer::new(ctx, "twin params", (table.len() * 4) as u64, MemoryLocation::GpuOnly).unwrap();
+    Commands::new(ctx).unwrap().upload(&slots, 0, &table.iter().flat_map(|s| s.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+    (experts, layer, arena, slots)
+}
+
+/// A scratch of one block of `tok` floats per token: its chosen experts'
+/// ids at 0 and its input, `h` values seeded by `seed` + the token, at `x_off`.
+fn expert_scratch(ids: &[[u32; 3]], tok: usize, x_off: usize, h: usize, seed: u64) -> Vec<f32> {
+    let mut scratch = vec![0f32; ids.len() * tok];
+    for (t, (b, chosen)) in scratch.chunks_mut(tok).zip(ids).enumerate() {
+        for (i, id) in chosen.iter().enumerate() {
+            b[i] = f32::from_bits(*id);
+        }
+        b[x_off..x_off + h].copy_from_slice(&values(h, h, seed + t as u64));
+    }
+    scratch
+}
+
 /// Runs `record` into a fresh command buffer over `scratch` (params
 /// `params`) and returns the scratch afterwards.
 fn run_scratch(ctx: &Arc<Context>, pipes: &Pipelines, scratch: &[f32], params: &Buffer, record: impl FnOnce(&mut Recorder, vk::DescriptorSet)) -> Vec<f32> {
@@ -591,15 +624,7 @@ fn batched_matvecs_equal_single_tokens() {
         // Experts: per token its own ids, pairs (token, expert) in one dispatch.
         let (h, f, per_layer) = (512, 96, 5);
         let ty = GgmlType::Q8_0;
-        let experts: Vec<(Tensor, Tensor)> = (0..per_layer).map(|x| (tensor(ty, 2 * f, h, x as u64), tensor(ty, h, f, x as u64 + 50))).collect();
-        let layer = ArenaLayer::new(ty, ty, h, f).unwrap();
-        let slot = layer.gate.bytes + layer.down.bytes;
-        let arena = ExpertArena::alloc(&ctx, &pipes, vec![layer], per_layer, false, 2 * slot).unwrap();
-        let mut stream = Stream::new(&ctx).unwrap();
-        let table = arena.fill_all(&mut stream, |_, x| (vec![experts[x].0.bytes()], experts[x].1.bytes())).unwrap();
-        stream.finish().unwrap();
-        let slots = Buffer::new(&ctx, "twin params", (table.len() * 4) as u64, MemoryLocation::GpuOnly).unwrap();
-        Commands::new(&ctx).unwrap().upload(&slots, 0, &table.iter().flat_map(|s| s.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+        let (experts, layer, arena, slots) = one_layer_arena(&ctx, &pipes, ty, h, f, per_layer);
         // Three distinct experts per token, each expert chosen by several tokens.
         let ids: Vec<[u32; 3]> = (0..TE as u32).map(|t| [0, 3, 6].map(|j| (2 * t + j) % per_layer as u32)).collect();
         let (k, fs) = (3usize, f.div_ceil(4) * 4);
@@ -609,14 +634,7 @@ fn batched_matvecs_equal_single_tokens() {
         let order_off = y_off + k * h;
         let xq = (order_off + k).div_ceil(4) * 4;
         let tok = (xq + XQ_FLOATS).div_ceil(64) * 64;
-        let mut scratch = vec![0f32; TE * tok];
-        for t in 0..TE {
-            let b = &mut scratch[t * tok..(t + 1) * tok];
-            for (i, id) in ids[t].iter().enumerate() {
-                b[i] = f32::from_bits(*id);
-            }
-            b[x_off..x_off + h].copy_from_slice(&values(h, h, 60 + t as u64));
-        }
+        let scratch = expert_scratch(&ids, tok, x_off, h, 60);
         let base = MatvecPush { slot_table: 0, slots_per_slab: arena.slots_per_slab as u32, slot_bytes: arena.slot_bytes as u32, scale: 1.0, ..Default::default() };
         // Token by token (kdiv 0), a batch of pairs in order, or grouped by expert first.
         let record = |rec: &mut Recorder, set: vk::DescriptorSet, t: usize, n: usize, kdiv: u32, grouped: bool| {
@@ -666,5 +684,148 @@ fn batched_matvecs_equal_single_tokens() {
         let (want_h, bound_h) = swiglu_ref(&y, &abs, f);
         assert!(worst("token 2 expert 2 gate/up", &batched[b + h_off + fs..b + h_off + fs + f], &want_h, &bound_h) <= 1.0);
     }
+    assert_eq!(validation_errors(), 0, "Vulkan validation errors (printed above)");
+}
+
+/// The CPU's exact `W x` and, per row, the bound of the matrix-matrix
+/// modules (shaders/mm.comp) over [`TOL`]: each weight and activation
+/// rounded to f16 once, relative 2^-11 each in the normal range (so a
+/// product within `(2^-10 + 2^-22) |w x|`), and within 2^-25 absolute below
+/// it (f16 subnormals: `2^-24 (|w| + |x|)` covers both), the products summed
+/// in f32 (the exact kernels' `TOL`).
+fn cpu_f16(w: &Tensor, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let (y, abs) = cpu(w, x, false);
+    let mut row = vec![0f32; w.cols()];
+    let bound = (0..w.rows())
+        .map(|r| {
+            w.dequantize_row(r, &mut row);
+            let wx: f32 = row.iter().zip(x).map(|(a, b)| (a * b).abs()).sum();
+            let sub: f32 = row.iter().zip(x).map(|(a, b)| a.abs() + b.abs()).sum();
+            abs[r] + ((2f32.powi(-10) + 2f32.powi(-22)) * wx + 2f32.powi(-24) * sub) / TOL
+        })
+        .collect();
+    (y, bound)
+}
+
+/// The matrix-matrix modules (cooperative matrices: f16 weights and
+/// activations, f32 sums) of every quantized type for a pass of 45 tokens
+/// (a full tile of 32 entries and a partial one of 13, whose second 16
+/// entries are skipped) and 300 rows (a partial tile of 64) of 512 values
+/// (4 steps of 128), every epilogue (store, hyper-connection gates, residual
+/// write-back into two streams, SwiGLU), and the routed experts' pairs
+/// grouped by expert (tiles that span several experts run each one's rows
+/// in turn), against the CPU's exact product per token within
+/// [`cpu_f16`]'s bound. Where the device has no cooperative matrices
+/// (lavapipe) it says so and checks nothing.
+#[test]
+fn mm_within_the_f16_bound() {
+    let Some(ctx) = context_with(&DeviceChoice { coopmat: Some(true), ..Default::default() }) else { return };
+    if !(ctx.int_dot.supported && ctx.coopmat) {
+        println!("SKIPPED: {} has no cooperative matrices (VK_NV_cooperative_matrix)", ctx.name);
+        return;
+    }
+    let pipes = Pipelines::with_mm(&ctx, true, true, |name| MatvecTuning::for_pipeline(name, false)).unwrap();
+    let params = Buffer::new(&ctx, "twin params", 16, MemoryLocation::GpuOnly).unwrap();
+    const T: usize = 45;
+    let (rows, cols, split) = (300, 512, 100);
+    let mut seen = 0.0f32;
+    for ty in crate::quant::QUANT_TYPES.into_iter().filter(|&t| Pipe::mm(t, false).is_some()) {
+        let w = tensor(ty, rows, cols, 21);
+        let w2 = tensor(ty, rows, cols, 22);
+        let mut stream = Stream::new(&ctx).unwrap();
+        let m = GpuMatrix::upload_split(&ctx, &pipes, &mut stream, &[&w], usize::MAX).unwrap();
+        let m2 = GpuMatrix::upload_split(&ctx, &pipes, &mut stream, &[&w2], usize::MAX).unwrap();
+        stream.finish().unwrap();
+        // Token block: [x | aux | y mode 3 (STREAMS * rows) | y mode 0 | y mode 1 | y SwiGLU (rows / 2)].
+        let (aux, y3) = (cols, cols + 4);
+        let (y0, y1) = (y3 + STREAMS * rows, y3 + (STREAMS + 1) * rows);
+        let y4 = y1 + rows;
+        let tok = (y4 + rows / 2).div_ceil(64) * 64;
+        let mut scratch = vec![0f32; T * tok];
+        for t in 0..T {
+            let b = &mut scratch[t * tok..(t + 1) * tok];
+            b[..cols].copy_from_slice(&values(cols, cols, 70 + t as u64));
+            b[aux..aux + STREAMS].copy_from_slice(&[0.5 + t as f32, -1.0 - t as f32]);
+            for (i, v) in b[y3..y0].iter_mut().enumerate() {
+                *v = (i % 7) as f32 * 0.25 - 0.5;
+            }
+        }
+        let push = |mode: u32, y: usize| {
+            let aux_n = if mode == 3 { STREAMS as u32 } else { 0 };
+            MatvecPush { y_off: y as u32, mode, aux_off: aux as u32, aux_n, x_stride: tok as u32, y_stride: tok as u32, scale: 0.75, split_row: split as u32, ..Default::default() }
+        };
+        let out = run_scratch(&ctx, &pipes, &scratch, &params, |rec, set| {
+            rec.independent(|rec| {
+                rec.matvec_n(&m, set, push(3, y3), T);
+                rec.matvec_n(&m, set, push(0, y0), T);
+                rec.matvec_n(&m, set, push(1, y1), T);
+                rec.matvec_n(&m2, set, push(4, y4), T);
+            });
+            assert_eq!((rec.stats.dispatches, rec.stats.mm), (4, 4), "{ty}: one matrix-matrix dispatch each");
+        });
+        let sig = |v: f32| 1.0 / (1.0 + (-v).exp());
+        for t in 0..T {
+            let b = &out[t * tok..(t + 1) * tok];
+            let (want, bound) = cpu_f16(&w, &scratch[t * tok..t * tok + cols]);
+            let what = |m: &str| format!("{ty} token {t} mode {m}");
+            seen = seen.max(worst(&what("0"), &b[y0..y0 + rows], &want, &bound));
+            let init = &scratch[t * tok + y3..t * tok + y0];
+            let a = [0.5 + t as f32, -1.0 - t as f32];
+            let want3: Vec<f32> = (0..STREAMS * rows).map(|i| init[i] + a[i / rows] * want[i % rows]).collect();
+            let bound3: Vec<f32> = (0..STREAMS * rows).map(|i| a[i / rows].abs() * bound[i % rows] + 1e-6 * want3[i].abs() / TOL).collect();
+            seen = seen.max(worst(&what("3"), &b[y3..y0], &want3, &bound3));
+            let want1: Vec<f32> = (0..rows).map(|r| if r < split { 0.75 * want[r] * sig(0.75 * want[r]) } else { 2.0 * sig(0.75 * want[r]) }).collect();
+            let bound1: Vec<f32> = (0..rows).map(|r| 1.1 * 0.75 * bound[r] + 1e-6 * want1[r].abs() / TOL).collect();
+            seen = seen.max(worst(&what("1"), &b[y1..y1 + rows], &want1, &bound1));
+            let (g, gb) = cpu_f16(&w2, &scratch[t * tok..t * tok + cols]);
+            let (want4, bound4) = swiglu_ref(&g, &gb, rows / 2);
+            seen = seen.max(worst(&what("4"), &b[y4..y4 + rows / 2], &want4, &bound4));
+        }
+    }
+    // Routed experts: (token, expert) pairs grouped by expert, gate/up (SwiGLU) then down.
+    // Down rows of 256 (the K-quants' blocks; two steps).
+    let (h, f, per_layer, k) = (512, 256, 5, 3);
+    for ty in [GgmlType::Q4K, GgmlType::Q8_0] {
+        let (experts, layer, arena, slots) = one_layer_arena(&ctx, &pipes, ty, h, f, per_layer);
+        let ids: Vec<[u32; 3]> = (0..T as u32).map(|t| [0, 1, 3].map(|j| (2 * t + j + t / 7) % per_layer as u32)).collect();
+        // Token block: [ids | x | hidden: k * f | y: k * h | order: k].
+        let (x_off, h_off) = (4, 4 + h);
+        let y_off = h_off + k * f;
+        let order_off = y_off + k * h;
+        let tok = (order_off + k).div_ceil(64) * 64;
+        let scratch = expert_scratch(&ids, tok, x_off, h, 90);
+        let out = run_scratch(&ctx, &pipes, &scratch, &slots, |rec, set| {
+            let group = MoeGroupPush { ids_off: 0, order_off: order_off as u32, tok_stride: tok as u32, k: k as u32, n: T as u32, n_ids: per_layer as u32 };
+            rec.dispatch(Pipe::MoeGroup, &[set], &group, [1, 1, 1]);
+            let base = MatvecPush {
+                slot_table: 0,
+                slots_per_slab: arena.slots_per_slab as u32,
+                slot_bytes: arena.slot_bytes as u32,
+                scale: 1.0,
+                kdiv: k as u32,
+                tok_stride: tok as u32,
+                order_off: order_off as u32,
+                ..Default::default()
+            };
+            let gate_up = MatvecPush { rows: f as u32, x_off: x_off as u32, y_off: h_off as u32, y_stride: f as u32, mode: 4, ..base };
+            rec.expert_matvec(layer.gate_ty, [set, arena.set], gate_up, &layer.gate, T * k);
+            let down = MatvecPush { rows: h as u32, x_off: h_off as u32, x_stride: f as u32, y_off: y_off as u32, y_stride: h as u32, part_off: layer.gate.bytes as u32, ..base };
+            rec.expert_matvec(layer.down_ty, [set, arena.set], down, &layer.down, T * k);
+            assert_eq!((rec.stats.dispatches, rec.stats.mm), (3, 2), "{ty}: the experts' parts on the matrix-matrix modules");
+        });
+        for (t, chosen) in ids.iter().enumerate() {
+            let b = t * tok;
+            for (j, &e) in chosen.iter().enumerate() {
+                let (g, gb) = cpu_f16(&experts[e as usize].0, &scratch[b + x_off..b + x_off + h]);
+                let (want_h, bound_h) = swiglu_ref(&g, &gb, f);
+                let got_h = &out[b + h_off + j * f..b + h_off + (j + 1) * f];
+                seen = seen.max(worst(&format!("{ty} token {t} expert {e} gate/up"), got_h, &want_h, &bound_h));
+                // The down part on the GPU's own hidden values.
+                let (want, bound) = cpu_f16(&experts[e as usize].1, got_h);
+                seen = seen.max(worst(&format!("{ty} token {t} expert {e} down"), &out[b + y_off + j * h..b + y_off + (j + 1) * h], &want, &bound));
+            }
+        }
+    }
+    println!("matrix-matrix modules: worst error {seen:.3} of the bound");
     assert_eq!(validation_errors(), 0, "Vulkan validation errors (printed above)");
 }

@@ -1,0 +1,215 @@
+#version 450
+#extension GL_NV_cooperative_matrix : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#extension GL_EXT_control_flow_attributes : require
+// Y = W X for a pass of tokens on the tensor cores: the matrix-matrix twin
+// of matvec.comp for its batches (same push constants, entries and
+// epilogues), where the device has cooperative matrices
+// (VK_NV_cooperative_matrix: 16x16x16, f16 inputs, f32 sums; the host runs
+// this module only with subgroups of 32, four to a workgroup).
+//
+// A workgroup computes a tile of BM = 64 output rows (SwiGLU: 32 gate rows
+// and their 32 up rows) for BN = 32 consecutive entries of the dispatch
+// (workgroup y-index: entries BN y .. BN y + BN - 1). Entries of a tile that
+// read different weights (the (token, expert) pairs of a pass, grouped by
+// expert) run one after the other: each run of entries with the same slot
+// sweeps the rows once. Each step of BK = 128 columns decodes the tile's
+// weights into shared memory as f16 (weights.glsl's levels and scales, the
+// exact dequantized value rounded once), copies the run's activations there
+// as f16, and each subgroup multiplies its 16 rows with the 16 or 32
+// entries; the sums (f32) go through shared memory to the epilogue.
+//
+// Not the exact path: each weight and each activation is rounded to f16
+// (relative 2^-11 each; magnitudes past 65504 are clamped), the products
+// summed in f32 in the tensor cores' order. src/vulkan/twins.rs states and
+// tests the bound. The host takes it for the quantized types with rows of
+// a multiple of 128 values, only with the fast kernels (FNX_GPU_KERNELS),
+// and only when asked for (FNX_VK_COOPMAT=1, LoadOptions::gpu_coopmat).
+#define WG 128
+#include "common.glsl"
+#include "matvec_push.glsl"
+#include "weights.glsl"
+
+#define BM 64u
+#define BN 32u
+#define BK 128u
+// Shared rows padded by 8 halves (16 bytes) against bank conflicts.
+#define LDW (BK + 8u)
+#define LDC (BN + 4u)
+
+shared float16_t wsh[BM * LDW];
+shared float16_t xsh[BN * LDW];
+shared float csh[BM * LDC];
+
+// Four values into a shared tile (f16, clamped to its range).
+void put_w(uint at, vec4 v) {
+    f16vec4 h = f16vec4(clamp(v, vec4(-65504.0), vec4(65504.0)));
+    wsh[at] = h.x;
+    wsh[at + 1u] = h.y;
+    wsh[at + 2u] = h.z;
+    wsh[at + 3u] = h.w;
+}
+
+void put_x(uint at, vec4 v) {
+    f16vec4 h = f16vec4(clamp(v, vec4(-65504.0), vec4(65504.0)));
+    xsh[at] = h.x;
+    xsh[at + 1u] = h.y;
+    xsh[at + 2u] = h.z;
+    xsh[at + 3u] = h.w;
+}
+
+// Items of a row per step of BK columns.
+#define IPS (BK * IPB / QK)
+
+// Item j of the step at column s0 of the row at byte `row` (field index g0
+// of its first block), dequantized into wsh from `at` (the tile row's start).
+void put_item(uint row, uint g0, uint s0, uint j, uint at) {
+#if defined(WEIGHT_Q4_0) || defined(WEIGHT_Q4_1) || defined(WEIGHT_Q5_0) || defined(WEIGHT_Q5_1)
+#if defined(WEIGHT_Q4_0)
+    const float bias = 8.0;
+#elif defined(WEIGHT_Q5_0)
+    const float bias = 16.0;
+#else
+    const float bias = 0.0;
+#endif
+    uint b = s0 / 32u + j, g = g0 + b;
+    uvec4 lo, hi;
+    levels32(row, g, b, lo, hi);
+    vec2 dm = dm32(g);
+    [[unroll]] for (uint i = 0u; i < 4u; i++) {
+        put_w(at + 32u * j + 4u * i, f4(lo[i], bias) * dm.x + dm.y);
+        put_w(at + 32u * j + 16u + 4u * i, f4(hi[i], bias) * dm.x + dm.y);
+    }
+#elif defined(WEIGHT_Q8_0)
+    uint b = s0 / 32u + j / 2u, kk = j & 1u, g = g0 + b;
+    uvec4 q = P4(row + 32u * b + 16u * kk);
+    float d = half_at(F0 + 2u * g);
+    [[unroll]] for (uint i = 0u; i < 4u; i++) put_w(at + 32u * (j / 2u) + 16u * kk + 4u * i, f4(q[i] ^ 0x80808080u, 128.0) * d);
+#elif defined(WEIGHT_Q2_K) || defined(WEIGHT_Q3_K)
+    // Half n of block b: items 2n + j, group jj's values at 32 jj + 16 j.
+    uint b = s0 / 256u, n = (s0 / 128u) & 1u, g = g0 + b;
+    uvec4 lv[4];
+    ivec4 sc;
+    levels_k23(row, g, b, 2u * n + j, lv, sc);
+    vec2 dm = dm_k23(g);
+    [[unroll]] for (uint jj = 0u; jj < 4u; jj++) {
+#ifdef WEIGHT_Q2_K
+        float dl = dm.x * float(sc[jj] & 0xF), ml = dm.y * float(sc[jj] >> 4);
+        [[unroll]] for (uint i = 0u; i < 4u; i++) put_w(at + 32u * jj + 16u * j + 4u * i, f4(lv[jj][i], 0.0) * dl - ml);
+#else
+        float dl = dm.x * float(sc[jj]);
+        [[unroll]] for (uint i = 0u; i < 4u; i++) put_w(at + 32u * jj + 16u * j + 4u * i, f4(lv[jj][i], 4.0) * dl);
+#endif
+    }
+#elif defined(WEIGHT_Q4_K) || defined(WEIGHT_Q5_K)
+    // Group c = 2 h + j of 64 values (h the block's half).
+    uint b = s0 / 256u, c = 2u * ((s0 / 128u) & 1u) + j, g = g0 + b;
+    uvec4 lo[2], hi[2];
+    vec4 f;
+    levels_k45(row, g, b, c, lo, hi, f);
+    [[unroll]] for (uint h = 0u; h < 2u; h++) {
+        [[unroll]] for (uint i = 0u; i < 4u; i++) {
+            put_w(at + 64u * j + 16u * h + 4u * i, f4(lo[h][i], 0.0) * f.x - f.z);
+            put_w(at + 64u * j + 32u + 16u * h + 4u * i, f4(hi[h][i], 0.0) * f.y - f.w);
+        }
+    }
+#elif defined(WEIGHT_Q6_K)
+    // Half hh of block b: items 4 hh + j, values at 32 p + l0 and 64 further.
+    uint b = s0 / 256u, hh = (s0 / 128u) & 1u, g = g0 + b;
+    uint p = j >> 1, l0 = 16u * (j & 1u);
+    uvec4 lo, hi;
+    vec2 sc;
+    levels_q6k(row, g, b, 4u * hh + j, lo, hi, sc);
+    [[unroll]] for (uint i = 0u; i < 4u; i++) {
+        put_w(at + 32u * p + l0 + 4u * i, f4(lo[i], 32.0) * sc.x);
+        put_w(at + 64u + 32u * p + l0 + 4u * i, f4(hi[i], 32.0) * sc.y);
+    }
+#else
+#error "mm.comp takes the quantized types"
+#endif
+}
+
+void main() {
+    uint wg = gl_WorkGroupID.x + gl_WorkGroupID.z * gl_NumWorkGroups.x;
+    bool swiglu = pc.mode == 4u;
+    uint tile_rows = swiglu ? BM / 2u : BM;
+    uint r0 = wg * tile_rows;
+    if (r0 >= pc.rows) return;  // the whole workgroup is past the end
+    uint t = gl_LocalInvocationID.x, sg = gl_SubgroupID;
+    uint nb = pc.cols / QK;
+    uint up_row = pc.rows * pc.row_bytes, up_blk = pc.rows * nb;
+    uint k0 = gl_WorkGroupID.y * BN;
+    uint end = min(k0 + BN, pc.ntok);
+    // This invocation's share of the activations: entry t / 4, a quarter of each step.
+    uint xj = t >> 2, xq = t & 3u;
+    [[dont_unroll]] for (uint e = k0; e < end;) {
+        // The run: this entry and those after it that read the same weights.
+        Entry first = entry(e);
+        uint n = 1u;
+        while (e + n < end && entry(e + n).slot == first.slot) n++;
+        uint base = 0u;
+#ifdef ARENA
+        g_slab = first.slot / pc.slots_per_slab;
+        base = (first.slot % pc.slots_per_slab) * pc.slot_bytes + pc.part_off;
+#endif
+        F0 = base + pc.fld0;
+        F1 = base + pc.fld1;
+        uint x = 0u;
+        if (xj < n) {
+            Entry en = entry(e + xj);
+            x = pc.x_off + en.tok + en.k * pc.x_stride;
+        }
+        bool two = n > 16u;
+        fcoopmatNV<32, gl_ScopeSubgroup, 16, 16> acc0 = fcoopmatNV<32, gl_ScopeSubgroup, 16, 16>(0.0);
+        fcoopmatNV<32, gl_ScopeSubgroup, 16, 16> acc1 = fcoopmatNV<32, gl_ScopeSubgroup, 16, 16>(0.0);
+        for (uint s0 = 0u; s0 < pc.cols; s0 += BK) {
+            // The step before (or the run before's epilogue) is done with the tiles.
+            barrier();
+            for (uint q = t; q < BM * IPS; q += WG) {
+                uint lr = q / IPS, j = q % IPS;
+                // Tile rows past the end repeat the last row (never stored).
+                bool up = swiglu && lr >= BM / 2u;
+                uint r = min(r0 + (up ? lr - BM / 2u : lr), pc.rows - 1u);
+                put_item(base + r * pc.row_bytes + (up ? up_row : 0u), r * nb + (up ? up_blk : 0u), s0, j, lr * LDW);
+            }
+            if (xj < n) {
+                [[unroll]] for (uint i = 0u; i < 8u; i++) put_x(xj * LDW + 32u * xq + 4u * i, xv(x + s0 + 32u * xq + 4u * i));
+            }
+            barrier();
+            [[unroll]] for (uint kk = 0u; kk < BK; kk += 16u) {
+                fcoopmatNV<16, gl_ScopeSubgroup, 16, 16> a, b;
+                coopMatLoadNV(a, wsh, sg * 16u * LDW + kk, LDW, false);
+                coopMatLoadNV(b, xsh, kk, LDW, true);
+                acc0 = coopMatMulAddNV(a, b, acc0);
+                if (two) {
+                    coopMatLoadNV(b, xsh, 16u * LDW + kk, LDW, true);
+                    acc1 = coopMatMulAddNV(a, b, acc1);
+                }
+            }
+        }
+        // Sums of tile row i, entry j at csh[i * LDC + j].
+        coopMatStoreNV(acc0, csh, sg * 16u * LDC, LDC, false);
+        if (two) coopMatStoreNV(acc1, csh, sg * 16u * LDC + 16u, LDC, false);
+        barrier();
+        for (uint q = t; q < tile_rows * n; q += WG) {
+            uint i = q % tile_rows, j = q / tile_rows;
+            uint r = r0 + i;
+            if (r >= pc.rows) continue;
+            Entry en = entry(e + j);
+            float v = csh[i * LDC + j];
+            uint y = pc.y_off + en.tok + en.k * pc.y_stride + pc.row_base + r;
+            if (pc.mode == 3u) {
+                // Residual write-back: stream c gets its token's weight times the row.
+                for (uint c = 0u; c < pc.aux_n; c++) s[y + c * pc.total_rows] += s[pc.aux_off + en.k * pc.y_stride + c] * v;
+            } else if (pc.mode == 0u) {
+                s[y] = v;
+            } else if (pc.mode == 1u) {
+                s[y] = pc.row_base + r < pc.split_row ? silu(v * pc.scale) : 2.0 * sigmoid(v * pc.scale);
+            } else {
+                s[y] = silu(v) * csh[(i + BM / 2u) * LDC + j];
+            }
+        }
+        e += n;
+    }
+}
