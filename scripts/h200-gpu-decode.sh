@@ -59,11 +59,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 
 if [ "${TESTS:-1}" != 0 ]; then
     say "tests: kernel twins and vulkan_decode (validation layer on)"
-    .vk/bin/unit "${UNIT:-vulkan::}" --test-threads=1 --nocapture 2>&1 | grep -E "twin|test result|panicked|FAILED|validation" | tee -a "$log"
+    .vk/bin/unit "${UNIT:-vulkan::}" --test-threads=1 --nocapture 2>&1 | grep -E "twin|matrix-matrix|test result|panicked|FAILED|validation" | tee -a "$log"
     [ -x .vk/bin/vulkan_decode ] && .vk/bin/vulkan_decode --test-threads=1 --nocapture 2>&1 \
         | grep -E "GPU|test result|panicked|FAILED|validation" | tee -a "$log"
     [ -x .vk/bin/prefill ] && .vk/bin/prefill vulkan --test-threads=1 --nocapture 2>&1 \
-        | grep -E "Vulkan|test result|panicked|FAILED|validation" | tee -a "$log"
+        | grep -E "Vulkan|tensor cores|test result|panicked|FAILED|validation" | tee -a "$log"
 fi
 
 if [ "${SWEEP:-1}" != 0 ]; then
