@@ -155,14 +155,18 @@ trait Block32 {
     }
 }
 
-/// The 32-element loop, four blocks per step (the last `nb % 4` one by one).
+/// The 32-element loop, four blocks per step (the last `nb % 4` one by one),
+/// for `N` tokens' activations at once: each step's weights are decoded once
+/// and meet every token, each token's sums formed exactly as alone (the
+/// single-token kernel is `N = 1`).
 #[inline(always)]
-unsafe fn legacy<B: Block32, const VNNI: bool>(row: &[u8], a: &Q8Blocks) -> f32 {
+unsafe fn legacy<B: Block32, const VNNI: bool, const N: usize>(row: &[u8], a: [&Q8Blocks; N]) -> [f32; N] {
     let bytes = B::BYTES;
     let offset = B::offset(VNNI);
-    let nb = blocks(row, bytes, a.blocks());
-    let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-    let mut off = _mm_setzero_ps();
+    let nb = blocks(row, bytes, a[0].blocks());
+    assert!(a.iter().all(|a| a.blocks() == nb), "activations of different lengths");
+    let (mut acc0, mut acc1) = ([_mm512_setzero_ps(); N], [_mm512_setzero_ps(); N]);
+    let mut off = [_mm_setzero_ps(); N];
     let (lo, hi) = (
         _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
         _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
@@ -171,10 +175,9 @@ unsafe fn legacy<B: Block32, const VNNI: bool>(row: &[u8], a: &Q8Blocks) -> f32 
     let mut i = 0;
     while i + 4 <= nb {
         // SAFETY: blocks i..i + 4 are inside the row (checked by `blocks`),
-        // activation blocks i..i + 4 inside `a` (it has `nb` blocks).
+        // activation blocks i..i + 4 inside each of `a` (they have `nb` blocks).
         let p = [0, 1, 2, 3].map(|k| base.add((i + k) * bytes));
         let d = f16x4(f16_bits(p[0]) | f16_bits(p[1]) << 16 | f16_bits(p[2]) << 32 | f16_bits(p[3]) << 48);
-        let s = _mm512_castps128_ps512(_mm_mul_ps(d, _mm_loadu_ps(a.d.as_ptr().add(i))));
         let c = match offset {
             Offset::Scale(_) => d,
             Offset::Min => {
@@ -182,31 +185,42 @@ unsafe fn legacy<B: Block32, const VNNI: bool>(row: &[u8], a: &Q8Blocks) -> f32 
                 f16x4(m(0) | m(1) << 16 | m(2) << 32 | m(3) << 48)
             }
         };
-        off = _mm_fmadd_ps(c, _mm_loadu_ps(a.ds.as_ptr().add(i)), off);
-        let p01 = B::dot::<VNNI>(B::levels2(p[0], p[1]), load_x(&a.qs, 32 * i));
-        let p23 = B::dot::<VNNI>(B::levels2(p[2], p[3]), load_x(&a.qs, 32 * i + 64));
-        acc0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(lo, s), _mm512_cvtepi32_ps(p01), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(hi, s), _mm512_cvtepi32_ps(p23), acc1);
+        let (w01, w23) = (B::levels2(p[0], p[1]), B::levels2(p[2], p[3]));
+        for t in 0..N {
+            let s = _mm512_castps128_ps512(_mm_mul_ps(d, _mm_loadu_ps(a[t].d.as_ptr().add(i))));
+            off[t] = _mm_fmadd_ps(c, _mm_loadu_ps(a[t].ds.as_ptr().add(i)), off[t]);
+            let p01 = B::dot::<VNNI>(w01, load_x(&a[t].qs, 32 * i));
+            let p23 = B::dot::<VNNI>(w23, load_x(&a[t].qs, 32 * i + 64));
+            acc0[t] = _mm512_fmadd_ps(_mm512_permutexvar_ps(lo, s), _mm512_cvtepi32_ps(p01), acc0[t]);
+            acc1[t] = _mm512_fmadd_ps(_mm512_permutexvar_ps(hi, s), _mm512_cvtepi32_ps(p23), acc1[t]);
+        }
         i += 4;
     }
-    let mut tail = _mm256_setzero_ps();
-    let mut tail_off = 0f32;
+    let mut tail = [_mm256_setzero_ps(); N];
+    let mut tail_off = [0f32; N];
     while i < nb {
         // SAFETY: as above, one block.
         let p = base.add(i * bytes);
         let d = super::avx2::f16_splat(p);
-        let x = _mm256_loadu_si256(a.qs.as_ptr().add(32 * i) as *const __m256i);
-        let isum = B::dot1::<VNNI>(B::levels1(p), x);
-        tail = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.d[i])), _mm256_cvtepi32_ps(isum), tail);
+        let w = B::levels1(p);
         let c = if offset == Offset::Min { super::avx2::f16_splat(p.add(2)) } else { d };
-        tail_off += _mm256_cvtss_f32(c) * a.ds[i];
+        for t in 0..N {
+            let x = _mm256_loadu_si256(a[t].qs.as_ptr().add(32 * i) as *const __m256i);
+            let isum = B::dot1::<VNNI>(w, x);
+            tail[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[t].d[i])), _mm256_cvtepi32_ps(isum), tail[t]);
+            tail_off[t] += _mm256_cvtss_f32(c) * a[t].ds[i];
+        }
         i += 1;
     }
     let factor = match offset {
         Offset::Scale(f) => f,
         Offset::Min => 1.0,
     };
-    _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + hsum256(tail) + factor * (hsum128(off) + tail_off)
+    let mut out = [0f32; N];
+    for t in 0..N {
+        out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t])) + hsum256(tail[t]) + factor * (hsum128(off[t]) + tail_off[t]);
+    }
+    out
 }
 
 /// The 64 nibbles of two legacy blocks (16 bytes at `p` and `q`): per block
@@ -358,28 +372,36 @@ impl Block32 for Q8_0 {
 }
 
 #[inline(always)]
-unsafe fn q4_0<const VNNI: bool>(row: &[u8], a: &Q8Blocks) -> f32 {
-    legacy::<Q4_0, VNNI>(row, a)
+unsafe fn q4_0<const VNNI: bool, const N: usize>(row: &[u8], a: [&Q8Blocks; N]) -> [f32; N] {
+    legacy::<Q4_0, VNNI, N>(row, a)
 }
 
 #[inline(always)]
-unsafe fn q4_1<const VNNI: bool>(row: &[u8], a: &Q8Blocks) -> f32 {
-    legacy::<Q4_1, VNNI>(row, a)
+unsafe fn q4_1<const VNNI: bool, const N: usize>(row: &[u8], a: [&Q8Blocks; N]) -> [f32; N] {
+    legacy::<Q4_1, VNNI, N>(row, a)
 }
 
 #[inline(always)]
-unsafe fn q5_0<const VNNI: bool>(row: &[u8], a: &Q8Blocks) -> f32 {
-    legacy::<Q5_0, VNNI>(row, a)
+unsafe fn q5_0<const VNNI: bool, const N: usize>(row: &[u8], a: [&Q8Blocks; N]) -> [f32; N] {
+    legacy::<Q5_0, VNNI, N>(row, a)
 }
 
 #[inline(always)]
-unsafe fn q5_1<const VNNI: bool>(row: &[u8], a: &Q8Blocks) -> f32 {
-    legacy::<Q5_1, VNNI>(row, a)
+unsafe fn q5_1<const VNNI: bool, const N: usize>(row: &[u8], a: [&Q8Blocks; N]) -> [f32; N] {
+    legacy::<Q5_1, VNNI, N>(row, a)
 }
 
 #[inline(always)]
-unsafe fn q8_0<const VNNI: bool>(row: &[u8], a: &Q8Blocks) -> f32 {
-    legacy::<Q8_0, VNNI>(row, a)
+unsafe fn q8_0<const VNNI: bool, const N: usize>(row: &[u8], a: [&Q8Blocks; N]) -> [f32; N] {
+    legacy::<Q8_0, VNNI, N>(row, a)
+}
+
+/// `[f(0), f(1), f(2), f(3)]`, written out so that `f` inlines into the
+/// kernel (as `std::array::from_fn` did not always: a kernel whose
+/// intrinsics were left in a closure ran 20x slower).
+#[inline(always)]
+fn four<T>(mut f: impl FnMut(usize) -> T) -> [T; 4] {
+    [f(0), f(1), f(2), f(3)]
 }
 
 /// i16 lane permutation for `vpermw`: lane `l` takes scale `first + l / run`.
@@ -392,20 +414,27 @@ unsafe fn spread(first: i16, run: usize) -> __m512i {
     _mm512_loadu_si512(idx.as_ptr() as *const _)
 }
 
-/// The K-quant loop: `block(p, i, acc, mins)` adds super-block `i` at `p`.
+/// The K-quant loop for `N` tokens: `block(p, i, acc, mins)` adds
+/// super-block `i` at `p` into each token's sums (decoding its weights once
+/// for all of them).
 #[inline(always)]
-unsafe fn kquant(
+unsafe fn kquant<const N: usize>(
     row: &[u8],
     bytes: usize,
-    a: &Q8KBlocks,
-    mut block: impl FnMut(*const u8, usize, &mut __m512, &mut __m256),
-) -> f32 {
-    let nb = blocks(row, bytes, a.blocks());
-    let (mut acc, mut mins) = (_mm512_setzero_ps(), _mm256_setzero_ps());
+    a: [&Q8KBlocks; N],
+    mut block: impl FnMut(*const u8, usize, &mut [__m512; N], &mut [__m256; N]),
+) -> [f32; N] {
+    let nb = blocks(row, bytes, a[0].blocks());
+    assert!(a.iter().all(|a| a.blocks() == nb), "activations of different lengths");
+    let (mut acc, mut mins) = ([_mm512_setzero_ps(); N], [_mm256_setzero_ps(); N]);
     for i in 0..nb {
         block(row.as_ptr().add(i * bytes), i, &mut acc, &mut mins);
     }
-    _mm512_reduce_add_ps(acc) - hsum256(mins)
+    let mut out = [0f32; N];
+    for t in 0..N {
+        out[t] = _mm512_reduce_add_ps(acc[t]) - hsum256(mins[t]);
+    }
+    out
 }
 
 /// The 16 i16 `bsums` of super-block `i`.
@@ -423,137 +452,139 @@ unsafe fn scales2(p: *const u8, a: &Q8KBlocks, i: usize) -> (f32, f32) {
 }
 
 /// The sum over a super-block's four registers of 64 values with 16-value
-/// sub-blocks: `levels(v)` gives register `v` (values `64 v..64 v + 64`),
-/// `scales` the 16 sub-block scales in i16 lanes.
+/// sub-blocks: `levels[v]` holds values `64 v..64 v + 64`, `scales` the 16
+/// sub-block scales in i16 lanes.
 #[inline(always)]
-unsafe fn scaled16<const VNNI: bool>(
-    x: &[i8],
-    scales: __m512i,
-    mut levels: impl FnMut(usize) -> __m512i,
-) -> __m512i {
+unsafe fn scaled16<const VNNI: bool>(x: &[i8], scales: __m512i, levels: &[__m512i; 4]) -> __m512i {
     let mut sum = _mm512_setzero_si512();
-    for v in 0..4 {
+    for (v, &w) in levels.iter().enumerate() {
         let s = _mm512_permutexvar_epi16(spread(4 * v as i16, 8), scales);
-        sum = dot_scaled::<VNNI>(sum, levels(v), load_x(x, 64 * v), s);
+        sum = dot_scaled::<VNNI>(sum, w, load_x(x, 64 * v), s);
     }
     sum
 }
 
 #[inline(always)]
-unsafe fn q2_k<const VNNI: bool>(row: &[u8], a: &Q8KBlocks) -> f32 {
+unsafe fn q2_k<const VNNI: bool, const N: usize>(row: &[u8], a: [&Q8KBlocks; N]) -> [f32; N] {
     let m3 = _mm512_set1_epi8(3);
-    let block = |p: *const u8, i: usize, acc: &mut __m512, mins: &mut __m256| {
+    let block = |p: *const u8, i: usize, acc: &mut [__m512; N], mins: &mut [__m256; N]| {
         // SAFETY: `p` is super-block `i` (84 bytes: scales 16, qs 64, d, dmin), checked by `kquant`.
-        let x = &a.qs[256 * i..256 * i + 256];
-        let (d, dmin) = scales2(p.add(80), a, i);
         let sm = _mm_loadu_si128(p as *const __m128i);
         let scales = _mm256_cvtepu8_epi16(_mm_and_si128(sm, _mm_set1_epi8(15)));
         let m = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(sm), _mm_set1_epi8(15)));
-        let msum = _mm256_madd_epi16(m, bsums16(a, i));
-        *mins = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(msum), *mins);
         // Register v: half v / 2 (32 bytes), bit pairs 4 (v % 2) and 4 (v % 2) + 2.
         let q = [load32x2(p.add(16)), load32x2(p.add(48))];
         let shifts = [halves16(0, 2), halves16(4, 6)];
-        let levels = |v: usize| _mm512_and_si512(_mm512_srlv_epi16(q[v / 2], shifts[v % 2]), m3);
-        let isum = scaled16::<VNNI>(x, _mm512_castsi256_si512(scales), levels);
-        *acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(isum), *acc);
+        let levels: [__m512i; 4] = four(|v| _mm512_and_si512(_mm512_srlv_epi16(q[v / 2], shifts[v % 2]), m3));
+        for t in 0..N {
+            let x = &a[t].qs[256 * i..256 * i + 256];
+            let (d, dmin) = scales2(p.add(80), a[t], i);
+            let msum = _mm256_madd_epi16(m, bsums16(a[t], i));
+            mins[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(msum), mins[t]);
+            let isum = scaled16::<VNNI>(x, _mm512_castsi256_si512(scales), &levels);
+            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(isum), acc[t]);
+        }
     };
     kquant(row, BLOCK_BYTES_K[0], a, block)
 }
 
 #[inline(always)]
-unsafe fn q3_k<const VNNI: bool>(row: &[u8], a: &Q8KBlocks) -> f32 {
+unsafe fn q3_k<const VNNI: bool, const N: usize>(row: &[u8], a: [&Q8KBlocks; N]) -> [f32; N] {
     let m3 = _mm512_set1_epi8(3);
-    let block = |p: *const u8, i: usize, acc: &mut __m512, _: &mut __m256| {
+    let block = |p: *const u8, i: usize, acc: &mut [__m512; N], _: &mut [__m256; N]| {
         // SAFETY: `p` is super-block `i` (110 bytes: hmask 32, qs 64, scales 12, d), checked by `kquant`.
-        let x = &a.qs[256 * i..256 * i + 256];
-        let d = _mm512_mul_ps(f16_splat(p.add(108)), _mm512_set1_ps(a.d[i]));
+        let dw = f16_splat(p.add(108));
         let scales = _mm256_cvtepi8_epi16(super::avx2::q3_scales_simd(p.add(96)));
         let hm = load32x2(p);
         let q = [load32x2(p.add(32)), load32x2(p.add(64))];
         let shifts = [halves16(0, 2), halves16(4, 6)];
-        let levels = |v: usize| {
+        let levels: [__m512i; 4] = four(|v| {
             let low = _mm512_and_si512(_mm512_srlv_epi16(q[v / 2], shifts[v % 2]), m3);
             // Values 64 v.. hold high bits 2 v and 2 v + 1 of hmask.
             let high = _mm512_test_epi8_mask(hm, halves8(1 << (2 * v), 1 << (2 * v + 1)));
             _mm512_mask_add_epi8(low, high, low, _mm512_set1_epi8(4))
-        };
-        let sum = scaled16::<VNNI>(x, _mm512_castsi256_si512(scales), levels);
-        // Levels are the values + 4.
-        let offset = _mm256_slli_epi32::<2>(_mm256_madd_epi16(scales, bsums16(a, i)));
-        let isum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(offset));
-        *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(isum), *acc);
+        });
+        for t in 0..N {
+            let x = &a[t].qs[256 * i..256 * i + 256];
+            let d = _mm512_mul_ps(dw, _mm512_set1_ps(a[t].d[i]));
+            let sum = scaled16::<VNNI>(x, _mm512_castsi256_si512(scales), &levels);
+            // Levels are the values + 4.
+            let offset = _mm256_slli_epi32::<2>(_mm256_madd_epi16(scales, bsums16(a[t], i)));
+            let isum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(offset));
+            acc[t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(isum), acc[t]);
+        }
     };
     kquant(row, BLOCK_BYTES_K[1], a, block)
 }
 
 /// Q4_K / Q5_K: register `c` holds chunk `c` (values `64 c..`: sub-blocks
-/// `2 c` and `2 c + 1`), given by `levels(c)`.
+/// `2 c` and `2 c + 1`), `levels[c]`.
 #[inline(always)]
-unsafe fn k4<const VNNI: bool>(
+unsafe fn k4<const VNNI: bool, const N: usize>(
     p: *const u8,
     i: usize,
-    a: &Q8KBlocks,
-    acc: &mut __m512,
-    mins: &mut __m256,
-    mut levels: impl FnMut(usize) -> __m512i,
+    a: [&Q8KBlocks; N],
+    acc: &mut [__m512; N],
+    mins: &mut [__m256; N],
+    levels: [__m512i; 4],
 ) {
     // SAFETY (callers): `p` is super-block `i`, whose first 16 bytes are d, dmin, 12 scale bytes.
-    let x = &a.qs[256 * i..256 * i + 256];
-    let (d, dmin) = scales2(p, a, i);
     let (sc, m) = k4_scales(std::slice::from_raw_parts(p.add(4), 12));
     let sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
     let m = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(m as i64));
-    let bs = bsums16(a, i);
-    let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256::<1>(bs));
-    let msum = _mm256_zextsi128_si256(_mm_madd_epi16(pairs, m));
-    *mins = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(msum), *mins);
-    let mut isum = _mm512_setzero_si512();
-    for c in 0..4 {
-        let s = _mm512_permutexvar_epi16(spread(2 * c as i16, 16), sc);
-        isum = dot_scaled::<VNNI>(isum, levels(c), load_x(x, 64 * c), s);
+    let s: [__m512i; 4] = four(|c| _mm512_permutexvar_epi16(spread(2 * c as i16, 16), sc));
+    for t in 0..N {
+        let x = &a[t].qs[256 * i..256 * i + 256];
+        let (d, dmin) = scales2(p, a[t], i);
+        let bs = bsums16(a[t], i);
+        let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256::<1>(bs));
+        let msum = _mm256_zextsi128_si256(_mm_madd_epi16(pairs, m));
+        mins[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(msum), mins[t]);
+        let mut isum = _mm512_setzero_si512();
+        for c in 0..4 {
+            isum = dot_scaled::<VNNI>(isum, levels[c], load_x(x, 64 * c), s[c]);
+        }
+        acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(isum), acc[t]);
     }
-    *acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(isum), *acc);
 }
 
 #[inline(always)]
-unsafe fn q4_k<const VNNI: bool>(row: &[u8], a: &Q8KBlocks) -> f32 {
+unsafe fn q4_k<const VNNI: bool, const N: usize>(row: &[u8], a: [&Q8KBlocks; N]) -> [f32; N] {
     let (m4, shift) = (_mm512_set1_epi8(15), halves16(0, 4));
-    let block = |p: *const u8, i: usize, acc: &mut __m512, mins: &mut __m256| {
+    let block = |p: *const u8, i: usize, acc: &mut [__m512; N], mins: &mut [__m256; N]| {
         // SAFETY: `p` is super-block `i` (144 bytes: d, dmin, scales 12, qs 128), checked by `kquant`.
-        k4::<VNNI>(p, i, a, acc, mins, |c| {
-            _mm512_and_si512(_mm512_srlv_epi16(load32x2(p.add(16 + 32 * c)), shift), m4)
-        })
+        let levels = four(|c| _mm512_and_si512(_mm512_srlv_epi16(load32x2(p.add(16 + 32 * c)), shift), m4));
+        k4::<VNNI, N>(p, i, a, acc, mins, levels)
     };
     kquant(row, BLOCK_BYTES_K[2], a, block)
 }
 
 #[inline(always)]
-unsafe fn q5_k<const VNNI: bool>(row: &[u8], a: &Q8KBlocks) -> f32 {
+unsafe fn q5_k<const VNNI: bool, const N: usize>(row: &[u8], a: [&Q8KBlocks; N]) -> [f32; N] {
     let (m4, shift) = (_mm512_set1_epi8(15), halves16(0, 4));
-    let block = |p: *const u8, i: usize, acc: &mut __m512, mins: &mut __m256| {
+    let block = |p: *const u8, i: usize, acc: &mut [__m512; N], mins: &mut [__m256; N]| {
         // SAFETY: `p` is super-block `i` (176 bytes: d, dmin, scales 12, qh 32, qs 128), checked by `kquant`.
         let qh = load32x2(p.add(16));
-        k4::<VNNI>(p, i, a, acc, mins, |c| {
+        let levels = four(|c| {
             let v = _mm512_and_si512(_mm512_srlv_epi16(load32x2(p.add(48 + 32 * c)), shift), m4);
             // Fifth bits: bit 2c of qh for the low nibbles, 2c + 1 for the high.
             let high = _mm512_test_epi8_mask(qh, halves8(1 << (2 * c), 1 << (2 * c + 1)));
             _mm512_mask_add_epi8(v, high, v, _mm512_set1_epi8(16))
-        })
+        });
+        k4::<VNNI, N>(p, i, a, acc, mins, levels)
     };
     kquant(row, BLOCK_BYTES_K[3], a, block)
 }
 
 #[inline(always)]
-unsafe fn q6_k<const VNNI: bool>(row: &[u8], a: &Q8KBlocks) -> f32 {
+unsafe fn q6_k<const VNNI: bool, const N: usize>(row: &[u8], a: [&Q8KBlocks; N]) -> [f32; N] {
     let (m4, m30) = (_mm512_set1_epi8(15), _mm512_set1_epi8(0x30));
     let (up, down) = (halves16(4, 2), halves16(0, 2));
-    let block = |p: *const u8, i: usize, acc: &mut __m512, _: &mut __m256| {
+    let block = |p: *const u8, i: usize, acc: &mut [__m512; N], _: &mut [__m256; N]| {
         // SAFETY: `p` is super-block `i` (210 bytes: ql 128, qh 64, scales 16, d), checked by `kquant`.
-        let x = &a.qs[256 * i..256 * i + 256];
-        let d = _mm512_mul_ps(f16_splat(p.add(208)), _mm512_set1_ps(a.d[i]));
+        let dw = f16_splat(p.add(208));
         let scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(192) as *const __m128i));
-        let levels = |v: usize| {
+        let levels: [__m512i; 4] = four(|v| {
             // Half h = v / 2: low nibbles of ql[64h..] are values 0..64 of the
             // half, high nibbles 64..128; their top bits are bit pairs 0, 1
             // (values 0..64) and 2, 3 (64..128) of qh[32h..].
@@ -566,23 +597,39 @@ unsafe fn q6_k<const VNNI: bool>(row: &[u8], a: &Q8KBlocks) -> f32 {
                 (ql, _mm512_sllv_epi16(qh, up))
             };
             _mm512_or_si512(_mm512_and_si512(low, m4), _mm512_and_si512(high, m30))
-        };
-        let sum = scaled16::<VNNI>(x, _mm512_castsi256_si512(scales), levels);
-        // Levels are the values + 32.
-        let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(scales, bsums16(a, i)));
-        let isum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(offset));
-        *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(isum), *acc);
+        });
+        for t in 0..N {
+            let x = &a[t].qs[256 * i..256 * i + 256];
+            let d = _mm512_mul_ps(dw, _mm512_set1_ps(a[t].d[i]));
+            let sum = scaled16::<VNNI>(x, _mm512_castsi256_si512(scales), &levels);
+            // Levels are the values + 32.
+            let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(scales, bsums16(a[t], i)));
+            let isum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(offset));
+            acc[t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(isum), acc[t]);
+        }
     };
     kquant(row, BLOCK_BYTES_K[4], a, block)
 }
 
+/// Tokens the multi-token entry points take at once (`TOKENS` of
+/// [`super::dot_rows_tokens`]'s tiles).
+pub const TOKENS: usize = 4;
+
 /// The entry points of one compilation: `$feat` enables the instructions,
-/// `$vnni` picks the instructions that use them.
+/// `$vnni` picks the instructions that use them. Each kernel has a
+/// one-token entry point and one for [`TOKENS`] tokens (`tokens::`).
 macro_rules! entry_points {
     ($feat:literal, $vnni:literal) => {
         use super::super::act::{Q8Blocks, Q8KBlocks};
         entry_points!(@fn $feat, $vnni, Q8Blocks: q4_0 q4_1 q5_0 q5_1 q8_0);
         entry_points!(@fn $feat, $vnni, Q8KBlocks: q2_k q3_k q4_k q5_k q6_k);
+        /// [`TOKENS`](super::TOKENS) tokens at once.
+        pub mod tokens {
+            use super::super::super::act::{Q8Blocks, Q8KBlocks};
+            use super::super::TOKENS;
+            entry_points!(@tokens $feat, $vnni, Q8Blocks: q4_0 q4_1 q5_0 q5_1 q8_0);
+            entry_points!(@tokens $feat, $vnni, Q8KBlocks: q2_k q3_k q4_k q5_k q6_k);
+        }
     };
     (@fn $feat:literal, $vnni:literal, $act:ident: $($name:ident)*) => {$(
         /// # Safety
@@ -591,7 +638,16 @@ macro_rules! entry_points {
         pub unsafe fn $name(row: &[u8], a: &$act) -> f32 {
             // SAFETY: the kernels check the row length against the
             // activation, which holds whole blocks by construction.
-            unsafe { super::$name::<$vnni>(row, a) }
+            unsafe { super::$name::<$vnni, 1>(row, [a])[0] }
+        }
+    )*};
+    (@tokens $feat:literal, $vnni:literal, $act:ident: $($name:ident)*) => {$(
+        /// # Safety
+        /// The CPU must have the enabled features.
+        #[target_feature(enable = $feat)]
+        pub unsafe fn $name(row: &[u8], a: [&$act; TOKENS]) -> [f32; TOKENS] {
+            // SAFETY: as the one-token entry point (the kernels check every activation's length).
+            unsafe { super::super::$name::<$vnni, TOKENS>(row, a) }
         }
     )*};
 }

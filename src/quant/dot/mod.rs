@@ -187,21 +187,34 @@ enum RowFn {
     Q8K(fn(&[u8], &Q8KBlocks) -> f32),
 }
 
+/// A kernel of one type at one level for [`avx512::TOKENS`] tokens at once
+/// (each token's result the one [`RowFn`] gives it).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+enum TokensFn {
+    Q8(fn(&[u8], [&Q8Blocks; avx512::TOKENS]) -> [f32; avx512::TOKENS]),
+    Q8K(fn(&[u8], [&Q8KBlocks; avx512::TOKENS]) -> [f32; avx512::TOKENS]),
+}
+
 /// The table of kernels, one per quantized type: `$wrap!(kernel, activation
-/// blocks)` names the kernel of one level as a plain function pointer.
+/// blocks)` names the kernel of one level as a plain function pointer, a
+/// variant of `$kind` ([`RowFn`] or [`TokensFn`]).
 macro_rules! kernel_table {
     ($ty:expr, $wrap:ident) => {
+        kernel_table!($ty, $wrap, RowFn)
+    };
+    ($ty:expr, $wrap:ident, $kind:ident) => {
         match $ty {
-            GgmlType::Q4_0 => RowFn::Q8($wrap!(q4_0, Q8Blocks)),
-            GgmlType::Q4_1 => RowFn::Q8($wrap!(q4_1, Q8Blocks)),
-            GgmlType::Q5_0 => RowFn::Q8($wrap!(q5_0, Q8Blocks)),
-            GgmlType::Q5_1 => RowFn::Q8($wrap!(q5_1, Q8Blocks)),
-            GgmlType::Q8_0 => RowFn::Q8($wrap!(q8_0, Q8Blocks)),
-            GgmlType::Q2K => RowFn::Q8K($wrap!(q2_k, Q8KBlocks)),
-            GgmlType::Q3K => RowFn::Q8K($wrap!(q3_k, Q8KBlocks)),
-            GgmlType::Q4K => RowFn::Q8K($wrap!(q4_k, Q8KBlocks)),
-            GgmlType::Q5K => RowFn::Q8K($wrap!(q5_k, Q8KBlocks)),
-            GgmlType::Q6K => RowFn::Q8K($wrap!(q6_k, Q8KBlocks)),
+            GgmlType::Q4_0 => $kind::Q8($wrap!(q4_0, Q8Blocks)),
+            GgmlType::Q4_1 => $kind::Q8($wrap!(q4_1, Q8Blocks)),
+            GgmlType::Q5_0 => $kind::Q8($wrap!(q5_0, Q8Blocks)),
+            GgmlType::Q5_1 => $kind::Q8($wrap!(q5_1, Q8Blocks)),
+            GgmlType::Q8_0 => $kind::Q8($wrap!(q8_0, Q8Blocks)),
+            GgmlType::Q2K => $kind::Q8K($wrap!(q2_k, Q8KBlocks)),
+            GgmlType::Q3K => $kind::Q8K($wrap!(q3_k, Q8KBlocks)),
+            GgmlType::Q4K => $kind::Q8K($wrap!(q4_k, Q8KBlocks)),
+            GgmlType::Q5K => $kind::Q8K($wrap!(q5_k, Q8KBlocks)),
+            GgmlType::Q6K => $kind::Q8K($wrap!(q6_k, Q8KBlocks)),
             other => panic!("{other} has no integer kernel"),
         }
     };
@@ -265,6 +278,40 @@ fn avx512_fns<const VNNI: bool>(ty: GgmlType) -> RowFn {
     kernel_table!(ty, wrap)
 }
 
+/// The AVX-512 kernels of [`avx512::TOKENS`] tokens (with VNNI when `VNNI`)
+/// as plain function pointers.
+#[cfg(target_arch = "x86_64")]
+fn avx512_tokens_fns<const VNNI: bool>(ty: GgmlType) -> TokensFn {
+    use avx512::TOKENS;
+    macro_rules! wrap {
+        ($f:ident, $a:ty) => {{
+            fn f<const VNNI: bool>(row: &[u8], a: [&$a; TOKENS]) -> [f32; TOKENS] {
+                // SAFETY: only reachable through `dot_rows_tokens`, which
+                // checks that the CPU has `Isa::Avx512` / `Isa::Avx512Vnni`.
+                unsafe {
+                    if VNNI {
+                        avx512::vnni::tokens::$f(row, a)
+                    } else {
+                        avx512::plain::tokens::$f(row, a)
+                    }
+                }
+            }
+            f::<VNNI>
+        }};
+    }
+    kernel_table!(ty, wrap, TokensFn)
+}
+
+/// The multi-token kernel of `ty` at level `isa`, where the level has them.
+#[cfg(target_arch = "x86_64")]
+fn tokens_fn(isa: Isa, ty: GgmlType) -> Option<TokensFn> {
+    match isa {
+        Isa::Avx512 => Some(avx512_tokens_fns::<false>(ty)),
+        Isa::Avx512Vnni => Some(avx512_tokens_fns::<true>(ty)),
+        _ => None,
+    }
+}
+
 /// `y[r] = rows[r] · act` for consecutive rows of `ty` (each `act.len()`
 /// values), with the integer kernels of `isa`.
 ///
@@ -296,6 +343,9 @@ pub fn dot_rows(isa: Isa, ty: GgmlType, rows: &[u8], act: &Activation, y: &mut [
 /// and every token's rounded activation: each row is read once for all the
 /// tokens (it stays in L1 between them), each product the one [`dot_rows`]
 /// computes, so the numbers are those of `T` separate matrix-vector products.
+/// With AVX-512 the tokens go through each row four at a time
+/// ([`avx512::TOKENS`]): a block's weights are decoded once for the four
+/// (`FNX_CPU_TOKENS=1` turns this off, for measuring it).
 ///
 /// Panics as [`dot_rows`] does, or if the activations differ in length or layout.
 pub fn dot_rows_tokens(isa: Isa, ty: GgmlType, rows: &[u8], acts: &[Activation], ys: &mut [f32]) {
@@ -307,32 +357,68 @@ pub fn dot_rows_tokens(isa: Isa, ty: GgmlType, rows: &[u8], acts: &[Activation],
     assert_eq!(ys.len(), n * acts.len(), "{ty}: outputs for {} rows of {} tokens", n, acts.len());
     assert!(acts.iter().all(|a| a.len() == first.len() && a.kind() == first.kind()), "{ty}: activations differ");
     let ahead = prefetch_distance();
+    // Each row against every token: `one(row, t)`, or `group(row, t0, out)`
+    // for tokens t0..t0 + G at once where there is a multi-token kernel.
+    let mut run = |one: &dyn Fn(&[u8], usize) -> f32, group: Option<(usize, &GroupFn)>| {
+        let mut out = [0f32; 8];
+        for (r, row) in rows.chunks_exact(rb).enumerate() {
+            prefetch(row, ahead);
+            let mut t = 0;
+            if let Some((g, f)) = group {
+                while t + g <= acts.len() {
+                    f(row, t, &mut out[..g]);
+                    for (k, y) in out[..g].iter().enumerate() {
+                        ys[(t + k) * n + r] = *y;
+                    }
+                    t += g;
+                }
+            }
+            for t in t..acts.len() {
+                ys[t * n + r] = one(row, t);
+            }
+        }
+    };
+    #[cfg(target_arch = "x86_64")]
+    let many = tokens_fn(isa, ty).filter(|_| multi_token());
     match row_fn(isa, ty) {
         RowFn::Q8(f) => {
             let a: Vec<&Q8Blocks> = acts.iter().map(|a| match a {
                 Activation::Q8(a) => a,
                 Activation::Q8K(_) => panic!("{ty} kernel given a Q8K activation"),
             }).collect();
-            for (r, row) in rows.chunks_exact(rb).enumerate() {
-                prefetch(row, ahead);
-                for (t, a) in a.iter().enumerate() {
-                    ys[t * n + r] = f(row, a);
-                }
+            #[cfg(target_arch = "x86_64")]
+            if let Some(TokensFn::Q8(g)) = many {
+                const G: usize = avx512::TOKENS;
+                let group = |row: &[u8], t: usize, out: &mut [f32]| out.copy_from_slice(&g(row, std::array::from_fn::<_, G, _>(|k| a[t + k])));
+                return run(&|row, t| f(row, a[t]), Some((G, &group)));
             }
+            run(&|row, t| f(row, a[t]), None)
         }
         RowFn::Q8K(f) => {
             let a: Vec<&Q8KBlocks> = acts.iter().map(|a| match a {
                 Activation::Q8K(a) => a,
                 Activation::Q8(_) => panic!("{ty} kernel given a Q8 activation"),
             }).collect();
-            for (r, row) in rows.chunks_exact(rb).enumerate() {
-                prefetch(row, ahead);
-                for (t, a) in a.iter().enumerate() {
-                    ys[t * n + r] = f(row, a);
-                }
+            #[cfg(target_arch = "x86_64")]
+            if let Some(TokensFn::Q8K(g)) = many {
+                const G: usize = avx512::TOKENS;
+                let group = |row: &[u8], t: usize, out: &mut [f32]| out.copy_from_slice(&g(row, std::array::from_fn::<_, G, _>(|k| a[t + k])));
+                return run(&|row, t| f(row, a[t]), Some((G, &group)));
             }
+            run(&|row, t| f(row, a[t]), None)
         }
     }
+}
+
+/// A row against tokens `t0..t0 + out.len()` at once: `f(row, t0, out)`.
+type GroupFn<'a> = dyn Fn(&[u8], usize, &mut [f32]) + 'a;
+
+/// Whether [`dot_rows_tokens`] takes tokens several at a time where it can:
+/// yes unless `FNX_CPU_TOKENS=1`.
+#[cfg(target_arch = "x86_64")]
+fn multi_token() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FNX_CPU_TOKENS").map_or(true, |v| v != "1"))
 }
 
 /// How far ahead of the row it computes [`dot_rows`] asks for the weights,
