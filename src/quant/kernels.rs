@@ -60,10 +60,17 @@ pub enum Isa {
 }
 
 impl Isa {
-    /// The widest level this CPU supports (cached).
+    /// The widest level this CPU supports, or the narrower one
+    /// `FNX_CPU_ISA` names (`scalar`, `avx2+fma`, `avx512`, `avx512+vnni`;
+    /// for measuring a narrower level's kernels on a wider CPU: a level the
+    /// CPU lacks, or an unknown name, is ignored). Cached.
     pub fn detect() -> Isa {
         static ISA: OnceLock<Isa> = OnceLock::new();
-        *ISA.get_or_init(|| *Isa::available().last().expect("scalar is always available"))
+        *ISA.get_or_init(|| {
+            let widest = *Isa::available().last().expect("scalar is always available");
+            let asked = std::env::var("FNX_CPU_ISA").ok().and_then(|v| Isa::parse(v.trim()));
+            asked.filter(|i| Isa::available().contains(i)).unwrap_or(widest)
+        })
     }
 
     /// Every level this CPU can run, narrowest first.

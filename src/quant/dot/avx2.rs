@@ -140,69 +140,91 @@ struct Offset {
     min: bool,
 }
 
-/// The 32-element loop, four blocks per step: `levels(p)` gives the block's
-/// 32 levels, `dot(w, x)` their products with the activation in i32 lanes;
-/// the row is `sum d_w d_x isum + offset`.
+/// The 32-element loop, four blocks per step, for `N` tokens' activations
+/// at once: `levels(p)` gives the block's 32 levels (decoded once for all
+/// the tokens), `dot(w, x)` their products with an activation in i32 lanes;
+/// a row is `sum d_w d_x isum + offset`, each token's formed exactly as
+/// alone (the one-token kernel is `N = 1`).
 #[inline(always)]
-unsafe fn legacy(
+unsafe fn legacy<const N: usize>(
     row: &[u8],
     bytes: usize,
-    a: &Q8Blocks,
+    a: [&Q8Blocks; N],
     offset: Offset,
     levels: impl Fn(*const u8) -> __m256i,
     dot: impl Fn(__m256i, __m256i) -> __m256i,
-) -> f32 {
-    let nb = blocks(row, bytes, a.blocks());
-    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    let mut off = _mm_setzero_ps();
+) -> [f32; N] {
+    let nb = blocks(row, bytes, a[0].blocks());
+    assert!(a.iter().all(|a| a.blocks() == nb), "activations of different lengths");
+    let (mut acc0, mut acc1) = ([_mm256_setzero_ps(); N], [_mm256_setzero_ps(); N]);
+    let mut off = [_mm_setzero_ps(); N];
     let base = row.as_ptr();
     let lane = |s: __m256, k: i32| _mm256_permutevar8x32_ps(s, _mm256_set1_epi32(k));
     let mut i = 0;
     while i + 4 <= nb {
         // SAFETY: blocks i..i + 4 are inside the row (checked by `blocks`),
-        // activation blocks i..i + 4 inside `a` (it has `nb` blocks).
+        // activation blocks i..i + 4 inside each of `a` (they have `nb` blocks).
         let p = [0, 1, 2, 3].map(|k| base.add((i + k) * bytes));
         let d = f16x4(p);
-        let s = _mm256_castps128_ps256(_mm_mul_ps(d, _mm_loadu_ps(a.d.as_ptr().add(i))));
         let c = if offset.min { f16x4(p.map(|p| p.add(2))) } else { d };
-        off = _mm_fmadd_ps(c, _mm_loadu_ps(a.ds.as_ptr().add(i)), off);
-        let isum = |k: usize| _mm256_cvtepi32_ps(dot(levels(p[k]), load_x(&a.qs, 32 * (i + k))));
-        acc0 = _mm256_fmadd_ps(lane(s, 0), isum(0), acc0);
-        acc1 = _mm256_fmadd_ps(lane(s, 1), isum(1), acc1);
-        acc0 = _mm256_fmadd_ps(lane(s, 2), isum(2), acc0);
-        acc1 = _mm256_fmadd_ps(lane(s, 3), isum(3), acc1);
+        let mut s = [_mm256_setzero_ps(); N];
+        for t in 0..N {
+            s[t] = _mm256_castps128_ps256(_mm_mul_ps(d, _mm_loadu_ps(a[t].d.as_ptr().add(i))));
+            off[t] = _mm_fmadd_ps(c, _mm_loadu_ps(a[t].ds.as_ptr().add(i)), off[t]);
+        }
+        for (k, &pk) in p.iter().enumerate() {
+            let w = levels(pk);
+            for t in 0..N {
+                let isum = _mm256_cvtepi32_ps(dot(w, load_x(&a[t].qs, 32 * (i + k))));
+                if k % 2 == 0 {
+                    acc0[t] = _mm256_fmadd_ps(lane(s[t], k as i32), isum, acc0[t]);
+                } else {
+                    acc1[t] = _mm256_fmadd_ps(lane(s[t], k as i32), isum, acc1[t]);
+                }
+            }
+        }
         i += 4;
     }
-    let mut off = hsum128(off);
+    let mut offs = [0f32; N];
+    for t in 0..N {
+        offs[t] = hsum128(off[t]);
+    }
     while i < nb {
         // SAFETY: as above, one block.
         let p = base.add(i * bytes);
         let d = f16_splat(p);
-        let isum = _mm256_cvtepi32_ps(dot(levels(p), load_x(&a.qs, 32 * i)));
-        acc0 = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.d[i])), isum, acc0);
+        let w = levels(p);
         let c = if offset.min { f16_splat(p.add(2)) } else { d };
-        off += _mm256_cvtss_f32(c) * a.ds[i];
+        for t in 0..N {
+            let isum = _mm256_cvtepi32_ps(dot(w, load_x(&a[t].qs, 32 * i)));
+            acc0[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[t].d[i])), isum, acc0[t]);
+            offs[t] += _mm256_cvtss_f32(c) * a[t].ds[i];
+        }
         i += 1;
     }
-    hsum(_mm256_add_ps(acc0, acc1)) + offset.factor * off
+    let mut out = [0f32; N];
+    for t in 0..N {
+        out[t] = hsum(_mm256_add_ps(acc0[t], acc1[t])) + offset.factor * offs[t];
+    }
+    out
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub fn q4_0(row: &[u8], a: &Q8Blocks) -> f32 {
+pub fn q4_0_n<const N: usize>(row: &[u8], a: [&Q8Blocks; N]) -> [f32; N] {
     let offset = Offset { factor: -8.0, min: false };
     // SAFETY: `legacy` checks the row length; a block is 18 bytes (f16 d, 16 bytes of nibbles).
     unsafe { legacy(row, 18, a, offset, |p| nibbles16(p.add(2)), |w, x| dot32(w, x)) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub fn q4_1(row: &[u8], a: &Q8Blocks) -> f32 {
+pub fn q4_1_n<const N: usize>(row: &[u8], a: [&Q8Blocks; N]) -> [f32; N] {
     let offset = Offset { factor: 1.0, min: true };
     // SAFETY: as `q4_0`; a block is 20 bytes (f16 d, m, 16 bytes of nibbles).
     unsafe { legacy(row, 20, a, offset, |p| nibbles16(p.add(4)), |w, x| dot32(w, x)) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub fn q5_0(row: &[u8], a: &Q8Blocks) -> f32 {
+pub fn q5_0_n<const N: usize>(row: &[u8], a: [&Q8Blocks; N]) -> [f32; N] {
     let offset = Offset { factor: -16.0, min: false };
     // SAFETY: as `q4_0`; a block is 22 bytes (f16 d, u32 qh, 16 bytes of nibbles).
     let levels = |p: *const u8| unsafe {
@@ -212,7 +234,7 @@ pub fn q5_0(row: &[u8], a: &Q8Blocks) -> f32 {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub fn q5_1(row: &[u8], a: &Q8Blocks) -> f32 {
+pub fn q5_1_n<const N: usize>(row: &[u8], a: [&Q8Blocks; N]) -> [f32; N] {
     let offset = Offset { factor: 1.0, min: true };
     // SAFETY: as `q4_0`; a block is 24 bytes (f16 d, m, u32 qh, 16 bytes of nibbles).
     let levels = |p: *const u8| unsafe {
@@ -224,7 +246,7 @@ pub fn q5_1(row: &[u8], a: &Q8Blocks) -> f32 {
 /// Q8_0: the weights' signs move onto the activations (`vpsignb`), so
 /// `vpmaddubsw` multiplies `|w| <= 128` by them without saturating.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub fn q8_0(row: &[u8], a: &Q8Blocks) -> f32 {
+pub fn q8_0_n<const N: usize>(row: &[u8], a: [&Q8Blocks; N]) -> [f32; N] {
     let offset = Offset { factor: 0.0, min: false };
     let dot = |w: __m256i, x: __m256i| dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
     // SAFETY: as `q4_0`; a block is 34 bytes (f16 d, 32 i8).
@@ -247,22 +269,28 @@ fn repeat16_pair(k: i32) -> __m256i {
     _mm256_set_m128i(hi, lo)
 }
 
-/// The K-quant loop: `block(p, x, bsums, d, dmin)` adds a super-block
-/// (`d = d_w d_x`, `dmin = dmin_w d_x`) into the two f32 accumulators
-/// (products, mins); the row is their difference.
+/// The K-quant loop for `N` tokens: `block(p, i, acc, mins)` adds
+/// super-block `i` at `p` into each token's two f32 accumulators (products,
+/// mins; `d = d_w d_x`, `dmin = dmin_w d_x`), decoding its weights once for
+/// all of them; a row is the difference.
 #[inline(always)]
-unsafe fn kquant(
+unsafe fn kquant<const N: usize>(
     row: &[u8],
     bytes: usize,
-    a: &Q8KBlocks,
-    mut block: impl FnMut(*const u8, usize, &mut __m256, &mut __m256),
-) -> f32 {
-    let nb = blocks(row, bytes, a.blocks());
-    let (mut acc, mut mins) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    a: [&Q8KBlocks; N],
+    mut block: impl FnMut(*const u8, usize, &mut [__m256; N], &mut [__m256; N]),
+) -> [f32; N] {
+    let nb = blocks(row, bytes, a[0].blocks());
+    assert!(a.iter().all(|a| a.blocks() == nb), "activations of different lengths");
+    let (mut acc, mut mins) = ([_mm256_setzero_ps(); N], [_mm256_setzero_ps(); N]);
     for i in 0..nb {
         block(row.as_ptr().add(i * bytes), i, &mut acc, &mut mins);
     }
-    hsum(acc) - hsum(mins)
+    let mut out = [0f32; N];
+    for t in 0..N {
+        out[t] = hsum(acc[t]) - hsum(mins[t]);
+    }
+    out
 }
 
 /// The 16 i16 `bsums` of super-block `i`.
@@ -283,12 +311,13 @@ fn widen16<const SIGNED: bool>(b: __m128i) -> __m256i {
     }
 }
 
-/// The 16-value sub-block products of a Q2_K / Q3_K / Q6_K super-block,
-/// scaled by `scales` (16 i16): `levels(h, k)` gives the 32 levels of values
-/// `128 h + 32 k..128 h + 32 k + 32`.
+/// The 16-value sub-block products of a Q2_K / Q3_K / Q6_K super-block
+/// with each token's activation `xs[t]`, scaled by `scales` (16 i16):
+/// `levels(h, k)` gives the 32 levels of values `128 h + 32 k..128 h + 32 k + 32`
+/// (decoded once for every token).
 #[inline(always)]
-unsafe fn scaled16(x: &[i8], scales: __m256i, mut levels: impl FnMut(usize, usize) -> __m256i) -> __m256i {
-    let mut sum = _mm256_setzero_si256();
+unsafe fn scaled16<const N: usize>(xs: [&[i8]; N], scales: __m256i, mut levels: impl FnMut(usize, usize) -> __m256i) -> [__m256i; N] {
+    let mut sum = [_mm256_setzero_si256(); N];
     for h in 0..2 {
         // Scales 8h..8h+8 in both halves.
         let s = if h == 0 {
@@ -298,24 +327,30 @@ unsafe fn scaled16(x: &[i8], scales: __m256i, mut levels: impl FnMut(usize, usiz
         };
         for k in 0..4 {
             let sc = _mm256_shuffle_epi8(s, repeat16_pair(2 * k as i32));
-            sum = _mm256_add_epi32(sum, dot32_scaled(levels(h, k), load_x(x, 128 * h + 32 * k), sc));
+            let w = levels(h, k);
+            for t in 0..N {
+                sum[t] = _mm256_add_epi32(sum[t], dot32_scaled(w, load_x(xs[t], 128 * h + 32 * k), sc));
+            }
         }
     }
     sum
 }
 
+/// Each token's activation bytes of super-block `i`.
+#[inline(always)]
+fn block_x<const N: usize>(a: [&Q8KBlocks; N], i: usize) -> [&[i8]; N] {
+    a.map(|a| &a.qs[256 * i..256 * i + 256])
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
-pub fn q2_k(row: &[u8], a: &Q8KBlocks) -> f32 {
+pub fn q2_k_n<const N: usize>(row: &[u8], a: [&Q8KBlocks; N]) -> [f32; N] {
     let m3 = _mm256_set1_epi8(3);
-    let block = |p: *const u8, i: usize, acc: &mut __m256, mins: &mut __m256| unsafe {
+    let block = |p: *const u8, i: usize, acc: &mut [__m256; N], mins: &mut [__m256; N]| unsafe {
         // SAFETY: `p` is super-block `i` (84 bytes: scales 16, qs 64, d, dmin), checked by `kquant`.
-        let x = &a.qs[256 * i..256 * i + 256];
-        let dd = _mm_mul_ps(f16x2(p.add(80)), _mm_set1_ps(a.d[i]));
+        let dw = f16x2(p.add(80));
         let sm = _mm_loadu_si128(p as *const __m128i);
         let scales = widen16::<false>(_mm_and_si128(sm, _mm_set1_epi8(15)));
         let m = widen16::<false>(_mm_and_si128(_mm_srli_epi16::<4>(sm), _mm_set1_epi8(15)));
-        let msum = _mm256_madd_epi16(m, bsums16(a, i));
-        *mins = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), _mm256_cvtepi32_ps(msum), *mins);
         let q = [load(p.add(16)), load(p.add(48))];
         let shifted = |v: __m256i, k: usize| match k {
             0 => v,
@@ -323,20 +358,24 @@ pub fn q2_k(row: &[u8], a: &Q8KBlocks) -> f32 {
             2 => _mm256_srli_epi16::<4>(v),
             _ => _mm256_srli_epi16::<6>(v),
         };
-        let isum = scaled16(x, scales, |h, k| _mm256_and_si256(shifted(q[h], k), m3));
-        *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(isum), *acc);
+        let isum = scaled16(block_x(a, i), scales, |h, k| _mm256_and_si256(shifted(q[h], k), m3));
+        for t in 0..N {
+            let dd = _mm_mul_ps(dw, _mm_set1_ps(a[t].d[i]));
+            let msum = _mm256_madd_epi16(m, bsums16(a[t], i));
+            mins[t] = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), _mm256_cvtepi32_ps(msum), mins[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+        }
     };
     // SAFETY: `kquant` checks the row length and passes super-block pointers inside it.
     unsafe { kquant(row, BLOCK_BYTES_K[0], a, block) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub fn q3_k(row: &[u8], a: &Q8KBlocks) -> f32 {
+pub fn q3_k_n<const N: usize>(row: &[u8], a: [&Q8KBlocks; N]) -> [f32; N] {
     let m3 = _mm256_set1_epi8(3);
-    let block = |p: *const u8, i: usize, acc: &mut __m256, _: &mut __m256| unsafe {
+    let block = |p: *const u8, i: usize, acc: &mut [__m256; N], _: &mut [__m256; N]| unsafe {
         // SAFETY: `p` is super-block `i` (110 bytes: hmask 32, qs 64, scales 12, d), checked by `kquant`.
-        let x = &a.qs[256 * i..256 * i + 256];
-        let d = _mm256_mul_ps(f16_splat(p.add(108)), _mm256_set1_ps(a.d[i]));
+        let dw = f16_splat(p.add(108));
         let scales = widen16::<true>(q3_scales_simd(p.add(96)));
         let hm = load(p);
         let q = [load(p.add(32)), load(p.add(64))];
@@ -352,50 +391,60 @@ pub fn q3_k(row: &[u8], a: &Q8KBlocks) -> f32 {
             let high = _mm256_andnot_si256(clear, _mm256_set1_epi8(4));
             _mm256_or_si256(_mm256_and_si256(shifted(q[h], k), m3), high)
         };
-        let sum = scaled16(x, scales, levels);
-        // Levels are the values + 4.
-        let offset = _mm256_slli_epi32::<2>(_mm256_madd_epi16(scales, bsums16(a, i)));
-        let isum = _mm256_sub_epi32(sum, offset);
-        *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), *acc);
+        let sum = scaled16(block_x(a, i), scales, levels);
+        for t in 0..N {
+            let d = _mm256_mul_ps(dw, _mm256_set1_ps(a[t].d[i]));
+            // Levels are the values + 4.
+            let offset = _mm256_slli_epi32::<2>(_mm256_madd_epi16(scales, bsums16(a[t], i)));
+            let isum = _mm256_sub_epi32(sum[t], offset);
+            acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc[t]);
+        }
     };
     // SAFETY: `kquant` checks the row length and passes super-block pointers inside it.
     unsafe { kquant(row, BLOCK_BYTES_K[1], a, block) }
 }
 
-/// Q4_K / Q5_K: `levels(c, hi)` gives the 32 levels of values `64 c + 32 hi..`.
+/// Q4_K / Q5_K: `levels(c, hi)` gives the 32 levels of values `64 c + 32 hi..`
+/// (called in that order: c = 0, 1, 2, 3, low then high).
 #[inline(always)]
-unsafe fn k4(
+unsafe fn k4<const N: usize>(
     p: *const u8,
     i: usize,
-    a: &Q8KBlocks,
-    acc: &mut __m256,
-    mins: &mut __m256,
+    a: [&Q8KBlocks; N],
+    acc: &mut [__m256; N],
+    mins: &mut [__m256; N],
     mut levels: impl FnMut(usize, bool) -> __m256i,
 ) {
     // SAFETY (callers): `p` is super-block `i`, whose first 16 bytes are d, dmin, 12 scale bytes.
-    let x = &a.qs[256 * i..256 * i + 256];
-    let dd = _mm_mul_ps(f16x2(p), _mm_set1_ps(a.d[i]));
+    let dw = f16x2(p);
     let (sc, m) = k4_scales(std::slice::from_raw_parts(p.add(4), 12));
     let sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
     let m = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(m as i64));
-    let bs = bsums16(a, i);
-    let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256::<1>(bs));
-    let msum = _mm256_zextsi128_si256(_mm_madd_epi16(pairs, m));
-    *mins = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), _mm256_cvtepi32_ps(msum), *mins);
-    let mut isum = _mm256_setzero_si256();
+    let mut isum = [_mm256_setzero_si256(); N];
     for c in 0..4 {
-        let lo = dot32_scaled(levels(c, false), load_x(x, 64 * c), _mm256_shuffle_epi8(sc, repeat16(2 * c as i32)));
-        let hi =
-            dot32_scaled(levels(c, true), load_x(x, 64 * c + 32), _mm256_shuffle_epi8(sc, repeat16(2 * c as i32 + 1)));
-        isum = _mm256_add_epi32(isum, _mm256_add_epi32(lo, hi));
+        let (wl, sl) = (levels(c, false), _mm256_shuffle_epi8(sc, repeat16(2 * c as i32)));
+        let (wh, sh) = (levels(c, true), _mm256_shuffle_epi8(sc, repeat16(2 * c as i32 + 1)));
+        for t in 0..N {
+            let x = &a[t].qs[256 * i..256 * i + 256];
+            let lo = dot32_scaled(wl, load_x(x, 64 * c), sl);
+            let hi = dot32_scaled(wh, load_x(x, 64 * c + 32), sh);
+            isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(lo, hi));
+        }
     }
-    *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(isum), *acc);
+    for t in 0..N {
+        let dd = _mm_mul_ps(dw, _mm_set1_ps(a[t].d[i]));
+        let bs = bsums16(a[t], i);
+        let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256::<1>(bs));
+        let msum = _mm256_zextsi128_si256(_mm_madd_epi16(pairs, m));
+        mins[t] = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), _mm256_cvtepi32_ps(msum), mins[t]);
+        acc[t] = _mm256_fmadd_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub fn q4_k(row: &[u8], a: &Q8KBlocks) -> f32 {
+pub fn q4_k_n<const N: usize>(row: &[u8], a: [&Q8KBlocks; N]) -> [f32; N] {
     let m4 = _mm256_set1_epi8(15);
-    let block = |p: *const u8, i: usize, acc: &mut __m256, mins: &mut __m256| unsafe {
+    let block = |p: *const u8, i: usize, acc: &mut [__m256; N], mins: &mut [__m256; N]| unsafe {
         // SAFETY: `p` is super-block `i` (144 bytes: d, dmin, scales 12, qs 128), checked by `kquant`.
         let mut q = _mm256_setzero_si256();
         k4(p, i, a, acc, mins, |c, hi| {
@@ -412,9 +461,9 @@ pub fn q4_k(row: &[u8], a: &Q8KBlocks) -> f32 {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub fn q5_k(row: &[u8], a: &Q8KBlocks) -> f32 {
+pub fn q5_k_n<const N: usize>(row: &[u8], a: [&Q8KBlocks; N]) -> [f32; N] {
     let (m4, b4) = (_mm256_set1_epi8(15), _mm256_set1_epi8(16));
-    let block = |p: *const u8, i: usize, acc: &mut __m256, mins: &mut __m256| unsafe {
+    let block = |p: *const u8, i: usize, acc: &mut [__m256; N], mins: &mut [__m256; N]| unsafe {
         // SAFETY: `p` is super-block `i` (176 bytes: d, dmin, scales 12, qh 32, qs 128), checked by `kquant`.
         let mut q = _mm256_setzero_si256();
         // Bit 2c of qh (low nibbles of chunk c) and 2c + 1 (high nibbles), moved down as c advances.
@@ -435,12 +484,11 @@ pub fn q5_k(row: &[u8], a: &Q8KBlocks) -> f32 {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub fn q6_k(row: &[u8], a: &Q8KBlocks) -> f32 {
+pub fn q6_k_n<const N: usize>(row: &[u8], a: [&Q8KBlocks; N]) -> [f32; N] {
     let (m4, m30) = (_mm256_set1_epi8(15), _mm256_set1_epi8(0x30));
-    let block = |p: *const u8, i: usize, acc: &mut __m256, _: &mut __m256| unsafe {
+    let block = |p: *const u8, i: usize, acc: &mut [__m256; N], _: &mut [__m256; N]| unsafe {
         // SAFETY: `p` is super-block `i` (210 bytes: ql 128, qh 64, scales 16, d), checked by `kquant`.
-        let x = &a.qs[256 * i..256 * i + 256];
-        let d = _mm256_mul_ps(f16_splat(p.add(208)), _mm256_set1_ps(a.d[i]));
+        let dw = f16_splat(p.add(208));
         let scales = widen16::<true>(_mm_loadu_si128(p.add(192) as *const __m128i));
         let levels = |h: usize, k: usize| {
             let ql = load(p.add(64 * h + 32 * (k & 1)));
@@ -453,12 +501,45 @@ pub fn q6_k(row: &[u8], a: &Q8KBlocks) -> f32 {
             };
             _mm256_or_si256(_mm256_and_si256(low, m4), _mm256_and_si256(high, m30))
         };
-        let sum = scaled16(x, scales, levels);
-        // Levels are the values + 32.
-        let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(scales, bsums16(a, i)));
-        let isum = _mm256_sub_epi32(sum, offset);
-        *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), *acc);
+        let sum = scaled16(block_x(a, i), scales, levels);
+        for t in 0..N {
+            let d = _mm256_mul_ps(dw, _mm256_set1_ps(a[t].d[i]));
+            // Levels are the values + 32.
+            let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(scales, bsums16(a[t], i)));
+            let isum = _mm256_sub_epi32(sum[t], offset);
+            acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc[t]);
+        }
     };
     // SAFETY: `kquant` checks the row length and passes super-block pointers inside it.
     unsafe { kquant(row, BLOCK_BYTES_K[4], a, block) }
 }
+
+
+/// The one-token kernels (`N = 1` of the `_n` ones) and the
+/// [`TOKENS`](super::TOKENS)-token ones (`tokens::`): `name n activation` per type.
+macro_rules! entry_points {
+    ($($name:ident $n:ident $act:ident),*) => {
+        $(
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub fn $name(row: &[u8], a: &$act) -> f32 {
+                $n::<1>(row, [a])[0]
+            }
+        )*
+        /// [`TOKENS`](super::super::TOKENS) tokens at once.
+        pub mod tokens {
+            use super::super::act::{Q8Blocks, Q8KBlocks};
+            use super::super::TOKENS;
+            $(
+                #[target_feature(enable = "avx2,fma,f16c")]
+                pub fn $name(row: &[u8], a: [&$act; TOKENS]) -> [f32; TOKENS] {
+                    super::$n::<TOKENS>(row, a)
+                }
+            )*
+        }
+    };
+}
+
+entry_points!(
+    q4_0 q4_0_n Q8Blocks, q4_1 q4_1_n Q8Blocks, q5_0 q5_0_n Q8Blocks, q5_1 q5_1_n Q8Blocks, q8_0 q8_0_n Q8Blocks,
+    q2_k q2_k_n Q8KBlocks, q3_k q3_k_n Q8KBlocks, q4_k q4_k_n Q8KBlocks, q5_k q5_k_n Q8KBlocks, q6_k q6_k_n Q8KBlocks
+);

@@ -611,22 +611,19 @@ unsafe fn q6_k<const VNNI: bool, const N: usize>(row: &[u8], a: [&Q8KBlocks; N])
     kquant(row, BLOCK_BYTES_K[4], a, block)
 }
 
-/// Tokens the multi-token entry points take at once (`TOKENS` of
-/// [`super::dot_rows_tokens`]'s tiles).
-pub const TOKENS: usize = 4;
 
 /// The entry points of one compilation: `$feat` enables the instructions,
 /// `$vnni` picks the instructions that use them. Each kernel has a
-/// one-token entry point and one for [`TOKENS`] tokens (`tokens::`).
+/// one-token entry point and one for [`TOKENS`](super::TOKENS) tokens (`tokens::`).
 macro_rules! entry_points {
     ($feat:literal, $vnni:literal) => {
         use super::super::act::{Q8Blocks, Q8KBlocks};
         entry_points!(@fn $feat, $vnni, Q8Blocks: q4_0 q4_1 q5_0 q5_1 q8_0);
         entry_points!(@fn $feat, $vnni, Q8KBlocks: q2_k q3_k q4_k q5_k q6_k);
-        /// [`TOKENS`](super::TOKENS) tokens at once.
+        /// [`TOKENS`](super::super::TOKENS) tokens at once.
         pub mod tokens {
             use super::super::super::act::{Q8Blocks, Q8KBlocks};
-            use super::super::TOKENS;
+            use super::super::super::TOKENS;
             entry_points!(@tokens $feat, $vnni, Q8Blocks: q4_0 q4_1 q5_0 q5_1 q8_0);
             entry_points!(@tokens $feat, $vnni, Q8KBlocks: q2_k q3_k q4_k q5_k q6_k);
         }

@@ -187,13 +187,17 @@ enum RowFn {
     Q8K(fn(&[u8], &Q8KBlocks) -> f32),
 }
 
-/// A kernel of one type at one level for [`avx512::TOKENS`] tokens at once
+/// Tokens the multi-token kernels (AVX2, AVX-512) take at once in
+/// [`dot_rows_tokens`] (eight measured no better than four with AVX-512).
+const TOKENS: usize = 4;
+
+/// A kernel of one type at one level for [`TOKENS`] tokens at once
 /// (each token's result the one [`RowFn`] gives it).
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 enum TokensFn {
-    Q8(fn(&[u8], [&Q8Blocks; avx512::TOKENS]) -> [f32; avx512::TOKENS]),
-    Q8K(fn(&[u8], [&Q8KBlocks; avx512::TOKENS]) -> [f32; avx512::TOKENS]),
+    Q8(fn(&[u8], [&Q8Blocks; TOKENS]) -> [f32; TOKENS]),
+    Q8K(fn(&[u8], [&Q8KBlocks; TOKENS]) -> [f32; TOKENS]),
 }
 
 /// The table of kernels, one per quantized type: `$wrap!(kernel, activation
@@ -278,11 +282,27 @@ fn avx512_fns<const VNNI: bool>(ty: GgmlType) -> RowFn {
     kernel_table!(ty, wrap)
 }
 
-/// The AVX-512 kernels of [`avx512::TOKENS`] tokens (with VNNI when `VNNI`)
+/// The AVX2 kernels of [`TOKENS`] tokens as plain function pointers.
+#[cfg(target_arch = "x86_64")]
+fn avx2_tokens_fns(ty: GgmlType) -> TokensFn {
+    macro_rules! wrap {
+        ($f:ident, $a:ty) => {{
+            fn f(row: &[u8], a: [&$a; TOKENS]) -> [f32; TOKENS] {
+                // SAFETY: only reachable through `dot_rows_tokens`, which
+                // checks that the CPU has `Isa::Avx2`.
+                unsafe { avx2::tokens::$f(row, a) }
+            }
+            f
+        }};
+    }
+    kernel_table!(ty, wrap, TokensFn)
+}
+
+/// The AVX-512 kernels of [`TOKENS`] tokens (with VNNI when `VNNI`)
 /// as plain function pointers.
 #[cfg(target_arch = "x86_64")]
 fn avx512_tokens_fns<const VNNI: bool>(ty: GgmlType) -> TokensFn {
-    use avx512::TOKENS;
+
     macro_rules! wrap {
         ($f:ident, $a:ty) => {{
             fn f<const VNNI: bool>(row: &[u8], a: [&$a; TOKENS]) -> [f32; TOKENS] {
@@ -306,6 +326,7 @@ fn avx512_tokens_fns<const VNNI: bool>(ty: GgmlType) -> TokensFn {
 #[cfg(target_arch = "x86_64")]
 fn tokens_fn(isa: Isa, ty: GgmlType) -> Option<TokensFn> {
     match isa {
+        Isa::Avx2 => Some(avx2_tokens_fns(ty)),
         Isa::Avx512 => Some(avx512_tokens_fns::<false>(ty)),
         Isa::Avx512Vnni => Some(avx512_tokens_fns::<true>(ty)),
         _ => None,
@@ -343,8 +364,8 @@ pub fn dot_rows(isa: Isa, ty: GgmlType, rows: &[u8], act: &Activation, y: &mut [
 /// and every token's rounded activation: each row is read once for all the
 /// tokens (it stays in L1 between them), each product the one [`dot_rows`]
 /// computes, so the numbers are those of `T` separate matrix-vector products.
-/// With AVX-512 the tokens go through each row four at a time
-/// ([`avx512::TOKENS`]): a block's weights are decoded once for the four
+/// With AVX2 and AVX-512 the tokens go through each row four at a time
+/// ([`TOKENS`]): a block's weights are decoded once for the four
 /// (`FNX_CPU_TOKENS=1` turns this off, for measuring it).
 ///
 /// Panics as [`dot_rows`] does, or if the activations differ in length or layout.
@@ -388,7 +409,7 @@ pub fn dot_rows_tokens(isa: Isa, ty: GgmlType, rows: &[u8], acts: &[Activation],
             }).collect();
             #[cfg(target_arch = "x86_64")]
             if let Some(TokensFn::Q8(g)) = many {
-                const G: usize = avx512::TOKENS;
+                const G: usize = TOKENS;
                 let group = |row: &[u8], t: usize, out: &mut [f32]| out.copy_from_slice(&g(row, std::array::from_fn::<_, G, _>(|k| a[t + k])));
                 return run(&|row, t| f(row, a[t]), Some((G, &group)));
             }
@@ -401,7 +422,7 @@ pub fn dot_rows_tokens(isa: Isa, ty: GgmlType, rows: &[u8], acts: &[Activation],
             }).collect();
             #[cfg(target_arch = "x86_64")]
             if let Some(TokensFn::Q8K(g)) = many {
-                const G: usize = avx512::TOKENS;
+                const G: usize = TOKENS;
                 let group = |row: &[u8], t: usize, out: &mut [f32]| out.copy_from_slice(&g(row, std::array::from_fn::<_, G, _>(|k| a[t + k])));
                 return run(&|row, t| f(row, a[t]), Some((G, &group)));
             }
