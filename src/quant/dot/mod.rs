@@ -193,11 +193,10 @@ const TOKENS: usize = 4;
 
 /// A kernel of one type at one level for [`TOKENS`] tokens at once
 /// (each token's result the one [`RowFn`] gives it).
-#[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 enum TokensFn {
-    Q8(fn(&[u8], [&Q8Blocks; TOKENS]) -> [f32; TOKENS]),
-    Q8K(fn(&[u8], [&Q8KBlocks; TOKENS]) -> [f32; TOKENS]),
+    Q8(GroupFn<Q8Blocks>),
+    Q8K(GroupFn<Q8KBlocks>),
 }
 
 /// The table of kernels, one per quantized type: `$wrap!(kernel, activation
@@ -378,61 +377,69 @@ pub fn dot_rows_tokens(isa: Isa, ty: GgmlType, rows: &[u8], acts: &[Activation],
     assert_eq!(ys.len(), n * acts.len(), "{ty}: outputs for {} rows of {} tokens", n, acts.len());
     assert!(acts.iter().all(|a| a.len() == first.len() && a.kind() == first.kind()), "{ty}: activations differ");
     let ahead = prefetch_distance();
-    // Each row against every token: `one(row, t)`, or `group(row, t0, out)`
-    // for tokens t0..t0 + G at once where there is a multi-token kernel.
-    let mut run = |one: &dyn Fn(&[u8], usize) -> f32, group: Option<(usize, &GroupFn)>| {
-        let mut out = [0f32; 8];
-        for (r, row) in rows.chunks_exact(rb).enumerate() {
-            prefetch(row, ahead);
-            let mut t = 0;
-            if let Some((g, f)) = group {
-                while t + g <= acts.len() {
-                    f(row, t, &mut out[..g]);
-                    for (k, y) in out[..g].iter().enumerate() {
-                        ys[(t + k) * n + r] = *y;
-                    }
-                    t += g;
-                }
-            }
-            for t in t..acts.len() {
-                ys[t * n + r] = one(row, t);
-            }
-        }
-    };
     #[cfg(target_arch = "x86_64")]
     let many = tokens_fn(isa, ty).filter(|_| multi_token());
+    #[cfg(not(target_arch = "x86_64"))]
+    let many: Option<TokensFn> = None;
     match row_fn(isa, ty) {
         RowFn::Q8(f) => {
             let a: Vec<&Q8Blocks> = acts.iter().map(|a| match a {
                 Activation::Q8(a) => a,
                 Activation::Q8K(_) => panic!("{ty} kernel given a Q8K activation"),
             }).collect();
-            #[cfg(target_arch = "x86_64")]
-            if let Some(TokensFn::Q8(g)) = many {
-                const G: usize = TOKENS;
-                let group = |row: &[u8], t: usize, out: &mut [f32]| out.copy_from_slice(&g(row, std::array::from_fn::<_, G, _>(|k| a[t + k])));
-                return run(&|row, t| f(row, a[t]), Some((G, &group)));
-            }
-            run(&|row, t| f(row, a[t]), None)
+            let g = many.map(|m| match m {
+                TokensFn::Q8(g) => g,
+                TokensFn::Q8K(_) => unreachable!("{ty}: the kernel tables agree"),
+            });
+            rows_tokens(rows, rb, ahead, &a, f, g, ys);
         }
         RowFn::Q8K(f) => {
             let a: Vec<&Q8KBlocks> = acts.iter().map(|a| match a {
                 Activation::Q8K(a) => a,
                 Activation::Q8(_) => panic!("{ty} kernel given a Q8 activation"),
             }).collect();
-            #[cfg(target_arch = "x86_64")]
-            if let Some(TokensFn::Q8K(g)) = many {
-                const G: usize = TOKENS;
-                let group = |row: &[u8], t: usize, out: &mut [f32]| out.copy_from_slice(&g(row, std::array::from_fn::<_, G, _>(|k| a[t + k])));
-                return run(&|row, t| f(row, a[t]), Some((G, &group)));
-            }
-            run(&|row, t| f(row, a[t]), None)
+            let g = many.map(|m| match m {
+                TokensFn::Q8K(g) => g,
+                TokensFn::Q8(_) => unreachable!("{ty}: the kernel tables agree"),
+            });
+            rows_tokens(rows, rb, ahead, &a, f, g, ys);
         }
     }
 }
 
-/// A row against tokens `t0..t0 + out.len()` at once: `f(row, t0, out)`.
-type GroupFn<'a> = dyn Fn(&[u8], usize, &mut [f32]) + 'a;
+/// A kernel of [`TOKENS`] tokens' activations of type `A`.
+type GroupFn<A> = fn(&[u8], [&A; TOKENS]) -> [f32; TOKENS];
+
+/// Each row of `rb` bytes against every token's activation `a[t]`:
+/// `ys[t * n + r]`, by `one`, or by `group` for [`TOKENS`] tokens at once
+/// where there is one (the rest one by one).
+fn rows_tokens<A>(
+    rows: &[u8],
+    rb: usize,
+    ahead: usize,
+    a: &[&A],
+    one: fn(&[u8], &A) -> f32,
+    group: Option<GroupFn<A>>,
+    ys: &mut [f32],
+) {
+    let n = rows.len() / rb;
+    for (r, row) in rows.chunks_exact(rb).enumerate() {
+        prefetch(row, ahead);
+        let mut t = 0;
+        if let Some(g) = group {
+            while t + TOKENS <= a.len() {
+                let out = g(row, std::array::from_fn(|k| a[t + k]));
+                for (k, y) in out.into_iter().enumerate() {
+                    ys[(t + k) * n + r] = y;
+                }
+                t += TOKENS;
+            }
+        }
+        for t in t..a.len() {
+            ys[t * n + r] = one(row, a[t]);
+        }
+    }
+}
 
 /// Whether [`dot_rows_tokens`] takes tokens several at a time where it can:
 /// yes unless `FNX_CPU_TOKENS=1`.
