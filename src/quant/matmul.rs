@@ -209,7 +209,7 @@ mod tests {
     fn matmul_equals_matvec_token_by_token() {
         let mut seed = 0x9e37_79b9_7f4a_7c15;
         let cols = 512;
-        for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q4_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q2K, GgmlType::Q3K, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
+        for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16].into_iter().chain(crate::quant::QUANT_TYPES) {
             for n in [1, 37, 300] {
                 let w = values(&mut seed, n * cols);
                 let rb = ty.row_bytes(cols).unwrap();
