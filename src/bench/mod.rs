@@ -240,7 +240,8 @@ pub struct BenchReport {
     /// `quant::kernels`), what the CPU backend ran.
     pub cpu_kernels: String,
     /// The GPU's kernels of the quantized weights (`fast` or `exact`; see
-    /// `vulkan::pipelines`), when the backend is a GPU.
+    /// `vulkan::pipelines`; "(passes on the tensor cores)" when a prompt's
+    /// passes run shaders/mm.comp), when the backend is a GPU.
     pub gpu_kernels: Option<String>,
     pub threads: usize,
     pub load_seconds: f64,
@@ -519,7 +520,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
             .collect(),
         backend: model.backend_kind().name().into(),
         cpu_kernels: model.cpu_kernels.name().into(),
-        gpu_kernels: model.gpu_kernels().map(|k| k.name().into()),
+        gpu_kernels: model.gpu_kernels().map(|k| if model.gpu_coopmat() { format!("{} (passes on the tensor cores)", k.name()) } else { k.name().into() }),
         threads,
         load_seconds,
         prompt_tokens: prompt.len(),
