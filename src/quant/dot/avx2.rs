@@ -342,6 +342,27 @@ fn block_x<const N: usize>(a: [&Q8KBlocks; N], i: usize) -> [&[i8]; N] {
     a.map(|a| &a.qs[256 * i..256 * i + 256])
 }
 
+/// Adds super-block `i` of a type without minima whose levels are the
+/// values + `2^SHIFT` (Q3_K, Q6_K: `dw` its f16 scale widened, `scales` its
+/// 16 signed sub-block scales, `sum` each token's scaled level sums) into
+/// each token's sum.
+#[inline(always)]
+unsafe fn offset_block<const N: usize, const SHIFT: i32>(
+    a: [&Q8KBlocks; N],
+    i: usize,
+    dw: __m256,
+    scales: __m256i,
+    sum: [__m256i; N],
+    acc: &mut [__m256; N],
+) {
+    for t in 0..N {
+        let d = _mm256_mul_ps(dw, _mm256_set1_ps(a[t].d[i]));
+        let offset = _mm256_slli_epi32::<SHIFT>(_mm256_madd_epi16(scales, bsums16(a[t], i)));
+        let isum = _mm256_sub_epi32(sum[t], offset);
+        acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc[t]);
+    }
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn q2_k_n<const N: usize>(row: &[u8], a: [&Q8KBlocks; N]) -> [f32; N] {
     let m3 = _mm256_set1_epi8(3);
@@ -392,13 +413,8 @@ pub fn q3_k_n<const N: usize>(row: &[u8], a: [&Q8KBlocks; N]) -> [f32; N] {
             _mm256_or_si256(_mm256_and_si256(shifted(q[h], k), m3), high)
         };
         let sum = scaled16(block_x(a, i), scales, levels);
-        for t in 0..N {
-            let d = _mm256_mul_ps(dw, _mm256_set1_ps(a[t].d[i]));
-            // Levels are the values + 4.
-            let offset = _mm256_slli_epi32::<2>(_mm256_madd_epi16(scales, bsums16(a[t], i)));
-            let isum = _mm256_sub_epi32(sum[t], offset);
-            acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc[t]);
-        }
+        // Levels are the values + 4.
+        offset_block::<N, 2>(a, i, dw, scales, sum, acc);
     };
     // SAFETY: `kquant` checks the row length and passes super-block pointers inside it.
     unsafe { kquant(row, BLOCK_BYTES_K[1], a, block) }
@@ -502,13 +518,8 @@ pub fn q6_k_n<const N: usize>(row: &[u8], a: [&Q8KBlocks; N]) -> [f32; N] {
             _mm256_or_si256(_mm256_and_si256(low, m4), _mm256_and_si256(high, m30))
         };
         let sum = scaled16(block_x(a, i), scales, levels);
-        for t in 0..N {
-            let d = _mm256_mul_ps(dw, _mm256_set1_ps(a[t].d[i]));
-            // Levels are the values + 32.
-            let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(scales, bsums16(a[t], i)));
-            let isum = _mm256_sub_epi32(sum[t], offset);
-            acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc[t]);
-        }
+        // Levels are the values + 32.
+        offset_block::<N, 5>(a, i, dw, scales, sum, acc);
     };
     // SAFETY: `kquant` checks the row length and passes super-block pointers inside it.
     unsafe { kquant(row, BLOCK_BYTES_K[4], a, block) }

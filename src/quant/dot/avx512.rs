@@ -464,6 +464,28 @@ unsafe fn scaled16<const VNNI: bool>(x: &[i8], scales: __m512i, levels: &[__m512
     sum
 }
 
+/// Adds super-block `i` of a type without minima whose levels are the
+/// values + `2^SHIFT` (Q3_K, Q6_K: `dw` its f16 scale widened, `scales`
+/// its 16 signed sub-block scales) into each token's sum.
+#[inline(always)]
+unsafe fn offset_block<const VNNI: bool, const N: usize, const SHIFT: i32>(
+    a: [&Q8KBlocks; N],
+    i: usize,
+    dw: __m512,
+    scales: __m256i,
+    levels: &[__m512i; 4],
+    acc: &mut [__m512; N],
+) {
+    for t in 0..N {
+        let x = &a[t].qs[256 * i..256 * i + 256];
+        let d = _mm512_mul_ps(dw, _mm512_set1_ps(a[t].d[i]));
+        let sum = scaled16::<VNNI>(x, _mm512_castsi256_si512(scales), levels);
+        let offset = _mm256_slli_epi32::<SHIFT>(_mm256_madd_epi16(scales, bsums16(a[t], i)));
+        let isum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(offset));
+        acc[t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(isum), acc[t]);
+    }
+}
+
 #[inline(always)]
 unsafe fn q2_k<const VNNI: bool, const N: usize>(row: &[u8], a: [&Q8KBlocks; N]) -> [f32; N] {
     let m3 = _mm512_set1_epi8(3);
@@ -504,15 +526,8 @@ unsafe fn q3_k<const VNNI: bool, const N: usize>(row: &[u8], a: [&Q8KBlocks; N])
             let high = _mm512_test_epi8_mask(hm, halves8(1 << (2 * v), 1 << (2 * v + 1)));
             _mm512_mask_add_epi8(low, high, low, _mm512_set1_epi8(4))
         });
-        for t in 0..N {
-            let x = &a[t].qs[256 * i..256 * i + 256];
-            let d = _mm512_mul_ps(dw, _mm512_set1_ps(a[t].d[i]));
-            let sum = scaled16::<VNNI>(x, _mm512_castsi256_si512(scales), &levels);
-            // Levels are the values + 4.
-            let offset = _mm256_slli_epi32::<2>(_mm256_madd_epi16(scales, bsums16(a[t], i)));
-            let isum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(offset));
-            acc[t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(isum), acc[t]);
-        }
+        // Levels are the values + 4.
+        offset_block::<VNNI, N, 2>(a, i, dw, scales, &levels, acc);
     };
     kquant(row, BLOCK_BYTES_K[1], a, block)
 }
@@ -598,15 +613,8 @@ unsafe fn q6_k<const VNNI: bool, const N: usize>(row: &[u8], a: [&Q8KBlocks; N])
             };
             _mm512_or_si512(_mm512_and_si512(low, m4), _mm512_and_si512(high, m30))
         });
-        for t in 0..N {
-            let x = &a[t].qs[256 * i..256 * i + 256];
-            let d = _mm512_mul_ps(dw, _mm512_set1_ps(a[t].d[i]));
-            let sum = scaled16::<VNNI>(x, _mm512_castsi256_si512(scales), &levels);
-            // Levels are the values + 32.
-            let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(scales, bsums16(a[t], i)));
-            let isum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(offset));
-            acc[t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(isum), acc[t]);
-        }
+        // Levels are the values + 32.
+        offset_block::<VNNI, N, 5>(a, i, dw, scales, &levels, acc);
     };
     kquant(row, BLOCK_BYTES_K[4], a, block)
 }
