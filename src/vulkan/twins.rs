@@ -520,6 +520,22 @@ fn one_layer_arena(ctx: &Arc<Context>, pipes: &Pipelines, ty: GgmlType, h: usize
     (experts, layer, arena, slots)
 }
 
+/// A scratch of one block of `tok` floats per token for a plain matrix of
+/// `cols` columns: its input (seeded by `seed` + the token) at 0, its
+/// residual epilogue's stream weights `0.5 + t, -1 - t` at `aux`, and the
+/// streams it adds into, `residual`, filled with a pattern.
+fn plain_scratch(tokens: usize, tok: usize, cols: usize, aux: usize, residual: std::ops::Range<usize>, seed: u64) -> Vec<f32> {
+    let mut scratch = vec![0f32; tokens * tok];
+    for (t, b) in scratch.chunks_mut(tok).enumerate() {
+        b[..cols].copy_from_slice(&values(cols, cols, seed + t as u64));
+        b[aux..aux + STREAMS].copy_from_slice(&[0.5 + t as f32, -1.0 - t as f32]);
+        for (i, v) in b[residual.clone()].iter_mut().enumerate() {
+            *v = (i % 7) as f32 * 0.25 - 0.5;
+        }
+    }
+    scratch
+}
+
 /// A scratch of one block of `tok` floats per token: its chosen experts'
 /// ids at 0 and its input, `h` values seeded by `seed` + the token, at `x_off`.
 fn expert_scratch(ids: &[[u32; 3]], tok: usize, x_off: usize, h: usize, seed: u64) -> Vec<f32> {
@@ -585,15 +601,7 @@ fn batched_matvecs_equal_single_tokens() {
             // Then the region of the activations rounded once (fast kernels).
             let xq = (y0 + rows).div_ceil(4) * 4;
             let tok = (xq + XQ_FLOATS).div_ceil(64) * 64;
-            let mut scratch = vec![0f32; T * tok];
-            for t in 0..T {
-                let b = &mut scratch[t * tok..(t + 1) * tok];
-                b[..cols].copy_from_slice(&values(cols, cols, 40 + t as u64));
-                b[aux..aux + STREAMS].copy_from_slice(&[0.5 + t as f32, -1.0 - t as f32]);
-                for (i, v) in b[y3..y0].iter_mut().enumerate() {
-                    *v = (i % 7) as f32 * 0.25 - 0.5;
-                }
-            }
+            let scratch = plain_scratch(T, tok, cols, aux, y3..y0, 40);
             let push = |t: usize, mode: u32, y: usize| {
                 let b = (t * tok) as u32;
                 let aux_n = if mode == 3 { STREAMS as u32 } else { 0 };
@@ -741,15 +749,7 @@ fn mm_within_the_f16_bound() {
         let (y0, y1) = (y3 + STREAMS * rows, y3 + (STREAMS + 1) * rows);
         let y4 = y1 + rows;
         let tok = (y4 + rows / 2).div_ceil(64) * 64;
-        let mut scratch = vec![0f32; T * tok];
-        for t in 0..T {
-            let b = &mut scratch[t * tok..(t + 1) * tok];
-            b[..cols].copy_from_slice(&values(cols, cols, 70 + t as u64));
-            b[aux..aux + STREAMS].copy_from_slice(&[0.5 + t as f32, -1.0 - t as f32]);
-            for (i, v) in b[y3..y0].iter_mut().enumerate() {
-                *v = (i % 7) as f32 * 0.25 - 0.5;
-            }
-        }
+        let scratch = plain_scratch(T, tok, cols, aux, y3..y0, 70);
         let push = |mode: u32, y: usize| {
             let aux_n = if mode == 3 { STREAMS as u32 } else { 0 };
             MatvecPush { y_off: y as u32, mode, aux_off: aux as u32, aux_n, x_stride: tok as u32, y_stride: tok as u32, scale: 0.75, split_row: split as u32, ..Default::default() }
