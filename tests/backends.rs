@@ -161,6 +161,11 @@ every_backend! {
         assert_eq!(s.rewind_floor(), 15 - w);
         s.rewind(13).unwrap();
         assert_eq!(one_by_one(&mut s, &toks[13..20]), want[13..20].to_vec());
+        // A batch longer than the window leaves the states of its last positions.
+        let mut b = State::new(model.clone()).unwrap();
+        b.decode_batch(&toks[..12], LogitsFor::Last).unwrap();
+        b.rewind(12 - w).unwrap();
+        assert_eq!(one_by_one(&mut b, &toks[12 - w..14]), want[12 - w..14].to_vec(), "{on:?}: rewound into a longer batch");
         // Beyond the window: refused, nothing changed.
         let floor = s.rewind_floor();
         assert_eq!(floor, 20 - w);

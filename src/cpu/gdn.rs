@@ -20,6 +20,7 @@ use crate::error::Result;
 use crate::model::config::{Config, GateActivation};
 use crate::error::zeros;
 use crate::model::weights::Gdn;
+use crate::quant::kernels::Isa;
 use crate::tensor::{matmul_all, matvec_all};
 use rayon::prelude::*;
 
@@ -109,22 +110,111 @@ pub fn conv(taps: &[f32], kc: usize, ring: &mut [f32], pos: usize, qkv: &[f32]) 
     c
 }
 
+/// One token's decay and beta per value head, after normalising its
+/// query and key heads in `c` (q | k | v; l2 norm, the query scaled by
+/// `1/sqrt(dk)`).
+fn prepare(w: &Gdn, cfg: &Config, c: &mut [f32], b: &[f32], a: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let (nk, nv, d) = (cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_dim);
+    let qscale = 1.0 / (d as f32).sqrt();
+    let (q_all, rest) = c.split_at_mut(nk * d);
+    for (qh, kh) in q_all.chunks_mut(d).zip(rest[..nk * d].chunks_mut(d)) {
+        l2_normalize(qh, L2_EPS);
+        l2_normalize(kh, L2_EPS);
+        qh.iter_mut().for_each(|v| *v *= qscale);
+    }
+    let decay = (0..nv).map(|h| (w.a[h] * softplus(a[h] + w.dt_bias[h])).exp()).collect();
+    let beta = (0..nv).map(|h| sigmoid(b[h])).collect();
+    (decay, beta)
+}
+
+/// Value head `h`'s q, k and v in a prepared conv output `c`.
+fn head_qkv<'a>(cfg: &Config, c: &'a [f32], h: usize) -> [&'a [f32]; 3] {
+    let (nk, d) = (cfg.ssm_k_heads, cfg.ssm_head_dim);
+    let kh = h % nk;
+    [&c[kh * d..(kh + 1) * d], &c[(nk + kh) * d..(nk + kh + 1) * d], &c[(2 * nk + h) * d..(2 * nk + h + 1) * d]]
+}
+
+/// One token through one value head's state ([dk][dv], row `i` for key
+/// feature `i`): `to = decay from`, `delta = beta (v - to^T k)`,
+/// `to += k delta^T`, `o += to^T q` (`o` zeroed by the caller). Two passes
+/// over the state, each row's sums in row order; the token-by-token and the
+/// batched delta rule both step through here.
+///
+/// Element-wise products and sums only (no fused multiply-add, no sums
+/// across lanes), so the levels below give the same bits; the wider ones
+/// are the same code compiled for wider vectors.
+#[allow(clippy::too_many_arguments)]
+fn step(from: &[f32], to: &mut [f32], qkv: [&[f32]; 3], decay: f32, beta: f32, delta: &mut [f32], o: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2")]
+        #[allow(clippy::too_many_arguments)]
+        fn avx2(from: &[f32], to: &mut [f32], qkv: [&[f32]; 3], decay: f32, beta: f32, delta: &mut [f32], o: &mut [f32]) {
+            step_portable(from, to, qkv, decay, beta, delta, o)
+        }
+        #[target_feature(enable = "avx512f")]
+        #[allow(clippy::too_many_arguments)]
+        fn avx512(from: &[f32], to: &mut [f32], qkv: [&[f32]; 3], decay: f32, beta: f32, delta: &mut [f32], o: &mut [f32]) {
+            step_portable(from, to, qkv, decay, beta, delta, o)
+        }
+        match Isa::detect() {
+            // SAFETY: `Isa::detect` reports only levels this CPU runs.
+            Isa::Avx2 => return unsafe { avx2(from, to, qkv, decay, beta, delta, o) },
+            Isa::Avx512 | Isa::Avx512Vnni => return unsafe { avx512(from, to, qkv, decay, beta, delta, o) },
+            Isa::Scalar => {}
+        }
+    }
+    step_portable(from, to, qkv, decay, beta, delta, o)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn step_portable(from: &[f32], to: &mut [f32], [q, k, v]: [&[f32]; 3], decay: f32, beta: f32, delta: &mut [f32], o: &mut [f32]) {
+    let d = q.len();
+    delta.fill(0.0);
+    for ((row_in, row), &ki) in from.chunks_exact(d).zip(to.chunks_exact_mut(d)).zip(k) {
+        for ((x, &x_in), dj) in row.iter_mut().zip(row_in).zip(delta.iter_mut()) {
+            *x = x_in * decay;
+            *dj += *x * ki;
+        }
+    }
+    for (dj, &vj) in delta.iter_mut().zip(v) {
+        *dj = (vj - *dj) * beta;
+    }
+    for ((row, &ki), &qi) in to.chunks_exact_mut(d).zip(k).zip(q) {
+        for ((x, &dj), oj) in row.iter_mut().zip(delta.iter()).zip(o.iter_mut()) {
+            *x += ki * dj;
+            *oj += *x * qi;
+        }
+    }
+}
+
+/// The gated RMSNorm per head of one token's delta-rule output `o` with its
+/// gate projection `z`: [nv*d].
+fn gated_norm(w: &Gdn, cfg: &Config, o: &[f32], z: &[f32]) -> Vec<f32> {
+    let d = cfg.ssm_head_dim;
+    let mut normed = vec![0f32; o.len()];
+    for ((oh, zh), nh) in o.chunks(d).zip(z.chunks(d)).zip(normed.chunks_mut(d)) {
+        rms_norm(oh, &w.norm, cfg.eps, nh);
+        for (v, &g) in nh.iter_mut().zip(zh) {
+            *v *= match cfg.ssm_gate {
+                GateActivation::Sigmoid => sigmoid(g),
+                GateActivation::Silu => silu(g),
+            };
+        }
+    }
+    normed
+}
+
 /// The delta rule for the token at `pos` (reading recurrent plane
 /// `pos mod planes`, writing plane `pos + 1`), then the gated RMSNorm per
 /// head: [nv*d]. `c` is the conv output (q | k | v), `z`, `b`, `a` the
 /// gate, beta and decay projections.
 #[allow(clippy::too_many_arguments)]
 pub fn delta_rule(w: &Gdn, cfg: &Config, planes: &mut [f32], pos: usize, c: &mut [f32], z: &[f32], b: &[f32], a: &[f32]) -> Vec<f32> {
-    let (nk, nv, d) = (cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_dim);
-    let (q_all, rest) = c.split_at_mut(nk * d);
-    let (k_all, v_all) = rest.split_at_mut(nk * d);
-    let qscale = 1.0 / (d as f32).sqrt();
-    for (qh, kh) in q_all.chunks_mut(d).zip(k_all.chunks_mut(d)) {
-        l2_normalize(qh, L2_EPS);
-        l2_normalize(kh, L2_EPS);
-        qh.iter_mut().for_each(|v| *v *= qscale);
-    }
-    let (q_all, k_all, v_all) = (&*q_all, &*k_all, &*v_all);
+    let (nv, d) = (cfg.ssm_v_heads, cfg.ssm_head_dim);
+    let (decay, beta) = prepare(w, cfg, c, b, a);
+    let c = &*c;
 
     let plane = nv * d * d;
     let n_planes = planes.len() / plane;
@@ -141,35 +231,8 @@ pub fn delta_rule(w: &Gdn, cfg: &Config, planes: &mut [f32], pos: usize, c: &mut
     // One value head: (index, ((state before, state after), output)).
     type Head<'a> = (usize, ((&'a [f32], &'a mut [f32]), &'a mut [f32]));
     let head = |(h, ((s_in, s), oh)): Head| {
-        let kh = h % nk;
-        let q = &q_all[kh * d..(kh + 1) * d];
-        let k = &k_all[kh * d..(kh + 1) * d];
-        let v = &v_all[h * d..(h + 1) * d];
-        let decay = (w.a[h] * softplus(a[h] + w.dt_bias[h])).exp();
-        let beta = sigmoid(b[h]);
-        // S = decay * S_in; kv_mem[j] = sum_i S[i][j] k[i]
-        for (x, x_in) in s.iter_mut().zip(s_in) {
-            *x = x_in * decay;
-        }
         let mut delta = vec![0f32; d];
-        for (i, row) in s.chunks(d).enumerate() {
-            for j in 0..d {
-                delta[j] += row[j] * k[i];
-            }
-        }
-        for j in 0..d {
-            delta[j] = (v[j] - delta[j]) * beta;
-        }
-        for (i, row) in s.chunks_mut(d).enumerate() {
-            for j in 0..d {
-                row[j] += k[i] * delta[j];
-            }
-        }
-        for (i, row) in s.chunks(d).enumerate() {
-            for j in 0..d {
-                oh[j] += row[j] * q[i];
-            }
-        }
+        step(s_in, s, head_qkv(cfg, c, h), decay[h], beta[h], &mut delta, oh);
     };
     let heads = src.chunks(d * d).zip(dst.chunks_mut(d * d)).zip(o.chunks_mut(d));
     if nv * d * d >= 1 << 15 {
@@ -177,17 +240,57 @@ pub fn delta_rule(w: &Gdn, cfg: &Config, planes: &mut [f32], pos: usize, c: &mut
     } else {
         heads.enumerate().for_each(head);
     }
+    gated_norm(w, cfg, &o, z)
+}
 
-    // Gated RMSNorm per head.
-    let mut normed = vec![0f32; nv * d];
-    for ((oh, zh), nh) in o.chunks(d).zip(z.chunks(d)).zip(normed.chunks_mut(d)) {
-        rms_norm(oh, &w.norm, cfg.eps, nh);
-        for (v, &g) in nh.iter_mut().zip(zh) {
-            *v *= match cfg.ssm_gate {
-                GateActivation::Sigmoid => sigmoid(g),
-                GateActivation::Silu => silu(g),
-            };
+/// [`delta_rule`] for the `T` tokens at `pos, pos + 1, ..` (conv outputs
+/// `cs`: [T][Dc], gates `zs` [T][nv*d], `bs` and `as_` [T][nv]): [T][nv*d].
+///
+/// Head-major: each value head (in parallel) carries its state through the
+/// batch in two buffers of the thread's cache (64 KB each at the real
+/// shapes, where the token-by-token walk streams every head's plane, 3 MB a
+/// layer, in and out for each token), and only the states of the last
+/// `planes` positions are written to their planes, the ones token-by-token
+/// decoding leaves. Every number is [`step`]'s, in the same order, so the
+/// outputs and the planes are those of `T` calls of [`delta_rule`].
+#[allow(clippy::too_many_arguments)]
+pub fn delta_rule_batch(w: &Gdn, cfg: &Config, planes: &mut [f32], pos: usize, cs: &mut [f32], zs: &[f32], bs: &[f32], as_: &[f32]) -> Vec<f32> {
+    let (nv, d, dc) = (cfg.ssm_v_heads, cfg.ssm_head_dim, cfg.ssm_conv_dim());
+    let t = cs.len() / dc;
+    let gates: Vec<(Vec<f32>, Vec<f32>)> = cs
+        .chunks_exact_mut(dc)
+        .zip(bs.chunks_exact(nv).zip(as_.chunks_exact(nv)))
+        .map(|(c, (b, a))| prepare(w, cfg, c, b, a))
+        .collect();
+    let cs = &*cs;
+    let n_planes = planes.len() / (nv * d * d);
+    // Plane `p` of head `h` is chunk `p * nv + h`.
+    let mut by_head: Vec<Vec<&mut [f32]>> = (0..nv).map(|_| Vec::with_capacity(n_planes)).collect();
+    for (i, s) in planes.chunks_exact_mut(d * d).enumerate() {
+        by_head[i % nv].push(s);
+    }
+    let head = |(h, mut hp): (usize, Vec<&mut [f32]>)| {
+        let (mut s, mut next, mut delta) = (hp[pos % n_planes].to_vec(), vec![0f32; d * d], vec![0f32; d]);
+        let mut o = vec![0f32; t * d];
+        for (i, oi) in o.chunks_exact_mut(d).enumerate() {
+            let (decay, beta) = (gates[i].0[h], gates[i].1[h]);
+            step(&s, &mut next, head_qkv(cfg, &cs[i * dc..(i + 1) * dc], h), decay, beta, &mut delta, oi);
+            std::mem::swap(&mut s, &mut next);
+            if t - 1 - i < n_planes {
+                hp[(pos + i + 1) % n_planes].copy_from_slice(&s);
+            }
         }
+        o
+    };
+    let outs: Vec<Vec<f32>> = if t * nv * d * d >= 1 << 15 {
+        by_head.into_par_iter().enumerate().map(head).collect()
+    } else {
+        by_head.into_iter().enumerate().map(head).collect()
+    };
+    let mut normed = vec![0f32; t * nv * d];
+    for (i, out) in normed.chunks_exact_mut(nv * d).enumerate() {
+        let o: Vec<f32> = outs.iter().flat_map(|oh| &oh[i * d..(i + 1) * d]).copied().collect();
+        out.copy_from_slice(&gated_norm(w, cfg, &o, &zs[i * nv * d..(i + 1) * nv * d]));
     }
     normed
 }
@@ -204,8 +307,9 @@ pub fn forward(w: &Gdn, cfg: &Config, st: &mut GdnState, pos: usize, x: &[f32]) 
 
 /// The tokens at `pos, pos + 1, ..` (inputs `xs`: [T][H]) through the whole
 /// layer: [T][H]. The projections read each matrix once for the batch; the
-/// conv and the delta rule step token by token through the same functions
-/// as [`forward`], so the outputs and the states left are the same.
+/// conv steps token by token through [`conv`], the delta rule head by head
+/// through the batch ([`delta_rule_batch`]), so the outputs and the states
+/// left are [`forward`]'s.
 pub fn forward_batch(w: &Gdn, cfg: &Config, st: &mut GdnState, pos: usize, xs: &[f32]) -> Vec<f32> {
     let (nv, d, h) = (cfg.ssm_v_heads, cfg.ssm_head_dim, cfg.hidden);
     let t = xs.len() / h;
@@ -217,12 +321,11 @@ pub fn forward_batch(w: &Gdn, cfg: &Config, st: &mut GdnState, pos: usize, xs: &
         w.beta.matmul_job(0, xs, &mut beta),
         w.alpha.matmul_job(0, xs, &mut alpha),
     ]);
-    let mut normed = vec![0f32; t * nv * d];
-    for (i, out) in normed.chunks_exact_mut(nv * d).enumerate() {
-        let mut c = conv(&w.conv, cfg.ssm_conv, &mut st.conv, pos + i, &qkv[i * dc..(i + 1) * dc]);
-        let (zi, bi, ai) = (&z[i * nv * d..(i + 1) * nv * d], &beta[i * nv..(i + 1) * nv], &alpha[i * nv..(i + 1) * nv]);
-        out.copy_from_slice(&delta_rule(w, cfg, &mut st.planes, pos + i, &mut c, zi, bi, ai));
+    for (i, c) in qkv.chunks_exact_mut(dc).enumerate() {
+        let ci = conv(&w.conv, cfg.ssm_conv, &mut st.conv, pos + i, c);
+        c.copy_from_slice(&ci);
     }
+    let normed = delta_rule_batch(w, cfg, &mut st.planes, pos, &mut qkv, &z, &beta, &alpha);
     let mut out = vec![0f32; t * h];
     w.out.matmul(&normed, &mut out);
     out
