@@ -92,22 +92,46 @@ pub fn ring_row(q: isize, rows: usize) -> usize {
 /// Depthwise causal conv over the inputs of positions `pos - Kc + 1 ..= pos`,
 /// then SiLU; stores `qkv` as position `pos`'s input in the `ring`.
 pub fn conv(taps: &[f32], kc: usize, ring: &mut [f32], pos: usize, qkv: &[f32]) -> Vec<f32> {
-    let dc = qkv.len();
-    let rows = ring.len() / dc;
-    let mut c = vec![0f32; dc];
-    for ch in 0..dc {
-        let taps = &taps[ch * kc..(ch + 1) * kc];
-        let mut acc = taps[kc - 1] * qkv[ch];
-        // Tap k reads the input `kc - 1 - k` positions back.
-        for (k, tap) in taps[..kc - 1].iter().enumerate() {
-            let row = ring_row(pos as isize - (kc - 1 - k) as isize, rows);
-            acc += tap * ring[row * dc + ch];
+    conv_batch(taps, kc, ring, pos, qkv)
+}
+
+/// [`conv`] for the `T` tokens at `pos, pos + 1, ..` (inputs `qkv`:
+/// [T][Dc]): [T][Dc]. Each token's taps read the inputs before it from the
+/// batch or, before the batch, from the ring; the tokens run in parallel,
+/// then the ring takes the batch's inputs (its last `rows`).
+pub fn conv_batch(taps: &[f32], kc: usize, ring: &mut [f32], pos: usize, qkv: &[f32]) -> Vec<f32> {
+    let dc = taps.len() / kc;
+    assert!(dc > 0 && qkv.len().is_multiple_of(dc) && ring.len().is_multiple_of(dc), "conv inputs of {dc} channels");
+    let (rows, t) = (ring.len() / dc, qkv.len() / dc);
+    let mut out = vec![0f32; qkv.len()];
+    let history = &*ring;
+    super::per_chunk(&mut out, dc, |i, c| {
+        // The input `b` positions back, for b = 1 .. Kc-1: index b - 1.
+        let back: Vec<&[f32]> = (1..kc)
+            .map(|b| match i.checked_sub(b) {
+                Some(j) => &qkv[j * dc..(j + 1) * dc],
+                None => {
+                    let r = ring_row((pos + i) as isize - b as isize, rows);
+                    &history[r * dc..(r + 1) * dc]
+                }
+            })
+            .collect();
+        let x = &qkv[i * dc..(i + 1) * dc];
+        for ch in 0..dc {
+            let taps = &taps[ch * kc..(ch + 1) * kc];
+            let mut acc = taps[kc - 1] * x[ch];
+            // Tap k reads the input `kc - 1 - k` positions back.
+            for (k, tap) in taps[..kc - 1].iter().enumerate() {
+                acc += tap * back[kc - 2 - k][ch];
+            }
+            c[ch] = silu(acc);
         }
-        c[ch] = silu(acc);
+    });
+    for i in t.saturating_sub(rows)..t {
+        let r = ring_row((pos + i) as isize, rows);
+        ring[r * dc..(r + 1) * dc].copy_from_slice(&qkv[i * dc..(i + 1) * dc]);
     }
-    let row = ring_row(pos as isize, rows);
-    ring[row * dc..(row + 1) * dc].copy_from_slice(qkv);
-    c
+    out
 }
 
 /// One token's decay and beta per value head, after normalising its
@@ -257,11 +281,12 @@ pub fn delta_rule(w: &Gdn, cfg: &Config, planes: &mut [f32], pos: usize, c: &mut
 pub fn delta_rule_batch(w: &Gdn, cfg: &Config, planes: &mut [f32], pos: usize, cs: &mut [f32], zs: &[f32], bs: &[f32], as_: &[f32]) -> Vec<f32> {
     let (nv, d, dc) = (cfg.ssm_v_heads, cfg.ssm_head_dim, cfg.ssm_conv_dim());
     let t = cs.len() / dc;
-    let gates: Vec<(Vec<f32>, Vec<f32>)> = cs
-        .chunks_exact_mut(dc)
-        .zip(bs.chunks_exact(nv).zip(as_.chunks_exact(nv)))
-        .map(|(c, (b, a))| prepare(w, cfg, c, b, a))
-        .collect();
+    let prepare_token = |(i, c): (usize, &mut [f32])| prepare(w, cfg, c, &bs[i * nv..(i + 1) * nv], &as_[i * nv..(i + 1) * nv]);
+    let gates: Vec<(Vec<f32>, Vec<f32>)> = if t > 1 {
+        cs.par_chunks_exact_mut(dc).enumerate().map(prepare_token).collect()
+    } else {
+        cs.chunks_exact_mut(dc).enumerate().map(prepare_token).collect()
+    };
     let cs = &*cs;
     let n_planes = planes.len() / (nv * d * d);
     // Plane `p` of head `h` is chunk `p * nv + h`.
@@ -288,10 +313,10 @@ pub fn delta_rule_batch(w: &Gdn, cfg: &Config, planes: &mut [f32], pos: usize, c
         by_head.into_iter().enumerate().map(head).collect()
     };
     let mut normed = vec![0f32; t * nv * d];
-    for (i, out) in normed.chunks_exact_mut(nv * d).enumerate() {
+    super::per_chunk(&mut normed, nv * d, |i, out| {
         let o: Vec<f32> = outs.iter().flat_map(|oh| &oh[i * d..(i + 1) * d]).copied().collect();
         out.copy_from_slice(&gated_norm(w, cfg, &o, &zs[i * nv * d..(i + 1) * nv * d]));
-    }
+    });
     normed
 }
 
@@ -321,11 +346,8 @@ pub fn forward_batch(w: &Gdn, cfg: &Config, st: &mut GdnState, pos: usize, xs: &
         w.beta.matmul_job(0, xs, &mut beta),
         w.alpha.matmul_job(0, xs, &mut alpha),
     ]);
-    for (i, c) in qkv.chunks_exact_mut(dc).enumerate() {
-        let ci = conv(&w.conv, cfg.ssm_conv, &mut st.conv, pos + i, c);
-        c.copy_from_slice(&ci);
-    }
-    let normed = delta_rule_batch(w, cfg, &mut st.planes, pos, &mut qkv, &z, &beta, &alpha);
+    let mut c = conv_batch(&w.conv, cfg.ssm_conv, &mut st.conv, pos, &qkv);
+    let normed = delta_rule_batch(w, cfg, &mut st.planes, pos, &mut c, &z, &beta, &alpha);
     let mut out = vec![0f32; t * h];
     w.out.matmul(&normed, &mut out);
     out

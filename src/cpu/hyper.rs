@@ -8,6 +8,7 @@
 //! (`hc_combine`), [`inject`] (a matvec with its epilogue).
 
 use super::ops::{rms_norm_grouped, sigmoid, silu};
+use super::{par_map, per_chunk};
 use crate::model::weights::HyperConnection;
 use crate::tensor::matmul_all;
 
@@ -73,9 +74,7 @@ pub fn pre_batch(hc: &HyperConnection, residuals: &[f32], streams: usize, eps: f
     let ch = hc.up.rows();
     let t = residuals.len() / ch;
     let mut xn = vec![0f32; residuals.len()];
-    for (x, o) in residuals.chunks_exact(ch).zip(xn.chunks_exact_mut(ch)) {
-        rms_norm_grouped(x, &hc.norm, ch / streams, eps, o);
-    }
+    per_chunk(&mut xn, ch, |i, o| rms_norm_grouped(&residuals[i * ch..(i + 1) * ch], &hc.norm, ch / streams, eps, o));
     let c = streams as f32;
     let mut low = vec![0f32; t * hc.down.rows()];
     let mut logits = vec![0f32; t * hc.inject.as_ref().map_or(0, |w| w.rows())];
@@ -83,16 +82,14 @@ pub fn pre_batch(hc: &HyperConnection, residuals: &[f32], streams: usize, eps: f
         Some(w) => matmul_all(&mut [hc.down.matmul_job(0, &xn, &mut low), w.matmul_job(0, &xn, &mut logits)]),
         None => hc.down.matmul(&xn, &mut low),
     }
-    low.iter_mut().for_each(|v| *v = silu(*v / c));
+    per_chunk(&mut low, hc.down.rows(), |_, l| l.iter_mut().for_each(|v| *v = silu(*v / c)));
     let mut mix = vec![0f32; t * ch];
     hc.up.matmul(&low, &mut mix);
     let per = logits.len() / t.max(1);
-    (0..t)
-        .map(|i| HcPre {
-            input: combine(&mix[i * ch..(i + 1) * ch], &xn[i * ch..(i + 1) * ch], streams),
-            inject: logits[i * per..(i + 1) * per].iter().map(|&v| 2.0 * sigmoid(v / c)).collect(),
-        })
-        .collect()
+    par_map(t, |i| HcPre {
+        input: combine(&mix[i * ch..(i + 1) * ch], &xn[i * ch..(i + 1) * ch], streams),
+        inject: logits[i * per..(i + 1) * per].iter().map(|&v| 2.0 * sigmoid(v / c)).collect(),
+    })
 }
 
 /// `X_c += w_c * o` for every stream.

@@ -7,6 +7,8 @@
 //! (`moe_combine`, with the hyper-connection post step).
 
 use super::ops::{dot, sigmoid, silu, softmax};
+use super::{par_map, per_chunk};
+use rayon::prelude::*;
 use crate::model::config::Config;
 use crate::model::weights::{ExpertGateUp, Moe};
 use crate::tensor::{matmul_all, matvec_all};
@@ -103,18 +105,30 @@ pub fn expert_outputs(w: &Moe, cfg: &Config, x: &[f32], experts: &[Expert]) -> V
 pub fn expert_outputs_grouped(w: &Moe, cfg: &Config, xs: &[f32], routes: &[Vec<(usize, f32)>]) -> Vec<Vec<f32>> {
     let (h, f, fs) = (cfg.hidden, cfg.expert_ff, cfg.shared_ff);
     let t = xs.len() / h;
-    // Per expert the (token, slot) pairs routed to it, in token order.
-    let mut members: Vec<Vec<(usize, usize)>> = vec![Vec::new(); cfg.n_experts];
-    for (tok, r) in routes.iter().enumerate() {
-        for (slot, &(e, _)) in r.iter().enumerate() {
-            members[e].push((tok, slot));
-        }
-    }
+    // Per expert the tokens routed to it, in token order; per (token, slot)
+    // the expert's row among them.
+    let mut members: Vec<Vec<usize>> = vec![Vec::new(); cfg.n_experts];
+    let rows: Vec<Vec<usize>> = routes
+        .iter()
+        .enumerate()
+        .map(|(tok, r)| {
+            r.iter()
+                .map(|&(e, _)| {
+                    members[e].push(tok);
+                    members[e].len() - 1
+                })
+                .collect()
+        })
+        .collect();
     let used: Vec<usize> = (0..cfg.n_experts).filter(|&e| !members[e].is_empty()).collect();
-    let inputs: Vec<Vec<f32>> = used.iter().map(|&e| members[e].iter().flat_map(|&(tok, _)| &xs[tok * h..(tok + 1) * h]).copied().collect()).collect();
+    let mut slot_of = vec![usize::MAX; cfg.n_experts];
+    for (i, &e) in used.iter().enumerate() {
+        slot_of[e] = i;
+    }
+    let inputs: Vec<Vec<f32>> = par_map(used.len(), |i| members[used[i]].iter().flat_map(|&tok| &xs[tok * h..(tok + 1) * h]).copied().collect());
     // Per used expert `gate` and `up`: [m][f] each; the shared expert's: [T][fs].
     let mut gates: Vec<Vec<f32>> = used.iter().map(|&e| vec![0f32; members[e].len() * f]).collect();
-    let mut ups: Vec<Vec<f32>> = gates.clone();
+    let mut ups: Vec<Vec<f32>> = used.iter().map(|&e| vec![0f32; members[e].len() * f]).collect();
     let mut fused: Vec<Vec<f32>> = Vec::new();
     let (mut shared_g, mut shared_u) = (vec![0f32; t * fs], vec![0f32; t * fs]);
     {
@@ -137,17 +151,28 @@ pub fn expert_outputs_grouped(w: &Moe, cfg: &Config, xs: &[f32], routes: &[Vec<(
         jobs.push(w.shared_up.matmul_job(0, xs, &mut shared_u));
         matmul_all(&mut jobs);
     }
-    for (i, gu) in fused.iter().enumerate() {
-        for (tok, both) in gu.chunks_exact(2 * f).enumerate() {
-            gates[i][tok * f..(tok + 1) * f].copy_from_slice(&both[..f]);
-            ups[i][tok * f..(tok + 1) * f].copy_from_slice(&both[f..]);
+    // gate = silu(gate) * up, per expert (split from the fused product first), then the shared expert's.
+    let swiglu = |i: usize, g: &mut Vec<f32>, u: &mut Vec<f32>| {
+        if let Some(gu) = fused.get(i) {
+            for (tok, both) in gu.chunks_exact(2 * f).enumerate() {
+                g[tok * f..(tok + 1) * f].copy_from_slice(&both[..f]);
+                u[tok * f..(tok + 1) * f].copy_from_slice(&both[f..]);
+            }
         }
-    }
-    for (g, u) in gates.iter_mut().chain(std::iter::once(&mut shared_g)).zip(ups.iter().chain(std::iter::once(&shared_u))) {
-        for (gv, uv) in g.iter_mut().zip(u) {
+        for (gv, uv) in g.iter_mut().zip(u.iter()) {
             *gv = silu(*gv) * uv;
         }
+    };
+    if t > 1 {
+        gates.par_iter_mut().zip(ups.par_iter_mut()).enumerate().for_each(|(i, (g, u))| swiglu(i, g, u));
+    } else {
+        gates.iter_mut().zip(ups.iter_mut()).enumerate().for_each(|(i, (g, u))| swiglu(i, g, u));
     }
+    per_chunk(&mut shared_g, fs, |i, g| {
+        for (gv, uv) in g.iter_mut().zip(&shared_u[i * fs..(i + 1) * fs]) {
+            *gv = silu(*gv) * uv;
+        }
+    });
     let mut downs: Vec<Vec<f32>> = used.iter().map(|&e| vec![0f32; members[e].len() * h]).collect();
     let mut shared_y = vec![0f32; t * h];
     {
@@ -158,16 +183,15 @@ pub fn expert_outputs_grouped(w: &Moe, cfg: &Config, xs: &[f32], routes: &[Vec<(
         jobs.push(w.shared_down.matmul_job(0, &shared_g, &mut shared_y));
         matmul_all(&mut jobs);
     }
-    let mut out: Vec<Vec<f32>> = routes.iter().map(|r| vec![0f32; (r.len() + 1) * h]).collect();
-    for (&e, y) in used.iter().zip(&downs) {
-        for (&(tok, slot), yt) in members[e].iter().zip(y.chunks_exact(h)) {
-            out[tok][slot * h..(slot + 1) * h].copy_from_slice(yt);
+    par_map(t, |tok| {
+        let r = &routes[tok];
+        let mut o = Vec::with_capacity((r.len() + 1) * h);
+        for (&(e, _), &row) in r.iter().zip(&rows[tok]) {
+            o.extend_from_slice(&downs[slot_of[e]][row * h..(row + 1) * h]);
         }
-    }
-    for ((o, r), y) in out.iter_mut().zip(routes).zip(shared_y.chunks_exact(h)) {
-        o[r.len() * h..].copy_from_slice(y);
-    }
-    out
+        o.extend_from_slice(&shared_y[tok * h..(tok + 1) * h]);
+        o
+    })
 }
 
 /// `sum_e w_e y_e` in route order, then `+ gate * shared`: [H].

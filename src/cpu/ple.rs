@@ -42,6 +42,12 @@ pub fn project(w: &Ple, e: &[f32]) -> (Vec<f32>, Vec<f32>) {
 /// `key` and `value`; stores its normed gated values in the `ring`.
 #[allow(clippy::too_many_arguments)]
 pub fn mix(w: &Ple, p: &PleConfig, cfg: &Config, ring: &mut [f32], pos: usize, key: &[f32], value: &[f32], residual: &mut [f32]) {
+    mix_batch(w, p, cfg, ring, pos, key, value, residual)
+}
+
+/// One token's gated values and their norm ([C*H] each), from its `key`,
+/// `value` and `residual`.
+fn gate(w: &Ple, cfg: &Config, key: &[f32], value: &[f32], residual: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let (h, c) = (cfg.hidden, cfg.hc);
     let ch = h * c;
     let mut kn = vec![0f32; ch];
@@ -60,21 +66,51 @@ pub fn mix(w: &Ple, p: &PleConfig, cfg: &Config, ring: &mut [f32], pos: usize, k
     }
     let mut normed = vec![0f32; ch];
     rms_norm_grouped(&gated, &w.norm_conv, h, cfg.eps, &mut normed);
+    (gated, normed)
+}
 
+/// [`mix`] for the tokens at `pos, pos + 1, ..` (`keys` [T][C*H], `values`
+/// [T][H], `residuals` [T][C*H]). The gates of all the tokens first (in
+/// parallel), then each token's conv (in parallel) over the normed values of
+/// the positions `G, 2G, ..` back, from the batch or, before it, the ring;
+/// then the ring takes the batch's normed values (its last `rows`).
+#[allow(clippy::too_many_arguments)]
+pub fn mix_batch(w: &Ple, p: &PleConfig, cfg: &Config, ring: &mut [f32], pos: usize, keys: &[f32], values: &[f32], residuals: &mut [f32]) {
+    let ch = cfg.hidden * cfg.hc;
+    let t = residuals.len() / ch;
+    let (kw, vw) = (keys.len() / t.max(1), values.len() / t.max(1));
+    let gates = super::par_map(t, |i| gate(w, cfg, &keys[i * kw..(i + 1) * kw], &values[i * vw..(i + 1) * vw], &residuals[i * ch..(i + 1) * ch]));
     let (kp, dil) = (p.conv_kernel, p.ngram);
     let rows = ring.len() / ch;
-    // Tap k reads the input (kp-1-k)*dil positions back.
-    let taps: Vec<usize> = (0..kp - 1).map(|k| ring_row(pos as isize - ((kp - 1 - k) * dil) as isize, rows) * ch).collect();
-    for i in 0..ch {
-        let conv = &w.conv[i * kp..(i + 1) * kp];
-        let mut acc = conv[kp - 1] * normed[i];
-        for (tap, at) in conv[..kp - 1].iter().zip(&taps) {
-            acc += tap * ring[at + i];
+    let history = &*ring;
+    super::per_chunk(residuals, ch, |i, residual| {
+        let (gated, normed) = &gates[i];
+        // Tap k reads the normed values (kp-1-k)*dil positions back.
+        let taps: Vec<&[f32]> = (0..kp - 1)
+            .map(|k| {
+                let b = (kp - 1 - k) * dil;
+                match i.checked_sub(b) {
+                    Some(j) => &gates[j].1[..],
+                    None => {
+                        let r = ring_row((pos + i) as isize - b as isize, rows);
+                        &history[r * ch..(r + 1) * ch]
+                    }
+                }
+            })
+            .collect();
+        for e in 0..ch {
+            let conv = &w.conv[e * kp..(e + 1) * kp];
+            let mut acc = conv[kp - 1] * normed[e];
+            for (tap, row) in conv[..kp - 1].iter().zip(&taps) {
+                acc += tap * row[e];
+            }
+            residual[e] += gated[e] + silu(acc);
         }
-        residual[i] += gated[i] + silu(acc);
+    });
+    for (i, (_, normed)) in gates.iter().enumerate().skip(t.saturating_sub(rows)) {
+        let r = ring_row((pos + i) as isize, rows);
+        ring[r * ch..(r + 1) * ch].copy_from_slice(normed);
     }
-    let row = ring_row(pos as isize, rows);
-    ring[row * ch..(row + 1) * ch].copy_from_slice(&normed);
 }
 
 /// The whole injection for one token, from its table rows `e` ([H]).
@@ -86,14 +122,12 @@ pub fn forward(w: &Ple, p: &PleConfig, cfg: &Config, ring: &mut [f32], pos: usiz
 
 /// [`forward`] for the tokens at `pos, pos + 1, ..` (table rows `es`: [T][H],
 /// residuals [T][C*H]): the projections read each matrix once for the batch,
-/// the mix steps token by token (the conv ring carries from one to the next).
+/// the mix runs over the batch ([`mix_batch`]).
 #[allow(clippy::too_many_arguments)]
 pub fn forward_batch(w: &Ple, p: &PleConfig, cfg: &Config, ring: &mut [f32], pos: usize, es: &[f32], residuals: &mut [f32]) {
     let t = es.len() / cfg.hidden;
     let (kw, vw) = (w.key.rows(), w.value.rows());
     let (mut keys, mut values) = (vec![0f32; t * kw], vec![0f32; t * vw]);
     matmul_all(&mut [w.key.matmul_job(0, es, &mut keys), w.value.matmul_job(0, es, &mut values)]);
-    for (i, x) in residuals.chunks_exact_mut(cfg.hc * cfg.hidden).enumerate() {
-        mix(w, p, cfg, ring, pos + i, &keys[i * kw..(i + 1) * kw], &values[i * vw..(i + 1) * vw], x);
-    }
+    mix_batch(w, p, cfg, ring, pos, &keys, &values, residuals);
 }

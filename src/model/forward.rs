@@ -5,6 +5,7 @@
 use super::backend::{Batch, Blocks, Site};
 use super::{ple, LayerKind, Model};
 use crate::error::{Error, Result};
+use rayon::prelude::*;
 
 /// Runs `batch` through the network on `b`; the logits are `b`'s to read.
 pub fn forward<B: Blocks>(model: &Model, batch: &Batch, b: &mut B) -> Result<()> {
@@ -43,8 +44,11 @@ pub fn forward<B: Blocks>(model: &Model, batch: &Batch, b: &mut B) -> Result<()>
 fn embedding_rows(model: &Model, tokens: &[u32]) -> Vec<f32> {
     let h = model.config.hidden;
     let mut rows = vec![0f32; tokens.len() * h];
-    for (&t, row) in tokens.iter().zip(rows.chunks_exact_mut(h)) {
-        model.weights.token_embd.dequantize_row(t as usize, row);
+    let row = |(i, row): (usize, &mut [f32])| model.weights.token_embd.dequantize_row(tokens[i] as usize, row);
+    if tokens.len() > 1 {
+        rows.par_chunks_exact_mut(h).enumerate().for_each(row);
+    } else {
+        rows.chunks_exact_mut(h).enumerate().for_each(row);
     }
     rows
 }

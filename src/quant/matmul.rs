@@ -40,6 +40,9 @@ use rayon::prelude::*;
 /// piece of weights.
 pub const TOKEN_TILE: usize = 32;
 
+/// The fewest activations rounded in one call worth a parallel region.
+const PAR_MIN_ROUNDS: usize = 64;
+
 /// One matrix over a batch: `ys[t * n + r] = rows[r] · xs[t * cols..]`, where
 /// `rows` holds `n` consecutive rows of `cols` values of `ty`, `xs` is
 /// [T][cols] and `ys` [T][n].
@@ -94,12 +97,25 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
+/// The index among `inputs` of job `j`'s input in layout `kind` (none on
+/// the exact path), adding it (with `at`, the job's index, in `firsts`) when
+/// no earlier job reads it.
+fn jobs_seen(inputs: &mut Vec<(*const f32, usize, ActKind)>, firsts: &mut Vec<usize>, j: &MatMul<'_>, kind: Option<ActKind>, at: usize) -> Option<usize> {
+    let key = (j.xs.as_ptr(), j.xs.len(), kind?);
+    Some(inputs.iter().position(|k| *k == key).unwrap_or_else(|| {
+        inputs.push(key);
+        firsts.push(at);
+        inputs.len() - 1
+    }))
+}
+
 /// [`matmul_batch`] with the kernels and level given (panics if the CPU lacks `isa`).
 pub fn matmul_batch_with(kernels: Kernels, isa: Isa, jobs: &mut [MatMul<'_>]) {
     assert!(isa.supported(), "this CPU cannot run {}", isa.name());
-    // Round each distinct (input, layout) once per token.
+    // Round each distinct (input, layout) once per token: the distinct ones
+    // (the first job reading each) found here, rounded below in parallel.
     let mut inputs: Vec<(*const f32, usize, ActKind)> = Vec::new();
-    let mut acts: Vec<Vec<Activation>> = Vec::new();
+    let mut firsts: Vec<usize> = Vec::new();
     let mut job_act: Vec<Option<usize>> = Vec::with_capacity(jobs.len());
     let mut work = 0usize;
     for j in jobs.iter() {
@@ -110,15 +126,24 @@ pub fn matmul_batch_with(kernels: Kernels, isa: Isa, jobs: &mut [MatMul<'_>]) {
         assert_eq!(j.rows.len(), rb * n, "{} matmul: {} bytes for {n} rows", j.ty, j.rows.len());
         work += j.cols * n * t;
         let kind = ActKind::of(j.ty).filter(|_| kernels == Kernels::Fast && n > 0);
-        job_act.push(kind.map(|kind| {
-            let key = (j.xs.as_ptr(), j.xs.len(), kind);
-            inputs.iter().position(|k| *k == key).unwrap_or_else(|| {
-                inputs.push(key);
-                let round = |x: &[f32]| Activation::new(isa, kind, x);
-                acts.push(if j.xs.len() >= 1 << 14 { j.xs.par_chunks(j.cols).map(round).collect() } else { j.xs.chunks(j.cols).map(round).collect() });
-                acts.len() - 1
-            })
-        }));
+        let index = jobs_seen(&mut inputs, &mut firsts, j, kind, job_act.len());
+        job_act.push(index);
+    }
+    // Every token of every distinct input in one parallel region (a MoE
+    // layer's experts each read a few tokens: rounded one expert after
+    // another, they kept one thread busy while the others waited).
+    let tokens: Vec<(usize, usize)> = firsts.iter().enumerate().flat_map(|(i, &j)| (0..jobs[j].tokens()).map(move |t| (i, t))).collect();
+    let kinds: Vec<ActKind> = inputs.iter().map(|k| k.2).collect();
+    let round = |&(i, t): &(usize, usize)| {
+        let j = &jobs[firsts[i]];
+        Activation::new(isa, kinds[i], &j.xs[t * j.cols..(t + 1) * j.cols])
+    };
+    // (A decoded token's few inputs, a microsecond or two each, are rounded in place.)
+    let rounded: Vec<Activation> =
+        if tokens.len() >= PAR_MIN_ROUNDS { tokens.par_iter().map(round).collect() } else { tokens.iter().map(round).collect() };
+    let mut acts: Vec<Vec<Activation>> = firsts.iter().map(|_| Vec::new()).collect();
+    for (&(i, _), a) in tokens.iter().zip(rounded) {
+        acts[i].push(a);
     }
     // Pieces of rows, then tokens split where the rows alone give too few.
     let mut spans: Vec<(usize, usize, usize)> = Vec::new();
