@@ -229,7 +229,8 @@ mod tests {
     }
 
     /// Every type, both kernel families, every level: the batch equals `T`
-    /// matrix-vector products bit for bit (token counts around the tile).
+    /// matrix-vector products bit for bit (token counts around the tile and
+    /// the groups of four, three and two).
     #[test]
     fn matmul_equals_matvec_token_by_token() {
         let mut seed = 0x9e37_79b9_7f4a_7c15;
@@ -242,7 +243,7 @@ mod tests {
                 for (src, dst) in w.chunks(cols).zip(rows.chunks_mut(rb)) {
                     crate::quant::quantize_row(ty, src, dst).unwrap();
                 }
-                for t in [1, 7, 33] {
+                for t in [1, 6, 7, 33] {
                     let xs = values(&mut seed, t * cols);
                     for kernels in [Kernels::Exact, Kernels::Fast] {
                         for isa in Isa::available() {

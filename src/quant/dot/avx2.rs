@@ -527,7 +527,7 @@ pub fn q6_k_n<const N: usize>(row: &[u8], a: [&Q8KBlocks; N]) -> [f32; N] {
 
 
 /// The one-token kernels (`N = 1` of the `_n` ones) and the
-/// [`TOKENS`](super::TOKENS)-token ones (`tokens::`): `name n activation` per type.
+/// several-token ones (`tokens::`): `name n activation` per type.
 macro_rules! entry_points {
     ($($name:ident $n:ident $act:ident),*) => {
         $(
@@ -536,14 +536,13 @@ macro_rules! entry_points {
                 $n::<1>(row, [a])[0]
             }
         )*
-        /// [`TOKENS`](super::super::TOKENS) tokens at once.
+        /// `N` tokens at once (up to [`TOKENS`](super::super::TOKENS)).
         pub mod tokens {
             use super::super::act::{Q8Blocks, Q8KBlocks};
-            use super::super::TOKENS;
             $(
                 #[target_feature(enable = "avx2,fma,f16c")]
-                pub fn $name(row: &[u8], a: [&$act; TOKENS]) -> [f32; TOKENS] {
-                    super::$n::<TOKENS>(row, a)
+                pub fn $name<const N: usize>(row: &[u8], a: [&$act; N]) -> [f32; N] {
+                    super::$n::<N>(row, a)
                 }
             )*
         }

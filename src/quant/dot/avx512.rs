@@ -622,16 +622,15 @@ unsafe fn q6_k<const VNNI: bool, const N: usize>(row: &[u8], a: [&Q8KBlocks; N])
 
 /// The entry points of one compilation: `$feat` enables the instructions,
 /// `$vnni` picks the instructions that use them. Each kernel has a
-/// one-token entry point and one for [`TOKENS`](super::TOKENS) tokens (`tokens::`).
+/// one-token entry point and one for several tokens (`tokens::`).
 macro_rules! entry_points {
     ($feat:literal, $vnni:literal) => {
         use super::super::act::{Q8Blocks, Q8KBlocks};
         entry_points!(@fn $feat, $vnni, Q8Blocks: q4_0 q4_1 q5_0 q5_1 q8_0);
         entry_points!(@fn $feat, $vnni, Q8KBlocks: q2_k q3_k q4_k q5_k q6_k);
-        /// [`TOKENS`](super::super::TOKENS) tokens at once.
+        /// `N` tokens at once (up to [`TOKENS`](super::super::super::TOKENS)).
         pub mod tokens {
             use super::super::super::act::{Q8Blocks, Q8KBlocks};
-            use super::super::super::TOKENS;
             entry_points!(@tokens $feat, $vnni, Q8Blocks: q4_0 q4_1 q5_0 q5_1 q8_0);
             entry_points!(@tokens $feat, $vnni, Q8KBlocks: q2_k q3_k q4_k q5_k q6_k);
         }
@@ -650,9 +649,9 @@ macro_rules! entry_points {
         /// # Safety
         /// The CPU must have the enabled features.
         #[target_feature(enable = $feat)]
-        pub unsafe fn $name(row: &[u8], a: [&$act; TOKENS]) -> [f32; TOKENS] {
+        pub unsafe fn $name<const N: usize>(row: &[u8], a: [&$act; N]) -> [f32; N] {
             // SAFETY: as the one-token entry point (the kernels check every activation's length).
-            unsafe { super::super::$name::<$vnni, TOKENS>(row, a) }
+            unsafe { super::super::$name::<$vnni, N>(row, a) }
         }
     )*};
 }

@@ -191,12 +191,12 @@ enum RowFn {
 /// [`dot_rows_tokens`] (eight measured no better than four with AVX-512).
 const TOKENS: usize = 4;
 
-/// A kernel of one type at one level for [`TOKENS`] tokens at once
+/// A kernel of one type at one level for `N` tokens at once
 /// (each token's result the one [`RowFn`] gives it).
 #[derive(Clone, Copy)]
-enum TokensFn {
-    Q8(GroupFn<Q8Blocks>),
-    Q8K(GroupFn<Q8KBlocks>),
+enum TokensFn<const N: usize> {
+    Q8(GroupFn<Q8Blocks, N>),
+    Q8K(GroupFn<Q8KBlocks, N>),
 }
 
 /// The table of kernels, one per quantized type: `$wrap!(kernel, activation
@@ -281,53 +281,52 @@ fn avx512_fns<const VNNI: bool>(ty: GgmlType) -> RowFn {
     kernel_table!(ty, wrap)
 }
 
-/// The AVX2 kernels of [`TOKENS`] tokens as plain function pointers.
+/// The AVX2 kernels of `N` tokens as plain function pointers.
 #[cfg(target_arch = "x86_64")]
-fn avx2_tokens_fns(ty: GgmlType) -> TokensFn {
+fn avx2_tokens_fns<const N: usize>(ty: GgmlType) -> TokensFn<N> {
     macro_rules! wrap {
         ($f:ident, $a:ty) => {{
-            fn f(row: &[u8], a: [&$a; TOKENS]) -> [f32; TOKENS] {
+            fn f<const N: usize>(row: &[u8], a: [&$a; N]) -> [f32; N] {
                 // SAFETY: only reachable through `dot_rows_tokens`, which
                 // checks that the CPU has `Isa::Avx2`.
-                unsafe { avx2::tokens::$f(row, a) }
+                unsafe { avx2::tokens::$f::<N>(row, a) }
             }
-            f
+            f::<N>
         }};
     }
     kernel_table!(ty, wrap, TokensFn)
 }
 
-/// The AVX-512 kernels of [`TOKENS`] tokens (with VNNI when `VNNI`)
+/// The AVX-512 kernels of `N` tokens (with VNNI when `VNNI`)
 /// as plain function pointers.
 #[cfg(target_arch = "x86_64")]
-fn avx512_tokens_fns<const VNNI: bool>(ty: GgmlType) -> TokensFn {
-
+fn avx512_tokens_fns<const VNNI: bool, const N: usize>(ty: GgmlType) -> TokensFn<N> {
     macro_rules! wrap {
         ($f:ident, $a:ty) => {{
-            fn f<const VNNI: bool>(row: &[u8], a: [&$a; TOKENS]) -> [f32; TOKENS] {
+            fn f<const VNNI: bool, const N: usize>(row: &[u8], a: [&$a; N]) -> [f32; N] {
                 // SAFETY: only reachable through `dot_rows_tokens`, which
                 // checks that the CPU has `Isa::Avx512` / `Isa::Avx512Vnni`.
                 unsafe {
                     if VNNI {
-                        avx512::vnni::tokens::$f(row, a)
+                        avx512::vnni::tokens::$f::<N>(row, a)
                     } else {
-                        avx512::plain::tokens::$f(row, a)
+                        avx512::plain::tokens::$f::<N>(row, a)
                     }
                 }
             }
-            f::<VNNI>
+            f::<VNNI, N>
         }};
     }
     kernel_table!(ty, wrap, TokensFn)
 }
 
-/// The multi-token kernel of `ty` at level `isa`, where the level has them.
+/// The `N`-token kernel of `ty` at level `isa`, where the level has them.
 #[cfg(target_arch = "x86_64")]
-fn tokens_fn(isa: Isa, ty: GgmlType) -> Option<TokensFn> {
+fn tokens_fn<const N: usize>(isa: Isa, ty: GgmlType) -> Option<TokensFn<N>> {
     match isa {
-        Isa::Avx2 => Some(avx2_tokens_fns(ty)),
-        Isa::Avx512 => Some(avx512_tokens_fns::<false>(ty)),
-        Isa::Avx512Vnni => Some(avx512_tokens_fns::<true>(ty)),
+        Isa::Avx2 => Some(avx2_tokens_fns::<N>(ty)),
+        Isa::Avx512 => Some(avx512_tokens_fns::<false, N>(ty)),
+        Isa::Avx512Vnni => Some(avx512_tokens_fns::<true, N>(ty)),
         _ => None,
     }
 }
@@ -377,62 +376,91 @@ pub fn dot_rows_tokens(isa: Isa, ty: GgmlType, rows: &[u8], acts: &[Activation],
     assert_eq!(ys.len(), n * acts.len(), "{ty}: outputs for {} rows of {} tokens", n, acts.len());
     assert!(acts.iter().all(|a| a.len() == first.len() && a.kind() == first.kind()), "{ty}: activations differ");
     let ahead = prefetch_distance();
-    #[cfg(target_arch = "x86_64")]
-    let many = tokens_fn(isa, ty).filter(|_| multi_token());
-    #[cfg(not(target_arch = "x86_64"))]
-    let many: Option<TokensFn> = None;
     match row_fn(isa, ty) {
         RowFn::Q8(f) => {
             let a: Vec<&Q8Blocks> = acts.iter().map(|a| match a {
                 Activation::Q8(a) => a,
                 Activation::Q8K(_) => panic!("{ty} kernel given a Q8K activation"),
             }).collect();
-            let g = many.map(|m| match m {
-                TokensFn::Q8(g) => g,
-                TokensFn::Q8K(_) => unreachable!("{ty}: the kernel tables agree"),
-            });
-            rows_tokens(rows, rb, ahead, &a, f, g, ys);
+            fn q8<const N: usize>(g: TokensFn<N>) -> GroupFn<Q8Blocks, N> {
+                match g {
+                    TokensFn::Q8(g) => g,
+                    TokensFn::Q8K(_) => unreachable!("the kernel tables agree"),
+                }
+            }
+            rows_tokens(rows, rb, ahead, &a, f, groups(isa, ty, q8, q8, q8), ys);
         }
         RowFn::Q8K(f) => {
             let a: Vec<&Q8KBlocks> = acts.iter().map(|a| match a {
                 Activation::Q8K(a) => a,
                 Activation::Q8(_) => panic!("{ty} kernel given a Q8 activation"),
             }).collect();
-            let g = many.map(|m| match m {
-                TokensFn::Q8K(g) => g,
-                TokensFn::Q8(_) => unreachable!("{ty}: the kernel tables agree"),
-            });
-            rows_tokens(rows, rb, ahead, &a, f, g, ys);
+            fn q8k<const N: usize>(g: TokensFn<N>) -> GroupFn<Q8KBlocks, N> {
+                match g {
+                    TokensFn::Q8K(g) => g,
+                    TokensFn::Q8(_) => unreachable!("the kernel tables agree"),
+                }
+            }
+            rows_tokens(rows, rb, ahead, &a, f, groups(isa, ty, q8k, q8k, q8k), ys);
         }
     }
 }
 
-/// A kernel of [`TOKENS`] tokens' activations of type `A`.
-type GroupFn<A> = fn(&[u8], [&A; TOKENS]) -> [f32; TOKENS];
+/// A kernel of `N` tokens' activations of type `A`.
+type GroupFn<A, const N: usize> = fn(&[u8], [&A; N]) -> [f32; N];
+
+/// The kernels of [`TOKENS`], three and two tokens at once of one type and
+/// level: a row meets four tokens at a time, the rest (an expert's last
+/// pairs) in one group of three or two rather than one by one.
+struct Groups<A> {
+    four: GroupFn<A, TOKENS>,
+    three: GroupFn<A, 3>,
+    two: GroupFn<A, 2>,
+}
+
+/// The [`Groups`] of `ty` at level `isa`, where the level has them and
+/// `FNX_CPU_TOKENS=1` does not turn them off; `pick` takes each table's
+/// kernels of the activation type.
+#[allow(unused_variables)]
+fn groups<A>(
+    isa: Isa,
+    ty: GgmlType,
+    four: fn(TokensFn<TOKENS>) -> GroupFn<A, TOKENS>,
+    three: fn(TokensFn<3>) -> GroupFn<A, 3>,
+    two: fn(TokensFn<2>) -> GroupFn<A, 2>,
+) -> Option<Groups<A>> {
+    #[cfg(target_arch = "x86_64")]
+    if multi_token() {
+        return Some(Groups { four: four(tokens_fn(isa, ty)?), three: three(tokens_fn(isa, ty)?), two: two(tokens_fn(isa, ty)?) });
+    }
+    None
+}
 
 /// Each row of `rb` bytes against every token's activation `a[t]`:
-/// `ys[t * n + r]`, by `one`, or by `group` for [`TOKENS`] tokens at once
-/// where there is one (the rest one by one).
-fn rows_tokens<A>(
-    rows: &[u8],
-    rb: usize,
-    ahead: usize,
-    a: &[&A],
-    one: fn(&[u8], &A) -> f32,
-    group: Option<GroupFn<A>>,
-    ys: &mut [f32],
-) {
+/// `ys[t * n + r]`, by `one`, or by the `groups` of four, then of three or
+/// two for the rest, where there are some.
+fn rows_tokens<A>(rows: &[u8], rb: usize, ahead: usize, a: &[&A], one: fn(&[u8], &A) -> f32, groups: Option<Groups<A>>, ys: &mut [f32]) {
     let n = rows.len() / rb;
     for (r, row) in rows.chunks_exact(rb).enumerate() {
         prefetch(row, ahead);
         let mut t = 0;
-        if let Some(g) = group {
+        let mut put = |t: usize, out: &[f32]| {
+            for (k, &y) in out.iter().enumerate() {
+                ys[(t + k) * n + r] = y;
+            }
+        };
+        if let Some(g) = &groups {
             while t + TOKENS <= a.len() {
-                let out = g(row, std::array::from_fn(|k| a[t + k]));
-                for (k, y) in out.into_iter().enumerate() {
-                    ys[(t + k) * n + r] = y;
-                }
+                put(t, &(g.four)(row, std::array::from_fn(|k| a[t + k])));
                 t += TOKENS;
+            }
+            match a.len() - t {
+                3 => put(t, &(g.three)(row, std::array::from_fn(|k| a[t + k]))),
+                2 => put(t, &(g.two)(row, std::array::from_fn(|k| a[t + k]))),
+                _ => {}
+            }
+            if a.len() - t > 1 {
+                t = a.len();
             }
         }
         for t in t..a.len() {
