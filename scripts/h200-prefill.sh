@@ -6,8 +6,17 @@
 # run's JSON (prompt_tok_s, micro_batch, prefill_peak_scratch_bytes, decode)
 # and the log go to $OUT.
 #
+# `peer` puts llama.cpp's CPU backend beside it on one file: LLAMA (a
+# directory carried with the checkout holding llama-bench and its shared
+# libraries, e.g. a GGML_BACKEND_DL build with the CPU variants) runs
+# `llama-bench -p N -n 16 -r 1` and flashnext `bench --prompt-tokens N --gen 16`
+# on the same model, alternating, ROUNDS times (default 2), THREADS (0: all
+# cores for both). PEER_MODEL picks the file: q2_k-48L (default, the model
+# above) or real4 (`synth --type q4_k_m --layers 4 --ple-rows 65536`, 7.8 GB:
+# a quick one).
+#
 # Usage (repository root; binary carried, see the device notes):
-#   OUT=/dir scripts/h200-prefill.sh synth|pp512|pp4096|all
+#   OUT=/dir scripts/h200-prefill.sh synth|pp512|pp4096|peer|all
 # Environment: NEW (the binary, default target/carry/flashnext), WORK (where
 # the model is written; default target/bench-models, kept between calls on a
 # warm machine), PROMPT_TOKENS (default 512), GEN, WARMUP, THREADS (0 = all
@@ -24,6 +33,11 @@ warmup=${WARMUP:-1}
 threads=${THREADS:-0}
 step_timeout=${STEP_TIMEOUT:-540}
 model=$work/q2_k-48L.gguf
+synth_args=(--type q2_k)
+if [ "${PEER_MODEL:-q2_k-48L}" = real4 ]; then
+    model=$work/real4.gguf
+    synth_args=(--type q4_k_m --layers 4 --ple-rows 65536)
+fi
 
 mkdir -p "$out" "$work"
 log=$out/h200-prefill.log
@@ -39,7 +53,7 @@ synth() {
     fi
     echo "host: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB RAM" | tee -a "$log"
     local t0=$SECONDS
-    timeout 600 "$new" synth -o "$model" --type q2_k -q 2>&1 | tail -n 3 | tee -a "$log"
+    timeout 600 "$new" synth -o "$model" "${synth_args[@]}" -q 2>&1 | tail -n 3 | tee -a "$log"
     say "synth: $(stat -c %s "$model" 2>/dev/null) bytes in $((SECONDS - t0)) s"
 }
 
@@ -60,6 +74,22 @@ pp512() {
     prefill "cpu-pp$prompt_tokens-mb512-again" "$prompt_tokens" 512
 }
 
+peer() {
+    local llama=${LLAMA:?set LLAMA to the directory holding llama-bench} threads_l r
+    threads_l=$threads
+    [ "$threads_l" = 0 ] && threads_l=$(nproc)
+    chmod +x "$llama"/llama-bench
+    for r in $(seq "${ROUNDS:-2}"); do
+        say "llama-bench round $r: -p $prompt_tokens -n 16 -t $threads_l"
+        LD_LIBRARY_PATH=$llama timeout "$step_timeout" "$llama"/llama-bench -m "$model" -p "$prompt_tokens" -n 16 \
+            -t "$threads_l" -r 1 2>&1 | tee -a "$log" | grep -E "load_backend|pp$prompt_tokens|tg16|error" 
+        say "flashnext round $r"
+        timeout "$step_timeout" "$new" bench --model "$model" --backend cpu --threads "$threads" \
+            --prompt-tokens "$prompt_tokens" --gen 16 --warmup 2 --json "$out/peer-$r.json" 2>&1 | tee -a "$log" \
+            | grep -E "prompt:|decode:|bandwidth"
+    done
+}
+
 pp4096() {
     prefill cpu-pp4096-mb512 4096 512
 }
@@ -68,7 +98,8 @@ case $which in
     synth) synth ;;
     pp512) synth; pp512 ;;
     pp4096) synth; pp4096 ;;
+    peer) synth; peer ;;
     all) synth; pp512; pp4096 ;;
-    *) echo "usage: $0 synth|pp512|pp4096|all" >&2; exit 2 ;;
+    *) echo "usage: $0 synth|pp512|pp4096|peer|all" >&2; exit 2 ;;
 esac
 say "done"

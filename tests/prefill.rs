@@ -196,8 +196,11 @@ fn vulkan_passes_stream_experts_through_the_cache() {
 /// choice, an expert or a QSA block, that a rounding flips moves one
 /// position a lot on either path). Each module is held to its own bound in
 /// src/vulkan/twins.rs. Where the device has no cooperative matrices
-/// (lavapipe) it says so and checks nothing.
+/// (lavapipe) it says so and checks nothing. Run with `FNX_VK_MM_EXPERTS=1
+/// FNX_VK_MM_MIN_ROWS=0` (the test below does), so that every matrix the
+/// modules can take, the routed experts' too, goes through them.
 #[test]
+#[ignore = "run in a child process by vulkan_coopmat_every_matrix_within_the_fast_kernels_bound"]
 fn vulkan_coopmat_passes_within_the_fast_kernels_bound() {
     use flashnext::quant::policy::Preset;
     use flashnext::synth::{synthesize, Dims, SynthOptions};
@@ -237,6 +240,23 @@ fn vulkan_coopmat_passes_within_the_fast_kernels_bound() {
         assert!(gm <= cm, "{preset}: a pass on the tensor cores errs by {gm} (median), the CPU's fast kernels by {cm}");
         std::fs::remove_dir_all(&dir).ok();
     }
+}
+
+/// The same with every quantized matrix of a pass on the tensor cores (the
+/// routed experts and the small matrices too, which the defaults leave on
+/// the batch modules: `FNX_VK_MM_EXPERTS`, `FNX_VK_MM_MIN_ROWS`), in a child
+/// process (the pipelines read them when a model loads).
+#[test]
+fn vulkan_coopmat_every_matrix_within_the_fast_kernels_bound() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "vulkan_coopmat_passes_within_the_fast_kernels_bound", "--ignored", "--nocapture"])
+        .env("FNX_VK_MM_EXPERTS", "1")
+        .env("FNX_VK_MM_MIN_ROWS", "0")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{}", text.lines().filter(|l| l.contains("tensor cores") || l.contains("SKIPPED")).collect::<Vec<_>>().join("\n"));
+    assert!(out.status.success() && text.contains("1 passed"), "every matrix on the tensor cores:\n{text}");
 }
 
 /// QSA block scores in runs shorter than a pass (what the scratch's cap

@@ -175,6 +175,11 @@ pub struct BackendStats {
     /// With `--prompt-tokens`: the device time per token of one prefill
     /// pass (of this many tokens, from position 0) by kind of work.
     pub prefill_work: Option<(usize, Vec<WorkTime>)>,
+    /// The CPU with `--prompt-tokens`: the timed prompt's wall time per
+    /// token by stage of the calling thread (`cpu::prof`; `dispatches`: how
+    /// often each ran per token). A stage whose share grows with the cores
+    /// is one that does not use them.
+    pub prefill_stages: Option<Vec<WorkTime>>,
     pub submits_per_token: Option<f64>,
     pub dispatches_per_token: Option<f64>,
     /// Pipeline barriers per token (dependent steps; independent dispatches share one).
@@ -427,6 +432,8 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
         n => random_tokens(n, model.vocab_size()),
     };
     let mut state = State::new(model.clone())?;
+    // The CPU's stages, timed as the prompt runs (the spans cost nothing measurable).
+    let cpu_stages = model.backend_kind() == crate::model::backend::BackendKind::Cpu && opts.prompt_tokens > 1 && state.enable_profiling().is_ok();
     let heap_before = opts.heap.map(|h| (h.reset)());
     let cpu_before = process_cpu_seconds();
     let t1 = Instant::now();
@@ -434,6 +441,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
     let prompt_seconds = t1.elapsed().as_secs_f64();
     let prompt_cpu_seconds = process_cpu_seconds().zip(cpu_before).map(|(a, b)| a - b);
     let prefill_peak_scratch_bytes = opts.heap.zip(heap_before).map(|(h, before)| (h.peak)().saturating_sub(before));
+    let prefill_stages = cpu_stages.then(|| work_per_token(state.dispatch_ms(), prompt.len()));
 
     let mut per_token = Vec::with_capacity(opts.gen);
     let mut stream = 0x9e37_79b9_7f4a_7c15u64;
@@ -480,7 +488,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
     let prefill_work = if opts.prompt_tokens > 1 { gpu_prefill_times(&model)? } else { None };
     // Before the bandwidth measurement, whose buffer would dominate it.
     let peak_rss = peak_rss_bytes();
-    let stats = BackendStats { stage_ms, work, prefill_work, expert_cache: cache_stats, ..backend };
+    let stats = BackendStats { stage_ms, work, prefill_work, prefill_stages, expert_cache: cache_stats, ..backend };
     let threads = if opts.threads == 0 {
         rayon::current_num_threads()
     } else {
@@ -663,6 +671,13 @@ impl BenchReport {
             let ms: f64 = work.iter().map(|w| w.ms_per_token).sum();
             lines.push(format!("prefill GPU time per token {ms:.3} ms (one pass of {n} tokens from position 0); by work:"));
             work_lines(&mut lines, work, *n as f64, "pass");
+        }
+        if let Some(stages) = &s.prefill_stages {
+            let (ms, all) = (stages.iter().map(|w| w.ms_per_token).sum::<f64>(), 1e3 / self.prompt_tok_s);
+            lines.push(format!(
+                "prefill wall time per token {all:.3} ms, {ms:.3} ms of it in these stages of the calling thread (the rest: embedding and PLE rows, state bookkeeping); by stage:"
+            ));
+            work_lines(&mut lines, stages, self.prompt_tokens as f64, "prompt");
         }
         lines.join("\n")
     }

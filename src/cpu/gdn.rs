@@ -15,6 +15,7 @@
 //! projection. The conv history is a ring and the recurrent state has a
 //! plane per position of the rewind window (`model::backend`).
 
+use super::prof;
 use super::ops::{l2_normalize, rms_norm, sigmoid, silu, softplus};
 use crate::error::Result;
 use crate::model::config::{Config, GateActivation};
@@ -339,6 +340,7 @@ pub fn forward_batch(w: &Gdn, cfg: &Config, st: &mut GdnState, pos: usize, xs: &
     let (nv, d, h) = (cfg.ssm_v_heads, cfg.ssm_head_dim, cfg.hidden);
     let t = xs.len() / h;
     let dc = cfg.ssm_conv_dim();
+    let span = prof::span("gdn: in-projections");
     let (mut qkv, mut z, mut beta, mut alpha) = (vec![0f32; t * dc], vec![0f32; t * nv * d], vec![0f32; t * nv], vec![0f32; t * nv]);
     matmul_all(&mut [
         w.qkv.matmul_job(0, xs, &mut qkv),
@@ -346,8 +348,14 @@ pub fn forward_batch(w: &Gdn, cfg: &Config, st: &mut GdnState, pos: usize, xs: &
         w.beta.matmul_job(0, xs, &mut beta),
         w.alpha.matmul_job(0, xs, &mut alpha),
     ]);
+    drop(span);
+    let span = prof::span("gdn: conv");
     let mut c = conv_batch(&w.conv, cfg.ssm_conv, &mut st.conv, pos, &qkv);
+    drop(span);
+    let span = prof::span("gdn: delta rule, gated norm");
     let normed = delta_rule_batch(w, cfg, &mut st.planes, pos, &mut c, &z, &beta, &alpha);
+    drop(span);
+    let _span = prof::span("gdn: out-projection");
     let mut out = vec![0f32; t * h];
     w.out.matmul(&normed, &mut out);
     out

@@ -8,7 +8,7 @@
 //! (`hc_combine`), [`inject`] (a matvec with its epilogue).
 
 use super::ops::{rms_norm_grouped, sigmoid, silu};
-use super::{par_map, per_chunk};
+use super::{par_map, per_chunk, prof};
 use crate::model::weights::HyperConnection;
 use crate::tensor::matmul_all;
 
@@ -73,8 +73,11 @@ pub fn pre(hc: &HyperConnection, residual: &[f32], streams: usize, eps: f32) -> 
 pub fn pre_batch(hc: &HyperConnection, residuals: &[f32], streams: usize, eps: f32) -> Vec<HcPre> {
     let ch = hc.up.rows();
     let t = residuals.len() / ch;
+    let span = prof::span("hyper-connection pre: norm");
     let mut xn = vec![0f32; residuals.len()];
     per_chunk(&mut xn, ch, |i, o| rms_norm_grouped(&residuals[i * ch..(i + 1) * ch], &hc.norm, ch / streams, eps, o));
+    drop(span);
+    let span = prof::span("hyper-connection pre: down and inject products");
     let c = streams as f32;
     let mut low = vec![0f32; t * hc.down.rows()];
     let mut logits = vec![0f32; t * hc.inject.as_ref().map_or(0, |w| w.rows())];
@@ -82,9 +85,13 @@ pub fn pre_batch(hc: &HyperConnection, residuals: &[f32], streams: usize, eps: f
         Some(w) => matmul_all(&mut [hc.down.matmul_job(0, &xn, &mut low), w.matmul_job(0, &xn, &mut logits)]),
         None => hc.down.matmul(&xn, &mut low),
     }
+    drop(span);
+    let span = prof::span("hyper-connection pre: up product");
     per_chunk(&mut low, hc.down.rows(), |_, l| l.iter_mut().for_each(|v| *v = silu(*v / c)));
     let mut mix = vec![0f32; t * ch];
     hc.up.matmul(&low, &mut mix);
+    drop(span);
+    let _span = prof::span("hyper-connection pre: streams mixed");
     let per = logits.len() / t.max(1);
     par_map(t, |i| HcPre {
         input: combine(&mix[i * ch..(i + 1) * ch], &xn[i * ch..(i + 1) * ch], streams),

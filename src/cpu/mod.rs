@@ -52,6 +52,7 @@ pub mod hyper;
 pub mod moe;
 pub mod ops;
 pub mod ple;
+pub(crate) mod prof;
 pub mod qsa;
 
 use crate::error::{Error, Result};
@@ -117,6 +118,8 @@ pub struct CpuState {
     layers: Vec<LayerState>,
     /// The PLE conv ring (`cpu::ple`), when the model has PLE.
     ple_ring: Option<Vec<f32>>,
+    /// Wall time per stage of the passes since profiling was enabled ([`prof`]).
+    stages: Option<Vec<prof::StageTime>>,
 }
 
 impl CpuState {
@@ -134,7 +137,7 @@ impl CpuState {
             })
             .collect::<Result<_>>()?;
         let ple_ring = cfg.ple.as_ref().map(|p| ple::new_ring(cfg, p, window)).transpose()?;
-        Ok(CpuState { layers, ple_ring })
+        Ok(CpuState { layers, ple_ring, stages: None })
     }
 }
 
@@ -177,12 +180,41 @@ impl BackendState for CpuState {
                 a.reserve(&model.config, batch.tokens.len())?;
             }
         }
-        model.install(|| {
-            let cfg = &model.config;
-            let mut pass = CpuPass { model, state: self, batch, rope: Rope::new(cfg.rope_dims, cfg.rope_theta), logits: Vec::new() };
-            crate::model::forward::forward(model, batch, &mut pass)?;
-            Ok(pass.logits)
-        })
+        let profiled = self.stages.is_some();
+        let (logits, stages) = model.install(|| {
+            prof::collect(profiled, || {
+                let cfg = &model.config;
+                let mut pass = CpuPass { model, state: self, batch, rope: Rope::new(cfg.rope_dims, cfg.rope_theta), logits: Vec::new() };
+                crate::model::forward::forward(model, batch, &mut pass)?;
+                Ok(pass.logits)
+            })
+        });
+        if let Some(all) = self.stages.as_mut() {
+            for (name, count, ms) in stages {
+                match all.iter_mut().find(|s| s.0 == name) {
+                    Some(s) => {
+                        s.1 += count;
+                        s.2 += ms;
+                    }
+                    None => all.push((name, count, ms)),
+                }
+            }
+        }
+        logits
+    }
+
+    /// Starts (or restarts) the stage times of [`BackendState::dispatch_ms`]:
+    /// the wall time of each stage of the passes from now on ([`prof`]).
+    fn enable_profiling(&mut self) -> Result<()> {
+        self.stages = Some(Vec::new());
+        Ok(())
+    }
+
+    /// The stages' wall times since [`Self::enable_profiling`] (`dispatches`:
+    /// how often each ran; no weight bytes).
+    fn dispatch_ms(&self) -> Vec<crate::model::backend::DispatchTime> {
+        let stages = self.stages.iter().flatten();
+        stages.map(|&(name, count, ms)| crate::model::backend::DispatchTime { label: name.to_string(), dispatches: count, ms, bytes: 0 }).collect()
     }
 
     fn reset(&mut self) -> Result<()> {
@@ -263,7 +295,7 @@ impl BackendState for CpuState {
             })
             .collect::<Result<_>>()?;
         let ple_ring = self.ple_ring.as_deref().map(|r| copy_of(r, "PLE conv history")).transpose()?;
-        Ok(Box::new(CpuState { layers, ple_ring }))
+        Ok(Box::new(CpuState { layers, ple_ring, stages: None }))
     }
 
     fn export(&self, model: &Model, pos: usize) -> Result<HostState> {
@@ -346,6 +378,7 @@ impl CpuPass<'_> {
 
 /// The block inputs of a batch side by side: [T][H].
 fn inputs(branch: &[HcPre]) -> Vec<f32> {
+    let _span = prof::span("block inputs copied side by side");
     branch.iter().flat_map(|b| b.input.iter().copied()).collect()
 }
 
@@ -353,6 +386,7 @@ fn inputs(branch: &[HcPre]) -> Vec<f32> {
 /// (`x`: [T][ch]) with its injection weights.
 fn post_all(branch: &[HcPre], ys: &[f32], x: &mut [f32], ch: usize) {
     let h = ys.len() / branch.len().max(1);
+    let _span = prof::span("hyper-connection post (block outputs into the streams)");
     per_chunk(x, ch, |i, xi| hyper::post(xi, &ys[i * h..(i + 1) * h], &branch[i].inject));
 }
 
@@ -364,6 +398,7 @@ impl Blocks for CpuPass<'_> {
 
     fn embed(&mut self, rows: &[f32]) -> Result<Vec<f32>> {
         let (c, h) = (self.model.config.hc, self.model.config.hidden);
+        let _span = prof::span("embedding into the streams");
         let mut x = vec![0f32; rows.len() * c];
         per_chunk(&mut x, c * h, |i, xi| xi.chunks_exact_mut(h).for_each(|s| s.copy_from_slice(&rows[i * h..(i + 1) * h])));
         Ok(x)
@@ -374,6 +409,7 @@ impl Blocks for CpuPass<'_> {
         let (Some(w), Some(p), Some(ring)) = (&self.model.weights.layers[layer].ple, &cfg.ple, self.state.ple_ring.as_mut()) else {
             return Ok(());
         };
+        let _span = prof::span("PLE");
         ple::forward_batch(w, p, cfg, ring, self.batch.pos, rows, x);
         Ok(())
     }
@@ -415,8 +451,12 @@ impl Blocks for CpuPass<'_> {
 
     fn moe_route(&mut self, layer: usize, branch: &Vec<HcPre>) -> Result<Vec<Routing>> {
         let (w, cfg) = (&self.model.weights.layers[layer].moe, &self.model.config);
+        let xs = inputs(branch);
+        let span = prof::span("moe: router product");
         let mut logits = vec![0f32; branch.len() * cfg.n_experts];
-        w.router.matmul(&inputs(branch), &mut logits);
+        w.router.matmul(&xs, &mut logits);
+        drop(span);
+        let _span = prof::span("moe: top-k, shared gate, routing reported");
         let n = cfg.n_experts;
         let routes: Vec<Routing> = par_map(branch.len(), |i| Routing {
             routes: moe::choose(cfg, logits[i * n..(i + 1) * n].to_vec()),
@@ -436,6 +476,7 @@ impl Blocks for CpuPass<'_> {
 
     fn moe_combine(&mut self, _layer: usize, branch: &Vec<HcPre>, routes: &Vec<Routing>, experts: Vec<Vec<f32>>, x: &mut Vec<f32>) -> Result<()> {
         let (h, ch) = (self.model.config.hidden, self.width());
+        let _span = prof::span("moe: combine, hyper-connection post");
         per_chunk(x, ch, |i, xi| {
             let (r, ys) = (&routes[i], &experts[i]);
             let (routed, shared) = ys.split_at(r.routes.len() * h);
@@ -452,6 +493,7 @@ impl Blocks for CpuPass<'_> {
             LogitsFor::All => &x[..],
         };
         let n = wanted.len() / ch;
+        let _span = prof::span("LM head");
         let mut logits = crate::error::zeros(n.checked_mul(cfg.vocab), "logits")?;
         let mixed = hyper::pre_batch(&w.output_hc, wanted, cfg.hc, cfg.eps);
         w.output.matmul(&inputs(&mixed), &mut logits);

@@ -7,7 +7,7 @@
 //! (`moe_combine`, with the hyper-connection post step).
 
 use super::ops::{dot, sigmoid, silu, softmax};
-use super::{par_map, per_chunk};
+use super::{par_map, per_chunk, prof};
 use rayon::prelude::*;
 use crate::model::config::Config;
 use crate::model::weights::{ExpertGateUp, Moe};
@@ -105,6 +105,7 @@ pub fn expert_outputs(w: &Moe, cfg: &Config, x: &[f32], experts: &[Expert]) -> V
 pub fn expert_outputs_grouped(w: &Moe, cfg: &Config, xs: &[f32], routes: &[Vec<(usize, f32)>]) -> Vec<Vec<f32>> {
     let (h, f, fs) = (cfg.hidden, cfg.expert_ff, cfg.shared_ff);
     let t = xs.len() / h;
+    let span = prof::span("moe: tokens grouped by expert, gathered");
     // Per expert the tokens routed to it, in token order; per (token, slot)
     // the expert's row among them.
     let mut members: Vec<Vec<usize>> = vec![Vec::new(); cfg.n_experts];
@@ -131,7 +132,9 @@ pub fn expert_outputs_grouped(w: &Moe, cfg: &Config, xs: &[f32], routes: &[Vec<(
     let mut ups: Vec<Vec<f32>> = used.iter().map(|&e| vec![0f32; members[e].len() * f]).collect();
     let mut fused: Vec<Vec<f32>> = Vec::new();
     let (mut shared_g, mut shared_u) = (vec![0f32; t * fs], vec![0f32; t * fs]);
+    drop(span);
     {
+        let _span = prof::span("moe: experts' gate/up products (and the shared expert's)");
         let mut jobs = Vec::with_capacity(2 * used.len() + 2);
         match &w.gate_up {
             ExpertGateUp::Fused(gu) => {
@@ -152,6 +155,7 @@ pub fn expert_outputs_grouped(w: &Moe, cfg: &Config, xs: &[f32], routes: &[Vec<(
         matmul_all(&mut jobs);
     }
     // gate = silu(gate) * up, per expert (split from the fused product first), then the shared expert's.
+    let span = prof::span("moe: SwiGLU");
     let swiglu = |i: usize, g: &mut Vec<f32>, u: &mut Vec<f32>| {
         if let Some(gu) = fused.get(i) {
             for (tok, both) in gu.chunks_exact(2 * f).enumerate() {
@@ -173,6 +177,8 @@ pub fn expert_outputs_grouped(w: &Moe, cfg: &Config, xs: &[f32], routes: &[Vec<(
             *gv = silu(*gv) * uv;
         }
     });
+    drop(span);
+    let _span = prof::span("moe: experts' down products (and the shared expert's)");
     let mut downs: Vec<Vec<f32>> = used.iter().map(|&e| vec![0f32; members[e].len() * h]).collect();
     let mut shared_y = vec![0f32; t * h];
     {
@@ -183,6 +189,8 @@ pub fn expert_outputs_grouped(w: &Moe, cfg: &Config, xs: &[f32], routes: &[Vec<(
         jobs.push(w.shared_down.matmul_job(0, &shared_g, &mut shared_y));
         matmul_all(&mut jobs);
     }
+    drop(_span);
+    let _span = prof::span("moe: outputs back to their tokens");
     par_map(t, |tok| {
         let r = &routes[tok];
         let mut o = Vec::with_capacity((r.len() + 1) * h);

@@ -22,6 +22,7 @@
 //! (`qsa_score`), [`top_blocks`] (`qsa_topk`), [`attend`] (`attention`), the
 //! out projection.
 
+use super::prof;
 use super::ops::{dot, rms_norm, sigmoid, softmax, Rope};
 use crate::error::{Error, Result};
 use crate::model::config::Config;
@@ -236,6 +237,7 @@ pub fn forward(w: &Attention, cfg: &Config, ratio: usize, rope: &Rope, st: &mut 
 pub fn forward_batch(w: &Attention, cfg: &Config, ratio: usize, rope: &Rope, st: &mut AttnState, xs: &[f32], t: usize) -> Vec<f32> {
     let (nh, nkv, hd, h) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden);
     let n = xs.len() / h;
+    let span = prof::span("attention: q/k/v and indexer projections");
     let (mut qg, mut k, mut v) = (vec![0f32; n * 2 * nh * hd], vec![0f32; n * nkv * hd], vec![0f32; n * nkv * hd]);
     let ix = w.indexer.as_ref();
     let (iw, qw) = cfg.qsa.as_ref().filter(|_| ix.is_some()).map_or((0, 0), |q| (q.head_dim, q.n_heads * q.head_dim));
@@ -248,6 +250,8 @@ pub fn forward_batch(w: &Attention, cfg: &Config, ratio: usize, rope: &Rope, st:
         }
         matmul_all(&mut jobs);
     }
+    drop(span);
+    let span = prof::span("attention: norms, RoPE, cache and indexer appends (in order)");
     let mut q = vec![0f32; n * nh * hd];
     let (qgw, kw) = (2 * nh * hd, nkv * hd);
     for i in 0..n {
@@ -257,6 +261,8 @@ pub fn forward_batch(w: &Attention, cfg: &Config, ratio: usize, rope: &Rope, st:
             index(ix, cfg, ratio, rope, st, &raw[i * iw..(i + 1) * iw], &mut iq[i * qw..(i + 1) * qw], t + i);
         }
     }
+    drop(span);
+    let span = prof::span("attention: selection, attention");
     let st = &*st;
     let mut out = vec![0f32; n * nh * hd];
     let query = |(i, o): (usize, &mut [f32])| {
@@ -271,6 +277,8 @@ pub fn forward_batch(w: &Attention, cfg: &Config, ratio: usize, rope: &Rope, st:
     } else {
         out.chunks_mut(nh * hd).enumerate().for_each(query);
     }
+    drop(span);
+    let _span = prof::span("attention: out-projection");
     let mut y = vec![0f32; n * h];
     w.o.matmul(&out, &mut y);
     y

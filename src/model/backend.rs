@@ -304,7 +304,9 @@ pub trait BackendState: Send {
     fn pass_stats(&self) -> Option<PassStats> {
         None
     }
-    /// Times every device stage of the following passes (an error where the backend cannot).
+    /// Times every stage of the following passes (an error where the
+    /// backend cannot): the device's stages on a GPU, the wall time of the
+    /// calling thread's stages on the CPU.
     fn enable_profiling(&mut self) -> Result<()> {
         Err(crate::Error::arg("profiling: this backend has no device stages to time"))
     }
@@ -312,7 +314,8 @@ pub trait BackendState: Send {
     fn stage_ms(&self) -> Vec<(&'static str, f64)> {
         Vec::new()
     }
-    /// The last pass's device time by what each dispatch computed, once profiling is enabled.
+    /// The last pass's device time by what each dispatch computed, once
+    /// profiling is enabled (the CPU: every pass's wall time by stage since).
     fn dispatch_ms(&self) -> Vec<DispatchTime> {
         Vec::new()
     }

@@ -671,6 +671,17 @@ pub(crate) struct Pipelines {
     /// to run on the matrix-matrix modules; smaller batches run the
     /// matvecs. `FNX_VK_MM_MIN`, default 8.
     pub mm_min: usize,
+    /// Fewest rows a plain matrix must have to run on the matrix-matrix
+    /// modules (`FNX_VK_MM_MIN_ROWS`, default 1024): a workgroup takes 64
+    /// rows, and fewer than 16 row tiles leave most of the card idle (the
+    /// hyper-connection projections of 320 and 4 rows ran 3x slower there
+    /// than on the batch modules).
+    pub mm_rows: usize,
+    /// Whether the routed experts run on the matrix-matrix modules too
+    /// (`FNX_VK_MM_EXPERTS=1`; off by default: on the H200 their pairs, a
+    /// few per expert and tile, ran 2-4x slower there than on the batch
+    /// modules; see docs/BENCHMARKS.md, "Tensor cores").
+    pub mm_experts: bool,
     ctx: Arc<Context>,
 }
 
@@ -726,6 +737,8 @@ impl Pipelines {
             fast,
             mm,
             mm_min: std::env::var("FNX_VK_MM_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(8).max(2),
+            mm_rows: std::env::var("FNX_VK_MM_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(1024),
+            mm_experts: std::env::var("FNX_VK_MM_EXPERTS").is_ok_and(|v| v == "1"),
             ctx: ctx.clone(),
         };
         p.weight_layout = set_layout(ctx, &[1])?;

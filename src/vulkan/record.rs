@@ -199,7 +199,7 @@ impl<'a> Recorder<'a> {
         push.fld0 = part.fields[0] as u32;
         push.fld1 = part.fields[1] as u32;
         let arena = pipe.spec().sets == Sets::StateArena;
-        if let Some(mm) = part.ty.and_then(|ty| self.mm(ty, arena, part.cols, entries as usize)).filter(|_| tiled) {
+        if let Some(mm) = part.ty.and_then(|ty| self.mm(ty, arena, part.cols, entries as usize, push.total_rows as usize)).filter(|_| tiled) {
             // shaders/mm.comp: tiles of MM_ROWS rows (SwiGLU: half of them gate
             // rows, half up rows) by MM_ENTRIES entries.
             let tile_rows = if push.mode == 4 { MM_ROWS / 2 } else { MM_ROWS };
@@ -221,10 +221,15 @@ impl<'a> Recorder<'a> {
     }
 
     /// The matrix-matrix module (shaders/mm.comp) for a batch of `entries`
-    /// entries of rows of `cols` values of `ty`, if the pipelines have it
-    /// and the batch is large enough ([`Pipelines::mm_min`]).
-    fn mm(&self, ty: GgmlType, arena: bool, cols: usize, entries: usize) -> Option<Pipe> {
-        let fits = self.pipes.mm && entries >= self.pipes.mm_min && cols.is_multiple_of(MM_COLS) && cols <= FAST_MAX_COLS;
+    /// entries of a matrix of `rows` rows of `cols` values of `ty` (an
+    /// expert part when `arena`), if the pipelines have it, the batch is
+    /// large enough ([`Pipelines::mm_min`]) and the matrix is one the
+    /// modules run faster than the batch modules ([`Pipelines::mm_rows`],
+    /// [`Pipelines::mm_experts`]).
+    fn mm(&self, ty: GgmlType, arena: bool, cols: usize, entries: usize, rows: usize) -> Option<Pipe> {
+        let p = &self.pipes;
+        let worth = if arena { p.mm_experts } else { rows >= p.mm_rows };
+        let fits = p.mm && worth && entries >= p.mm_min && cols.is_multiple_of(MM_COLS) && cols <= FAST_MAX_COLS;
         fits.then(|| Pipe::mm(ty, arena)).flatten()
     }
 
@@ -236,14 +241,14 @@ impl<'a> Recorder<'a> {
     /// hold, inside [`Recorder::independent`] (the matvec would not wait),
     /// or when `push` already has them.
     #[allow(clippy::too_many_arguments)]
-    fn round_once(&mut self, set: vk::DescriptorSet, ty: GgmlType, arena: bool, push: &mut MatvecPush, cols: usize, count: usize, n: usize, tok_stride: u32) {
+    fn round_once(&mut self, set: vk::DescriptorSet, ty: GgmlType, arena: bool, push: &mut MatvecPush, (cols, rows): (usize, usize), count: usize, n: usize, tok_stride: u32) {
         let Some((q_off, stride)) = self.xq else { return };
         let fast = self.fast(cols) && Pipe::matvec(ty, arena, true) != Pipe::matvec(ty, arena, false);
         if n < 2 || !fast || self.grouped || push.xq_off != 0 || tok_stride != stride || !cols.is_multiple_of(32) || count * cols > FAST_MAX_COLS {
             return;
         }
         // The matrix-matrix modules read the activations as they are (experts: grouped pairs).
-        if self.mm(ty, arena, cols, n).is_some() && (!arena || push.order_off != 0) {
+        if self.mm(ty, arena, cols, n, rows).is_some() && (!arena || push.order_off != 0) {
             return;
         }
         let p = ActInt8Push { x_off: push.x_off, x_stride: push.x_stride, tok_stride, cols: cols as u32, count: count as u32, q_off };
@@ -259,7 +264,7 @@ impl<'a> Recorder<'a> {
     /// holds the matvec, so that it runs the batch modules there too.
     pub fn round_for(&mut self, set: vk::DescriptorSet, m: &GpuMatrix, push: &mut MatvecPush, n: usize) {
         let stride = push.x_stride;
-        self.round_once(set, m.ty, false, push, m.chunks[0].layout.cols, 1, n, stride);
+        self.round_once(set, m.ty, false, push, (m.chunks[0].layout.cols, m.rows), 1, n, stride);
     }
 
     /// `y = W x` over every chunk of `m`. The caller fills the offsets and epilogue of `push`.
@@ -322,8 +327,8 @@ impl<'a> Recorder<'a> {
         if push.kdiv > 0 {
             // A token's one input (gate/up), or each pair's own (down).
             let count = if push.x_stride == 0 { 1 } else { per_token };
-            let (cols, tok) = (part.cols, push.tok_stride);
-            self.round_once(sets[0], ty, true, &mut push, cols, count, experts / per_token, tok);
+            let (shape, tok) = ((part.cols, push.rows as usize), push.tok_stride);
+            self.round_once(sets[0], ty, true, &mut push, shape, count, experts / per_token, tok);
         }
         let grouped = push.order_off != 0;
         let (pipe, g) = self.matvec_split(pipe, part, &mut push, per_token as u32, (experts / per_token) as u32, grouped);
