@@ -13,7 +13,9 @@
 # on the same model, alternating, ROUNDS times (default 2), THREADS (0: all
 # cores for both). PEER_MODEL picks the file: q2_k-48L (default, the model
 # above) or real4 (`synth --type q4_k_m --layers 4 --ple-rows 65536`, 7.8 GB:
-# a quick one).
+# a quick one). Leave the `sapphirerapids` variant out of LLAMA: on the GPU
+# machine's virtual CPU its AMX code dies of an illegal instruction, and the
+# loader would pick it (the next best there is `zen4`).
 #
 # Usage (repository root; binary carried, see the device notes):
 #   OUT=/dir scripts/h200-prefill.sh synth|pp512|pp4096|peer|all
