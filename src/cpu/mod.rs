@@ -190,15 +190,7 @@ impl BackendState for CpuState {
             })
         });
         if let Some(all) = self.stages.as_mut() {
-            for (name, count, ms) in stages {
-                match all.iter_mut().find(|s| s.0 == name) {
-                    Some(s) => {
-                        s.1 += count;
-                        s.2 += ms;
-                    }
-                    None => all.push((name, count, ms)),
-                }
-            }
+            stages.into_iter().for_each(|t| prof::add(all, t));
         }
         logits
     }

@@ -39,16 +39,21 @@ impl Drop for Span {
             let ms = 1e3 * start.elapsed().as_secs_f64();
             SPANS.with(|s| {
                 if let Some(v) = s.borrow_mut().as_mut() {
-                    match v.iter_mut().find(|(n, _, _)| *n == self.name) {
-                        Some((_, count, t)) => {
-                            *count += 1;
-                            *t += ms;
-                        }
-                        None => v.push((self.name, 1, ms)),
-                    }
+                    add(v, (self.name, 1, ms));
                 }
             });
         }
+    }
+}
+
+/// Adds `time` to its stage's entry in `stages` (a new entry at the end for a new stage).
+pub(crate) fn add(stages: &mut Vec<StageTime>, (name, count, ms): StageTime) {
+    match stages.iter_mut().find(|s| s.0 == name) {
+        Some(s) => {
+            s.1 += count;
+            s.2 += ms;
+        }
+        None => stages.push((name, count, ms)),
     }
 }
 
