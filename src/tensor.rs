@@ -108,14 +108,20 @@ impl Tensor {
     /// The product over a batch, `ys[t] = W[rows] · xs[t]` (`xs`: [T][cols],
     /// `ys`: [T][n], rows from `first_row`), as a job for [`matmul_all`].
     pub fn matmul_job<'a>(&'a self, first_row: usize, xs: &'a [f32], ys: &'a mut [f32]) -> MatMul<'a> {
+        self.matmul_job_picked(first_row, xs, None, ys)
+    }
+
+    /// [`Tensor::matmul_job`] over the tokens of `xs` that `pick` names
+    /// (every token when `None`), in its order: `ys` is [pick.len()][n].
+    pub fn matmul_job_picked<'a>(&'a self, first_row: usize, xs: &'a [f32], pick: Option<&'a [usize]>, ys: &'a mut [f32]) -> MatMul<'a> {
         let cols = self.cols();
         assert_eq!(xs.len() % cols, 0, "{}: inputs are not rows of {cols}", self.name);
-        let t = xs.len() / cols;
+        let t = pick.map_or(xs.len() / cols, <[usize]>::len);
         let n = ys.len().checked_div(t).unwrap_or(0);
         assert_eq!(ys.len(), n * t, "{}: outputs for {t} tokens", self.name);
         assert!(first_row + n <= self.rows(), "{}: rows out of range", self.name);
         let rb = self.row_bytes();
-        MatMul { ty: self.ty, rows: &self.bytes()[first_row * rb..(first_row + n) * rb], cols, xs, ys }
+        MatMul { ty: self.ty, rows: &self.bytes()[first_row * rb..(first_row + n) * rb], cols, xs, pick, ys }
     }
 
     /// `ys[t] = W · xs[t]` over all rows, for every token of the batch.

@@ -8,16 +8,34 @@
 //! (`hc_combine`), [`inject`] (a matvec with its epilogue).
 
 use super::ops::{rms_norm_grouped, sigmoid, silu};
-use super::{par_map, per_chunk, prof};
+use super::{per_chunk, prof};
 use crate::model::weights::HyperConnection;
 use crate::tensor::matmul_all;
 
-/// Result of the pre step: the block input and per-stream injection weights.
-pub struct HcPre {
-    /// Block input: [H]
-    pub input: Vec<f32>,
-    /// Injection weight per stream: [C]
+/// Result of the pre step for a batch of `T` tokens: the block inputs side
+/// by side (what the block's products read in place) and each token's
+/// injection weights per stream.
+pub struct HcBatch {
+    /// Block inputs: [T][H]
+    pub inputs: Vec<f32>,
+    /// Injection weights: [T][C] (empty for the output mixer)
     pub inject: Vec<f32>,
+    /// Number of tokens `T`.
+    pub tokens: usize,
+}
+
+impl HcBatch {
+    /// Token `i`'s block input: [H].
+    pub fn input(&self, i: usize) -> &[f32] {
+        let h = self.inputs.len() / self.tokens.max(1);
+        &self.inputs[i * h..(i + 1) * h]
+    }
+
+    /// Token `i`'s injection weights: [C].
+    pub fn inject(&self, i: usize) -> &[f32] {
+        let c = self.inject.len() / self.tokens.max(1);
+        &self.inject[i * c..(i + 1) * c]
+    }
 }
 
 /// `Xn = rms(X_c) * g`, per stream: [C*H] (`gamma`: the hyper-connection's norm).
@@ -40,16 +58,21 @@ pub fn mix_logits(hc: &HyperConnection, xn: &[f32], streams: usize) -> Vec<f32> 
 
 /// `y = mean_c sigmoid(mix_c) * Xn_c`: [H].
 pub fn combine(mix: &[f32], xn: &[f32], streams: usize) -> Vec<f32> {
-    let h = xn.len() / streams;
-    let mut input = vec![0f32; h];
-    for s in 0..streams {
-        for d in 0..h {
-            input[d] += sigmoid(mix[s * h + d]) * xn[s * h + d];
+    let mut input = vec![0f32; xn.len() / streams];
+    combine_into(mix, xn, &mut input);
+    input
+}
+
+/// [`combine`] into `input` ([H], zeroed), the streams `xn.len() / H`.
+fn combine_into(mix: &[f32], xn: &[f32], input: &mut [f32]) {
+    let h = input.len();
+    for (m, x) in mix.chunks_exact(h).zip(xn.chunks_exact(h)) {
+        for ((y, &m), &x) in input.iter_mut().zip(m).zip(x) {
+            *y += sigmoid(m) * x;
         }
     }
-    let c = streams as f32;
+    let c = (xn.len() / h) as f32;
     input.iter_mut().for_each(|v| *v /= c);
-    input
 }
 
 /// `w = 2 * sigmoid(inject(Xn) / C)`: [C]; empty for the output mixer.
@@ -61,16 +84,10 @@ pub fn inject(hc: &HyperConnection, xn: &[f32], streams: usize) -> Vec<f32> {
     logits.iter().map(|&v| 2.0 * sigmoid(v / c)).collect()
 }
 
-/// The whole pre step.
-pub fn pre(hc: &HyperConnection, residual: &[f32], streams: usize, eps: f32) -> HcPre {
-    let xn = norm(&hc.norm, residual, streams, eps);
-    let mix = mix_logits(hc, &xn, streams);
-    HcPre { input: combine(&mix, &xn, streams), inject: inject(hc, &xn, streams) }
-}
-
-/// [`pre`] for a batch of residuals ([T][C*H]): the same steps, each matrix
-/// read once for all the tokens.
-pub fn pre_batch(hc: &HyperConnection, residuals: &[f32], streams: usize, eps: f32) -> Vec<HcPre> {
+/// The whole pre step for a batch of residuals ([T][C*H]): [`norm`],
+/// [`mix_logits`], [`combine`] and [`inject`] per token, each matrix read
+/// once for all the tokens.
+pub fn pre_batch(hc: &HyperConnection, residuals: &[f32], streams: usize, eps: f32) -> HcBatch {
     let ch = hc.up.rows();
     let t = residuals.len() / ch;
     let span = prof::span("hyper-connection pre: norm");
@@ -92,11 +109,11 @@ pub fn pre_batch(hc: &HyperConnection, residuals: &[f32], streams: usize, eps: f
     hc.up.matmul(&low, &mut mix);
     drop(span);
     let _span = prof::span("hyper-connection pre: streams mixed");
-    let per = logits.len() / t.max(1);
-    par_map(t, |i| HcPre {
-        input: combine(&mix[i * ch..(i + 1) * ch], &xn[i * ch..(i + 1) * ch], streams),
-        inject: logits[i * per..(i + 1) * per].iter().map(|&v| 2.0 * sigmoid(v / c)).collect(),
-    })
+    let h = ch / streams;
+    let mut inputs = vec![0f32; t * h];
+    per_chunk(&mut inputs, h, |i, input| combine_into(&mix[i * ch..(i + 1) * ch], &xn[i * ch..(i + 1) * ch], input));
+    logits.iter_mut().for_each(|v| *v = 2.0 * sigmoid(*v / c));
+    HcBatch { inputs, inject: logits, tokens: t }
 }
 
 /// `X_c += w_c * o` for every stream.

@@ -17,10 +17,13 @@
 //!   matrix product over the `T` activations (`quant::matmul`: each row meets
 //!   all the tokens while it is in cache, activations rounded once per token
 //!   on the integer path, parallel over pieces of rows);
-//! * the MoE is grouped by expert ([`moe::expert_outputs_grouped`]): the
-//!   tokens routed to each expert are gathered, each expert runs once over
-//!   its tokens, and the outputs go back to their tokens, combined in route
-//!   order as one token's are;
+//! * a hyper-connection's pre step leaves the block inputs side by side
+//!   ([`hyper::HcBatch`]), where every product of the block reads them;
+//! * the MoE is grouped by expert ([`moe::expert_outputs_grouped`]): each
+//!   expert runs once over the tokens routed to it, reading them in place
+//!   (`quant::matmul`'s picked tokens: each token rounded once for all its
+//!   experts, nothing gathered), and each token's combine reads its experts'
+//!   outputs where they were written, in route order as one token's are;
 //! * what carries state from one token to the next runs over the batch in
 //!   position order where it must and in parallel where it can: the GDN
 //!   delta rule head by head (each head's state carried through the batch
@@ -63,7 +66,7 @@ use crate::model::weights::Mixer;
 use crate::error::copy_of;
 use crate::model::{LayerKind, Model};
 use gdn::{ring_row, GdnState};
-use hyper::HcPre;
+use hyper::HcBatch;
 use ops::Rope;
 use qsa::AttnState;
 use rayon::prelude::*;
@@ -368,25 +371,19 @@ impl CpuPass<'_> {
     }
 }
 
-/// The block inputs of a batch side by side: [T][H].
-fn inputs(branch: &[HcPre]) -> Vec<f32> {
-    let _span = prof::span("block inputs copied side by side");
-    branch.iter().flat_map(|b| b.input.iter().copied()).collect()
-}
-
 /// Each token's block output `ys` ([T][H]) written back into its streams
 /// (`x`: [T][ch]) with its injection weights.
-fn post_all(branch: &[HcPre], ys: &[f32], x: &mut [f32], ch: usize) {
-    let h = ys.len() / branch.len().max(1);
+fn post_all(branch: &HcBatch, ys: &[f32], x: &mut [f32], ch: usize) {
+    let h = ys.len() / branch.tokens.max(1);
     let _span = prof::span("hyper-connection post (block outputs into the streams)");
-    per_chunk(x, ch, |i, xi| hyper::post(xi, &ys[i * h..(i + 1) * h], &branch[i].inject));
+    per_chunk(x, ch, |i, xi| hyper::post(xi, &ys[i * h..(i + 1) * h], branch.inject(i)));
 }
 
 impl Blocks for CpuPass<'_> {
     type Streams = Vec<f32>;
-    type Branch = Vec<HcPre>;
+    type Branch = HcBatch;
     type Routes = Vec<Routing>;
-    type Experts = Vec<Vec<f32>>;
+    type Experts = moe::GroupedOutputs;
 
     fn embed(&mut self, rows: &[f32]) -> Result<Vec<f32>> {
         let (c, h) = (self.model.config.hc, self.model.config.hidden);
@@ -406,7 +403,7 @@ impl Blocks for CpuPass<'_> {
         Ok(())
     }
 
-    fn hyper_pre(&mut self, site: Site, x: &Vec<f32>) -> Result<Vec<HcPre>> {
+    fn hyper_pre(&mut self, site: Site, x: &Vec<f32>) -> Result<HcBatch> {
         let l = &self.model.weights.layers;
         let hc = match site {
             Site::Mixer(i) => &l[i].attn_hc,
@@ -416,17 +413,17 @@ impl Blocks for CpuPass<'_> {
         Ok(hyper::pre_batch(hc, x, cfg.hc, cfg.eps))
     }
 
-    fn gdn(&mut self, layer: usize, branch: &Vec<HcPre>, x: &mut Vec<f32>) -> Result<()> {
+    fn gdn(&mut self, layer: usize, branch: &HcBatch, x: &mut Vec<f32>) -> Result<()> {
         let (cfg, ch, pos) = (&self.model.config, self.width(), self.batch.pos);
         let (Mixer::Gdn(w), LayerState::Gdn(st)) = (&self.model.weights.layers[layer].mixer, &mut self.state.layers[layer]) else {
             unreachable!("weights, config and state agree on layer kinds")
         };
-        let ys = gdn::forward_batch(w, cfg, st, pos, &inputs(branch));
+        let ys = gdn::forward_batch(w, cfg, st, pos, &branch.inputs);
         post_all(branch, &ys, x, ch);
         Ok(())
     }
 
-    fn attention(&mut self, layer: usize, branch: &Vec<HcPre>, x: &mut Vec<f32>) -> Result<()> {
+    fn attention(&mut self, layer: usize, branch: &HcBatch, x: &mut Vec<f32>) -> Result<()> {
         let (cfg, ch, pos) = (&self.model.config, self.width(), self.batch.pos);
         let ratio = match cfg.layers[layer] {
             LayerKind::Attention { compress_ratio } => compress_ratio,
@@ -436,23 +433,22 @@ impl Blocks for CpuPass<'_> {
         else {
             unreachable!("weights, config and state agree on layer kinds")
         };
-        let ys = qsa::forward_batch(w, cfg, ratio, &self.rope, st, &inputs(branch), pos);
+        let ys = qsa::forward_batch(w, cfg, ratio, &self.rope, st, &branch.inputs, pos);
         post_all(branch, &ys, x, ch);
         Ok(())
     }
 
-    fn moe_route(&mut self, layer: usize, branch: &Vec<HcPre>) -> Result<Vec<Routing>> {
+    fn moe_route(&mut self, layer: usize, branch: &HcBatch) -> Result<Vec<Routing>> {
         let (w, cfg) = (&self.model.weights.layers[layer].moe, &self.model.config);
-        let xs = inputs(branch);
         let span = prof::span("moe: router product");
-        let mut logits = vec![0f32; branch.len() * cfg.n_experts];
-        w.router.matmul(&xs, &mut logits);
+        let mut logits = vec![0f32; branch.tokens * cfg.n_experts];
+        w.router.matmul(&branch.inputs, &mut logits);
         drop(span);
         let _span = prof::span("moe: top-k, shared gate, routing reported");
         let n = cfg.n_experts;
-        let routes: Vec<Routing> = par_map(branch.len(), |i| Routing {
+        let routes: Vec<Routing> = par_map(branch.tokens, |i| Routing {
             routes: moe::choose(cfg, logits[i * n..(i + 1) * n].to_vec()),
-            gate: moe::shared_gate(w, &branch[i].input),
+            gate: moe::shared_gate(w, branch.input(i)),
         });
         for r in &routes {
             self.model.report_routing(layer, &r.routes.iter().map(|&(e, _)| e as u32).collect::<Vec<_>>());
@@ -460,19 +456,19 @@ impl Blocks for CpuPass<'_> {
         Ok(routes)
     }
 
-    fn moe_experts(&mut self, layer: usize, branch: &Vec<HcPre>, routes: &Vec<Routing>) -> Result<Vec<Vec<f32>>> {
+    fn moe_experts(&mut self, layer: usize, branch: &HcBatch, routes: &Vec<Routing>) -> Result<moe::GroupedOutputs> {
         let w = &self.model.weights.layers[layer].moe;
         let chosen: Vec<Vec<(usize, f32)>> = routes.iter().map(|r| r.routes.clone()).collect();
-        Ok(moe::expert_outputs_grouped(w, &self.model.config, &inputs(branch), &chosen))
+        Ok(moe::expert_outputs_grouped(w, &self.model.config, &branch.inputs, &chosen))
     }
 
-    fn moe_combine(&mut self, _layer: usize, branch: &Vec<HcPre>, routes: &Vec<Routing>, experts: Vec<Vec<f32>>, x: &mut Vec<f32>) -> Result<()> {
-        let (h, ch) = (self.model.config.hidden, self.width());
+    fn moe_combine(&mut self, _layer: usize, branch: &HcBatch, routes: &Vec<Routing>, experts: moe::GroupedOutputs, x: &mut Vec<f32>) -> Result<()> {
+        let ch = self.width();
         let _span = prof::span("moe: combine, hyper-connection post");
         per_chunk(x, ch, |i, xi| {
-            let (r, ys) = (&routes[i], &experts[i]);
-            let (routed, shared) = ys.split_at(r.routes.len() * h);
-            hyper::post(xi, &moe::combine(&r.routes, routed, shared, r.gate), &branch[i].inject);
+            let r = &routes[i];
+            let out = moe::combine_rows(&r.routes, experts.routed(i), experts.shared(i), r.gate);
+            hyper::post(xi, &out, branch.inject(i));
         });
         Ok(())
     }
@@ -488,7 +484,7 @@ impl Blocks for CpuPass<'_> {
         let _span = prof::span("LM head");
         let mut logits = crate::error::zeros(n.checked_mul(cfg.vocab), "logits")?;
         let mixed = hyper::pre_batch(&w.output_hc, wanted, cfg.hc, cfg.eps);
-        w.output.matmul(&inputs(&mixed), &mut logits);
+        w.output.matmul(&mixed.inputs, &mut logits);
         self.logits = logits;
         Ok(())
     }

@@ -7,7 +7,7 @@
 //! (`moe_combine`, with the hyper-connection post step).
 
 use super::ops::{dot, sigmoid, silu, softmax};
-use super::{par_map, per_chunk, prof};
+use super::{per_chunk, prof};
 use rayon::prelude::*;
 use crate::model::config::Config;
 use crate::model::weights::{ExpertGateUp, Moe};
@@ -95,18 +95,45 @@ pub fn expert_outputs(w: &Moe, cfg: &Config, x: &[f32], experts: &[Expert]) -> V
     ys
 }
 
+/// The expert outputs of a batch as [`expert_outputs_grouped`] leaves them:
+/// each used expert's outputs over its tokens, where the combine reads them.
+pub struct GroupedOutputs {
+    /// Per used expert, its outputs over its tokens: [m][H], token order.
+    downs: Vec<Vec<f32>>,
+    /// Per token and route, the routed expert's index in `downs` and the
+    /// token's row among its outputs.
+    at: Vec<Vec<(usize, usize)>>,
+    /// The shared expert's outputs: [T][H].
+    shared: Vec<f32>,
+}
+
+impl GroupedOutputs {
+    /// Token `tok`'s routed experts' outputs, in route order: [H] each.
+    pub fn routed(&self, tok: usize) -> impl Iterator<Item = &[f32]> {
+        let h = self.shared.len() / self.at.len().max(1);
+        self.at[tok].iter().map(move |&(slot, row)| &self.downs[slot][row * h..(row + 1) * h])
+    }
+
+    /// Token `tok`'s shared expert output: [H].
+    pub fn shared(&self, tok: usize) -> &[f32] {
+        let h = self.shared.len() / self.at.len().max(1);
+        &self.shared[tok * h..(tok + 1) * h]
+    }
+}
+
 /// The expert outputs of a batch (`xs`: [T][H], `routes` per token), grouped
-/// by expert: the tokens routed to an expert are gathered and the expert runs
-/// once over them (its weights read once for the batch), the shared expert
+/// by expert: each expert runs once over the tokens routed to it (its weights
+/// read once for the batch), reading them in place in `xs` (on the integer
+/// path each token is rounded once for all its experts), the shared expert
 /// once over all the tokens; gate and up of every expert share one parallel
-/// region, the down projections another. Returns per token what
-/// [`expert_outputs`] returns for its routed experts in route order and the
-/// shared one, the same numbers: [T][k+1][H].
-pub fn expert_outputs_grouped(w: &Moe, cfg: &Config, xs: &[f32], routes: &[Vec<(usize, f32)>]) -> Vec<Vec<f32>> {
+/// region, the down projections another. Per token the numbers
+/// [`expert_outputs`] gives its routed experts in route order and the shared
+/// one.
+pub fn expert_outputs_grouped(w: &Moe, cfg: &Config, xs: &[f32], routes: &[Vec<(usize, f32)>]) -> GroupedOutputs {
     let (h, f, fs) = (cfg.hidden, cfg.expert_ff, cfg.shared_ff);
     let t = xs.len() / h;
-    let span = prof::span("moe: tokens grouped by expert, gathered");
-    // Per expert the tokens routed to it, in token order; per (token, slot)
+    let span = prof::span("moe: tokens grouped by expert");
+    // Per expert the tokens routed to it, in token order; per (token, route)
     // the expert's row among them.
     let mut members: Vec<Vec<usize>> = vec![Vec::new(); cfg.n_experts];
     let rows: Vec<Vec<usize>> = routes
@@ -126,7 +153,8 @@ pub fn expert_outputs_grouped(w: &Moe, cfg: &Config, xs: &[f32], routes: &[Vec<(
     for (i, &e) in used.iter().enumerate() {
         slot_of[e] = i;
     }
-    let inputs: Vec<Vec<f32>> = par_map(used.len(), |i| members[used[i]].iter().flat_map(|&tok| &xs[tok * h..(tok + 1) * h]).copied().collect());
+    let at: Vec<Vec<(usize, usize)>> =
+        routes.iter().zip(&rows).map(|(r, rows)| r.iter().zip(rows).map(|(&(e, _), &row)| (slot_of[e], row)).collect()).collect();
     // Per used expert `gate` and `up`: [m][f] each; the shared expert's: [T][fs].
     let mut gates: Vec<Vec<f32>> = used.iter().map(|&e| vec![0f32; members[e].len() * f]).collect();
     let mut ups: Vec<Vec<f32>> = used.iter().map(|&e| vec![0f32; members[e].len() * f]).collect();
@@ -139,14 +167,14 @@ pub fn expert_outputs_grouped(w: &Moe, cfg: &Config, xs: &[f32], routes: &[Vec<(
         match &w.gate_up {
             ExpertGateUp::Fused(gu) => {
                 fused = used.iter().map(|&e| vec![0f32; members[e].len() * 2 * f]).collect();
-                for ((&e, x), y) in used.iter().zip(&inputs).zip(fused.iter_mut()) {
-                    jobs.push(gu.matmul_job(e * 2 * f, x, y));
+                for (&e, y) in used.iter().zip(fused.iter_mut()) {
+                    jobs.push(gu.matmul_job_picked(e * 2 * f, xs, Some(&members[e]), y));
                 }
             }
             ExpertGateUp::Separate { gate, up } => {
-                for (((&e, x), g), u) in used.iter().zip(&inputs).zip(gates.iter_mut()).zip(ups.iter_mut()) {
-                    jobs.push(gate.matmul_job(e * f, x, g));
-                    jobs.push(up.matmul_job(e * f, x, u));
+                for ((&e, g), u) in used.iter().zip(gates.iter_mut()).zip(ups.iter_mut()) {
+                    jobs.push(gate.matmul_job_picked(e * f, xs, Some(&members[e]), g));
+                    jobs.push(up.matmul_job_picked(e * f, xs, Some(&members[e]), u));
                 }
             }
         }
@@ -180,33 +208,29 @@ pub fn expert_outputs_grouped(w: &Moe, cfg: &Config, xs: &[f32], routes: &[Vec<(
     drop(span);
     let _span = prof::span("moe: experts' down products (and the shared expert's)");
     let mut downs: Vec<Vec<f32>> = used.iter().map(|&e| vec![0f32; members[e].len() * h]).collect();
-    let mut shared_y = vec![0f32; t * h];
+    let mut shared = vec![0f32; t * h];
     {
         let mut jobs = Vec::with_capacity(used.len() + 1);
         for ((&e, hidden), y) in used.iter().zip(&gates).zip(downs.iter_mut()) {
             jobs.push(w.down.matmul_job(e * h, hidden, y));
         }
-        jobs.push(w.shared_down.matmul_job(0, &shared_g, &mut shared_y));
+        jobs.push(w.shared_down.matmul_job(0, &shared_g, &mut shared));
         matmul_all(&mut jobs);
     }
-    drop(_span);
-    let _span = prof::span("moe: outputs back to their tokens");
-    par_map(t, |tok| {
-        let r = &routes[tok];
-        let mut o = Vec::with_capacity((r.len() + 1) * h);
-        for (&(e, _), &row) in r.iter().zip(&rows[tok]) {
-            o.extend_from_slice(&downs[slot_of[e]][row * h..(row + 1) * h]);
-        }
-        o.extend_from_slice(&shared_y[tok * h..(tok + 1) * h]);
-        o
-    })
+    GroupedOutputs { downs, at, shared }
 }
 
 /// `sum_e w_e y_e` in route order, then `+ gate * shared`: [H].
 pub fn combine(routes: &[(usize, f32)], ys: &[f32], shared: &[f32], gate: f32) -> Vec<f32> {
+    combine_rows(routes, ys.chunks_exact(shared.len()), shared, gate)
+}
+
+/// [`combine`] with the routed experts' outputs `ys` ([H] each, route order)
+/// wherever they are.
+pub fn combine_rows<'a>(routes: &[(usize, f32)], ys: impl IntoIterator<Item = &'a [f32]>, shared: &[f32], gate: f32) -> Vec<f32> {
     let h = shared.len();
     let mut out = vec![0f32; h];
-    for (&(_, weight), y) in routes.iter().zip(ys.chunks_exact(h)) {
+    for (&(_, weight), y) in routes.iter().zip(ys) {
         for (o, v) in out.iter_mut().zip(y) {
             *o += v * weight;
         }

@@ -46,17 +46,24 @@ const PAR_MIN_ROUNDS: usize = 64;
 /// One matrix over a batch: `ys[t * n + r] = rows[r] · xs[t * cols..]`, where
 /// `rows` holds `n` consecutive rows of `cols` values of `ty`, `xs` is
 /// [T][cols] and `ys` [T][n].
+///
+/// With `pick`, the job reads only the tokens of `xs` it names, in its
+/// order: `ys[i * n + r] = rows[r] · xs[pick[i] * cols..]` (a MoE expert
+/// reads the batch's inputs in place, and each token is rounded once for
+/// all the experts that read it).
 pub struct MatMul<'a> {
     pub ty: GgmlType,
     pub rows: &'a [u8],
     pub cols: usize,
     pub xs: &'a [f32],
+    pub pick: Option<&'a [usize]>,
     pub ys: &'a mut [f32],
 }
 
 impl MatMul<'_> {
+    /// The tokens this job computes.
     fn tokens(&self) -> usize {
-        self.xs.len() / self.cols
+        self.pick.map_or(self.xs.len() / self.cols, <[usize]>::len)
     }
 
     fn n_rows(&self) -> usize {
@@ -78,8 +85,13 @@ struct Piece {
     nt: usize,
 }
 
-/// A job without its outputs: type, rows, columns, inputs, number of rows.
-type Shape<'a> = (GgmlType, &'a [u8], usize, &'a [f32], usize);
+/// A job without its outputs: type, rows, columns, inputs, picked tokens, number of rows.
+type Shape<'a> = (GgmlType, &'a [u8], usize, &'a [f32], Option<&'a [usize]>, usize);
+
+/// The row of `xs` of token `t` of a job picking `pick`.
+fn picked(pick: Option<&[usize]>, t: usize) -> usize {
+    pick.map_or(t, |p| p[t])
+}
 
 /// A job's outputs, written by the pieces in parallel.
 struct Outputs {
@@ -93,8 +105,8 @@ struct Outputs {
 unsafe impl Sync for Outputs {}
 
 thread_local! {
-    /// A thread's piece tile and decoded row, reused between calls.
-    static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    /// A thread's piece tile, decoded row and picked inputs, reused between calls.
+    static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
 /// The index among `inputs` of job `j`'s input in layout `kind` (none on
@@ -122,6 +134,8 @@ pub fn matmul_batch_with(kernels: Kernels, isa: Isa, jobs: &mut [MatMul<'_>]) {
         assert!(j.cols > 0 && j.xs.len() % j.cols == 0, "{} matmul: {} inputs are not rows of {}", j.ty, j.xs.len(), j.cols);
         let (t, n) = (j.tokens(), j.n_rows());
         assert_eq!(j.ys.len(), t * n, "{} matmul: {} outputs for {t} tokens", j.ty, j.ys.len());
+        let rows_of_xs = j.xs.len() / j.cols;
+        assert!(j.pick.is_none_or(|p| p.iter().all(|&i| i < rows_of_xs)), "{} matmul: a picked token beyond {rows_of_xs}", j.ty);
         let rb = j.ty.row_bytes(j.cols).expect("row length is a whole number of blocks");
         assert_eq!(j.rows.len(), rb * n, "{} matmul: {} bytes for {n} rows", j.ty, j.rows.len());
         work += j.cols * n * t;
@@ -131,8 +145,11 @@ pub fn matmul_batch_with(kernels: Kernels, isa: Isa, jobs: &mut [MatMul<'_>]) {
     }
     // Every token of every distinct input in one parallel region (a MoE
     // layer's experts each read a few tokens: rounded one expert after
-    // another, they kept one thread busy while the others waited).
-    let tokens: Vec<(usize, usize)> = firsts.iter().enumerate().flat_map(|(i, &j)| (0..jobs[j].tokens()).map(move |t| (i, t))).collect();
+    // another, they kept one thread busy while the others waited). An input
+    // read through picks is rounded whole: its tokens are the batch's, each
+    // read by several experts.
+    let tokens: Vec<(usize, usize)> =
+        firsts.iter().enumerate().flat_map(|(i, &j)| (0..jobs[j].xs.len() / jobs[j].cols).map(move |t| (i, t))).collect();
     let kinds: Vec<ActKind> = inputs.iter().map(|k| k.2).collect();
     let round = |&(i, t): &(usize, usize)| {
         let j = &jobs[firsts[i]];
@@ -165,22 +182,22 @@ pub fn matmul_batch_with(kernels: Kernels, isa: Isa, jobs: &mut [MatMul<'_>]) {
         pieces.extend((0..t).step_by(step).map(|t0| Piece { job, r0, nr, t0, nt: step.min(t - t0) }));
     }
     // The inputs apart from the outputs, which the pieces write through `Outputs`.
-    let shapes: Vec<Shape> = jobs.iter().map(|j| (j.ty, j.rows, j.cols, j.xs, j.n_rows())).collect();
+    let shapes: Vec<Shape> = jobs.iter().map(|j| (j.ty, j.rows, j.cols, j.xs, j.pick, j.n_rows())).collect();
     let outputs: Vec<Outputs> = jobs.iter_mut().map(|j| Outputs { ys: j.ys.as_mut_ptr(), len: j.ys.len() }).collect();
     let run = |p: &Piece| {
-        let (ty, rows, cols, xs, n) = shapes[p.job];
+        let (ty, rows, cols, xs, pick, n) = shapes[p.job];
         let rb = rows.len() / n;
         let rows = &rows[p.r0 * rb..(p.r0 + p.nr) * rb];
         SCRATCH.with(|s| {
-            let (tile, buf) = &mut *s.borrow_mut();
+            let (tile, buf, gathered) = &mut *s.borrow_mut();
             tile.clear();
             tile.resize(p.nt * p.nr, 0.0);
             match job_act[p.job] {
                 Some(a) => {
                     for t0 in (0..p.nt).step_by(TOKEN_TILE) {
                         let nt = TOKEN_TILE.min(p.nt - t0);
-                        let acts = &acts[a][p.t0 + t0..p.t0 + t0 + nt];
-                        dot::dot_rows_tokens(isa, ty, rows, acts, &mut tile[t0 * p.nr..(t0 + nt) * p.nr]);
+                        let acts: Vec<&Activation> = (p.t0 + t0..p.t0 + t0 + nt).map(|t| &acts[a][picked(pick, t)]).collect();
+                        dot::dot_rows_tokens(isa, ty, rows, &acts, &mut tile[t0 * p.nr..(t0 + nt) * p.nr]);
                     }
                 }
                 None => {
@@ -188,7 +205,16 @@ pub fn matmul_batch_with(kernels: Kernels, isa: Isa, jobs: &mut [MatMul<'_>]) {
                     buf.resize(cols, 0.0);
                     for t0 in (0..p.nt).step_by(TOKEN_TILE) {
                         let nt = TOKEN_TILE.min(p.nt - t0);
-                        let xs = &xs[(p.t0 + t0) * cols..(p.t0 + t0 + nt) * cols];
+                        let xs = match pick {
+                            None => &xs[(p.t0 + t0) * cols..(p.t0 + t0 + nt) * cols],
+                            Some(pick) => {
+                                gathered.clear();
+                                for &t in &pick[p.t0 + t0..p.t0 + t0 + nt] {
+                                    gathered.extend_from_slice(&xs[t * cols..(t + 1) * cols]);
+                                }
+                                &gathered[..]
+                            }
+                        };
                         for (r, row) in rows.chunks_exact(rb).enumerate() {
                             dot_tokens_exact(isa, ty, row, xs, buf, &mut tile[t0 * p.nr + r..], p.nr);
                         }
@@ -248,7 +274,7 @@ mod tests {
                     for kernels in [Kernels::Exact, Kernels::Fast] {
                         for isa in Isa::available() {
                             let mut got = vec![0f32; t * n];
-                            matmul_batch_with(kernels, isa, &mut [MatMul { ty, rows: &rows, cols, xs: &xs, ys: &mut got }]);
+                            matmul_batch_with(kernels, isa, &mut [MatMul { ty, rows: &rows, cols, xs: &xs, pick: None, ys: &mut got }]);
                             for (x, g) in xs.chunks(cols).zip(got.chunks(n)) {
                                 let mut want = vec![0f32; n];
                                 matvec_batch_with(kernels, isa, &mut [MatVec { ty, rows: &rows, x, y: &mut want }]);
@@ -256,6 +282,44 @@ mod tests {
                                 assert_eq!(bits(g), bits(&want), "{ty} n {n} T {t} {kernels:?} {}", isa.name());
                             }
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A job picking tokens of a shared input (as a MoE's experts do, several
+    /// jobs on one input) gives the bits of the same job on those tokens
+    /// copied out, on both kernel families and every level.
+    #[test]
+    fn picked_tokens_equal_a_gathered_input() {
+        let mut seed = 0x2545_f491_4f6c_dd1d;
+        let cols = 512;
+        for ty in [GgmlType::F16, GgmlType::Q4K, GgmlType::Q5_0, GgmlType::Q8_0] {
+            let n = 40;
+            let w = values(&mut seed, n * cols);
+            let rb = ty.row_bytes(cols).unwrap();
+            let mut rows = vec![0u8; n * rb];
+            for (src, dst) in w.chunks(cols).zip(rows.chunks_mut(rb)) {
+                crate::quant::quantize_row(ty, src, dst).unwrap();
+            }
+            let xs = values(&mut seed, 50 * cols);
+            let picks: [Vec<usize>; 3] = [vec![3], (0..50).rev().step_by(3).collect(), (0..45).map(|i| (i * 7) % 50).collect()];
+            for kernels in [Kernels::Exact, Kernels::Fast] {
+                for isa in Isa::available() {
+                    let mut got: Vec<Vec<f32>> = picks.iter().map(|p| vec![f32::NAN; p.len() * n]).collect();
+                    let mut jobs: Vec<MatMul> = picks
+                        .iter()
+                        .zip(got.iter_mut())
+                        .map(|(p, ys)| MatMul { ty, rows: &rows, cols, xs: &xs, pick: Some(p), ys })
+                        .collect();
+                    matmul_batch_with(kernels, isa, &mut jobs);
+                    for (p, got) in picks.iter().zip(&got) {
+                        let copied: Vec<f32> = p.iter().flat_map(|&t| &xs[t * cols..(t + 1) * cols]).copied().collect();
+                        let mut want = vec![0f32; p.len() * n];
+                        matmul_batch_with(kernels, isa, &mut [MatMul { ty, rows: &rows, cols, xs: &copied, pick: None, ys: &mut want }]);
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(got), bits(&want), "{ty} {} picked {kernels:?} {}", p.len(), isa.name());
                     }
                 }
             }

@@ -367,7 +367,7 @@ pub fn dot_rows(isa: Isa, ty: GgmlType, rows: &[u8], act: &Activation, y: &mut [
 /// (`FNX_CPU_TOKENS=1` turns this off, for measuring it).
 ///
 /// Panics as [`dot_rows`] does, or if the activations differ in length or layout.
-pub fn dot_rows_tokens(isa: Isa, ty: GgmlType, rows: &[u8], acts: &[Activation], ys: &mut [f32]) {
+pub fn dot_rows_tokens(isa: Isa, ty: GgmlType, rows: &[u8], acts: &[&Activation], ys: &mut [f32]) {
     assert!(isa.supported(), "this CPU cannot run {}", isa.name());
     let Some(first) = acts.first() else { return };
     let rb = ty.row_bytes(first.len()).unwrap_or_else(|| panic!("{ty} row of {} values", first.len()));
@@ -378,7 +378,7 @@ pub fn dot_rows_tokens(isa: Isa, ty: GgmlType, rows: &[u8], acts: &[Activation],
     let ahead = prefetch_distance();
     match row_fn(isa, ty) {
         RowFn::Q8(f) => {
-            let a: Vec<&Q8Blocks> = acts.iter().map(|a| match a {
+            let a: Vec<&Q8Blocks> = acts.iter().map(|a| match *a {
                 Activation::Q8(a) => a,
                 Activation::Q8K(_) => panic!("{ty} kernel given a Q8K activation"),
             }).collect();
@@ -391,7 +391,7 @@ pub fn dot_rows_tokens(isa: Isa, ty: GgmlType, rows: &[u8], acts: &[Activation],
             rows_tokens(rows, rb, ahead, &a, f, groups(isa, ty, q8, q8, q8), ys);
         }
         RowFn::Q8K(f) => {
-            let a: Vec<&Q8KBlocks> = acts.iter().map(|a| match a {
+            let a: Vec<&Q8KBlocks> = acts.iter().map(|a| match *a {
                 Activation::Q8K(a) => a,
                 Activation::Q8(_) => panic!("{ty} kernel given a Q8 activation"),
             }).collect();
