@@ -165,6 +165,10 @@ fn head_qkv<'a>(cfg: &Config, c: &'a [f32], h: usize) -> [&'a [f32]; 3] {
 /// over the state, each row's sums in row order; the token-by-token and the
 /// batched delta rule both step through here.
 ///
+/// Each value column is independent of the others, so `from`/`to` may hold
+/// a band of the head's columns ([dk][w], `v`, `delta` and `o` the band's
+/// `w`): every number of the band is the one the whole head gives it.
+///
 /// Element-wise products and sums only (no fused multiply-add, no sums
 /// across lanes), so the levels below give the same bits; the wider ones
 /// are the same code compiled for wider vectors.
@@ -195,9 +199,10 @@ fn step(from: &[f32], to: &mut [f32], qkv: [&[f32]; 3], decay: f32, beta: f32, d
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn step_portable(from: &[f32], to: &mut [f32], [q, k, v]: [&[f32]; 3], decay: f32, beta: f32, delta: &mut [f32], o: &mut [f32]) {
-    let d = q.len();
+    let w = v.len();
+    debug_assert!(from.len() == k.len() * w && to.len() == from.len() && delta.len() == w && o.len() == w);
     delta.fill(0.0);
-    for ((row_in, row), &ki) in from.chunks_exact(d).zip(to.chunks_exact_mut(d)).zip(k) {
+    for ((row_in, row), &ki) in from.chunks_exact(w).zip(to.chunks_exact_mut(w)).zip(k) {
         for ((x, &x_in), dj) in row.iter_mut().zip(row_in).zip(delta.iter_mut()) {
             *x = x_in * decay;
             *dj += *x * ki;
@@ -206,7 +211,7 @@ fn step_portable(from: &[f32], to: &mut [f32], [q, k, v]: [&[f32]; 3], decay: f3
     for (dj, &vj) in delta.iter_mut().zip(v) {
         *dj = (vj - *dj) * beta;
     }
-    for ((row, &ki), &qi) in to.chunks_exact_mut(d).zip(k).zip(q) {
+    for ((row, &ki), &qi) in to.chunks_exact_mut(w).zip(k).zip(q) {
         for ((x, &dj), oj) in row.iter_mut().zip(delta.iter()).zip(o.iter_mut()) {
             *x += ki * dj;
             *oj += *x * qi;
@@ -271,13 +276,15 @@ pub fn delta_rule(w: &Gdn, cfg: &Config, planes: &mut [f32], pos: usize, c: &mut
 /// [`delta_rule`] for the `T` tokens at `pos, pos + 1, ..` (conv outputs
 /// `cs`: [T][Dc], gates `zs` [T][nv*d], `bs` and `as_` [T][nv]): [T][nv*d].
 ///
-/// Head-major: each value head (in parallel) carries its state through the
-/// batch in two buffers of the thread's cache (64 KB each at the real
-/// shapes, where the token-by-token walk streams every head's plane, 3 MB a
-/// layer, in and out for each token), and only the states of the last
-/// `planes` positions are written to their planes, the ones token-by-token
-/// decoding leaves. Every number is [`step`]'s, in the same order, so the
-/// outputs and the planes are those of `T` calls of [`delta_rule`].
+/// Head-major: each value head, or band of a head's value columns where the
+/// heads are too few to keep every thread busy ([`column_bands`]), carries
+/// its state through the batch in two buffers of the thread's cache (64 KB
+/// a head at the real shapes, where the token-by-token walk streams every
+/// head's plane, 3 MB a layer, in and out for each token), in parallel;
+/// only the states of the last `planes` positions are written to their
+/// planes, the ones token-by-token decoding leaves. Every number is
+/// [`step`]'s, in the same order, so the outputs and the planes are those
+/// of `T` calls of [`delta_rule`].
 #[allow(clippy::too_many_arguments)]
 pub fn delta_rule_batch(w: &Gdn, cfg: &Config, planes: &mut [f32], pos: usize, cs: &mut [f32], zs: &[f32], bs: &[f32], as_: &[f32]) -> Vec<f32> {
     let (nv, d, dc) = (cfg.ssm_v_heads, cfg.ssm_head_dim, cfg.ssm_conv_dim());
@@ -289,36 +296,66 @@ pub fn delta_rule_batch(w: &Gdn, cfg: &Config, planes: &mut [f32], pos: usize, c
         cs.chunks_exact_mut(dc).enumerate().map(prepare_token).collect()
     };
     let cs = &*cs;
-    let n_planes = planes.len() / (nv * d * d);
-    // Plane `p` of head `h` is chunk `p * nv + h`.
-    let mut by_head: Vec<Vec<&mut [f32]>> = (0..nv).map(|_| Vec::with_capacity(n_planes)).collect();
-    for (i, s) in planes.chunks_exact_mut(d * d).enumerate() {
-        by_head[i % nv].push(s);
-    }
-    let head = |(h, mut hp): (usize, Vec<&mut [f32]>)| {
-        let (mut s, mut next, mut delta) = (hp[pos % n_planes].to_vec(), vec![0f32; d * d], vec![0f32; d]);
-        let mut o = vec![0f32; t * d];
-        for (i, oi) in o.chunks_exact_mut(d).enumerate() {
+    let plane = nv * d * d;
+    let n_planes = planes.len() / plane;
+    // The states kept: those after the batch's last `keep` tokens.
+    let keep = n_planes.min(t);
+    let bands = column_bands(nv, d, t);
+    let bw = d / bands;
+    // Band `b` of head `h` (task `h * bands + b`): its outputs [T][bw] and kept states [keep][d][bw].
+    let start = &planes[(pos % n_planes) * plane..(pos % n_planes + 1) * plane];
+    let band = |task: usize| -> (Vec<f32>, Vec<f32>) {
+        let (h, j0) = (task / bands, (task % bands) * bw);
+        let mut s: Vec<f32> = start[h * d * d..(h + 1) * d * d].chunks_exact(d).flat_map(|row| &row[j0..j0 + bw]).copied().collect();
+        let (mut next, mut delta) = (vec![0f32; d * bw], vec![0f32; bw]);
+        let mut o = vec![0f32; t * bw];
+        let mut kept = Vec::with_capacity(keep * d * bw);
+        for (i, oi) in o.chunks_exact_mut(bw).enumerate() {
             let (decay, beta) = (gates[i].0[h], gates[i].1[h]);
-            step(&s, &mut next, head_qkv(cfg, &cs[i * dc..(i + 1) * dc], h), decay, beta, &mut delta, oi);
+            let [q, k, v] = head_qkv(cfg, &cs[i * dc..(i + 1) * dc], h);
+            step(&s, &mut next, [q, k, &v[j0..j0 + bw]], decay, beta, &mut delta, oi);
             std::mem::swap(&mut s, &mut next);
-            if t - 1 - i < n_planes {
-                hp[(pos + i + 1) % n_planes].copy_from_slice(&s);
+            if t - 1 - i < keep {
+                kept.extend_from_slice(&s);
             }
         }
-        o
+        (o, kept)
     };
-    let outs: Vec<Vec<f32>> = if t * nv * d * d >= 1 << 15 {
-        by_head.into_par_iter().enumerate().map(head).collect()
-    } else {
-        by_head.into_iter().enumerate().map(head).collect()
-    };
+    let outs: Vec<(Vec<f32>, Vec<f32>)> = if t * nv * d * d >= 1 << 15 { (0..nv * bands).into_par_iter().map(band).collect() } else { (0..nv * bands).map(band).collect() };
+    // Kept state `m` is the one after token `t - keep + m`, position `pos + t - keep + m + 1`.
+    let first_kept = pos + t - keep + 1;
+    super::per_chunk(planes, d * d, |i, head_plane| {
+        let (p, h) = (i / nv, i % nv);
+        let m = (p + n_planes - first_kept % n_planes) % n_planes;
+        if m >= keep {
+            return;
+        }
+        for b in 0..bands {
+            let kept = &outs[h * bands + b].1[m * d * bw..(m + 1) * d * bw];
+            for (row, src) in head_plane.chunks_exact_mut(d).zip(kept.chunks_exact(bw)) {
+                row[b * bw..(b + 1) * bw].copy_from_slice(src);
+            }
+        }
+    });
     let mut normed = vec![0f32; t * nv * d];
     super::per_chunk(&mut normed, nv * d, |i, out| {
-        let o: Vec<f32> = outs.iter().flat_map(|oh| &oh[i * d..(i + 1) * d]).copied().collect();
+        let o: Vec<f32> = outs.iter().flat_map(|(ob, _)| &ob[i * bw..(i + 1) * bw]).copied().collect();
         out.copy_from_slice(&gated_norm(w, cfg, &o, &zs[i * nv * d..(i + 1) * nv * d]));
     });
     normed
+}
+
+/// Bands of value columns each head's delta rule is cut into for a batch
+/// of `t` tokens: 1, or 2 or 4 where `nv` heads alone are fewer than four
+/// tasks per thread (48 heads on 16 threads left each thread three, and
+/// the longest of them set the stage's time), never narrower than 8 columns.
+fn column_bands(nv: usize, d: usize, t: usize) -> usize {
+    let want = 4 * rayon::current_num_threads();
+    let mut bands = 1;
+    while t > 1 && bands < 4 && nv * bands < want && d % (2 * bands) == 0 && d / (2 * bands) >= 8 {
+        bands *= 2;
+    }
+    bands
 }
 
 /// The token at `pos` through the whole layer: [H].
