@@ -57,6 +57,11 @@ pub struct BenchArgs {
     /// pp tests) instead of the text prompt: the prefill figure, e.g. pp512.
     #[arg(long, default_value_t = 0)]
     prompt_tokens: usize,
+    /// Decode the prompt this many more times after the first, each on a
+    /// fresh state, and report their speeds too (warm passes, as
+    /// llama-bench's repetitions after its warm-up).
+    #[arg(long, default_value_t = 0)]
+    prompt_repeats: usize,
     /// Tokens per prefill pass (0 = the default, 512; 1 = token by token).
     #[arg(long, default_value_t = 0)]
     micro_batch: usize,
@@ -92,6 +97,7 @@ pub fn run(a: BenchArgs) -> flashnext::Result<()> {
         tokens,
         save_trace: a.save_trace,
         prompt_tokens: a.prompt_tokens,
+        prompt_repeats: a.prompt_repeats,
         micro_batch: a.micro_batch,
         heap: Some(crate::heap::probe()),
     };

@@ -72,6 +72,11 @@ pub struct BenchOptions {
     /// A prompt of this many tokens (a fixed pseudo-random stream over the
     /// vocabulary, as llama-bench's pp tests) instead of `prompt`; 0 = `prompt`.
     pub prompt_tokens: usize,
+    /// The prompt decoded this many more times after the first, each on a
+    /// fresh state: passes whose scratch memory is no longer fresh (the
+    /// first pass after loading faults it in), as llama-bench's repetitions
+    /// follow its warm-up pass.
+    pub prompt_repeats: usize,
     /// `LoadOptions::micro_batch` (0 = the default; 1 = token by token).
     pub micro_batch: usize,
     /// Reads the process's heap, where the program has a counting allocator:
@@ -123,6 +128,7 @@ impl BenchOptions {
             tokens: GenTokens::Greedy,
             save_trace: None,
             prompt_tokens: 0,
+            prompt_repeats: 0,
             micro_batch: 0,
             heap: None,
         }
@@ -257,6 +263,8 @@ pub struct BenchReport {
     /// CPU seconds (every thread) the prefill took: on a machine shared with
     /// other work a steadier figure than the wall-clock tok/s.
     pub prompt_cpu_seconds: Option<f64>,
+    /// The prompt's speed in the repeats after the first (`prompt_repeats`).
+    pub prompt_again_tok_s: Vec<f64>,
     /// Heap the prefill allocated beyond what was in use before it, at its
     /// peak (activations, MoE gathers, the last pass's logits), where the
     /// program counts its heap; the weights are mapped, not counted.
@@ -442,6 +450,13 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
     let prompt_cpu_seconds = process_cpu_seconds().zip(cpu_before).map(|(a, b)| a - b);
     let prefill_peak_scratch_bytes = opts.heap.zip(heap_before).map(|(h, before)| (h.peak)().saturating_sub(before));
     let prefill_stages = cpu_stages.then(|| work_per_token(state.dispatch_ms(), prompt.len()));
+    let mut prompt_again_tok_s = Vec::with_capacity(opts.prompt_repeats);
+    for _ in 0..opts.prompt_repeats {
+        let mut again = State::new(model.clone())?;
+        let t = Instant::now();
+        crate::generate::decode_tokens(&mut again, &prompt, &mut || false)?;
+        prompt_again_tok_s.push(prompt.len() as f64 / t.elapsed().as_secs_f64());
+    }
 
     let mut per_token = Vec::with_capacity(opts.gen);
     let mut stream = 0x9e37_79b9_7f4a_7c15u64;
@@ -535,6 +550,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
         prompt_tok_s: prompt.len() as f64 / prompt_seconds,
         micro_batch: model.micro_batch,
         prompt_cpu_seconds,
+        prompt_again_tok_s,
         prefill_peak_scratch_bytes,
         warmup_tokens: opts.warmup,
         decode,
@@ -628,7 +644,11 @@ impl BenchReport {
                 self.micro_batch,
                 opt(&self.prompt_cpu_seconds.map(|s| format!("{s:.2}"))),
                 opt(&self.prefill_peak_scratch_bytes.map(|b| format!("{:.1} MB", b as f64 / 1e6)))
-            ),
+            ) + &if self.prompt_again_tok_s.is_empty() {
+                String::new()
+            } else {
+                format!("; again: {} tok/s", self.prompt_again_tok_s.iter().map(|v| format!("{v:.2}")).collect::<Vec<_>>().join(", "))
+            },
             format!(
                 "decode: {:.3} tok/s median ({:.1} ms), min {:.3}, max {:.3} over {} tokens after {} warm-up",
                 self.decode.median_tok_s, self.decode.median_ms, self.decode.min_tok_s, self.decode.max_tok_s, self.decode.tokens, self.warmup_tokens

@@ -21,6 +21,7 @@
 //!   bandwidth `B` with `n` cores only if this is at least `B / n`.
 
 use super::kernels::{matvec_batch_with, Isa, Kernels, MatVec};
+use super::matmul::{matmul_batch_with, MatMul};
 use super::policy::fallback_type;
 use super::{quantize_row, QUANT_TYPES};
 use crate::error::Result;
@@ -111,7 +112,16 @@ pub struct CoreResult {
     pub gbps: f64,
     /// Weights per second, 10^9.
     pub gweights: f64,
+    /// Multiply-adds per second, 10^9, over a batch of [`BATCH_TOKENS`]
+    /// tokens (`quant::matmul`, the prefill path): on the 2560-wide rows,
+    /// and on 640-wide ones (the experts' down projections) where the type's
+    /// blocks fit them.
+    pub batch_gmacs: f64,
+    pub batch_gmacs_short: Option<f64>,
 }
+
+/// Tokens of the per-core batch measurement: one tile of `quant::matmul`.
+pub const BATCH_TOKENS: usize = super::matmul::TOKEN_TILE;
 
 impl KernelResult {
     pub fn gbps(&self) -> f64 {
@@ -212,7 +222,8 @@ fn bench_one(ty: GgmlType, shape: Shape, rows: usize, opts: &KernelBenchOptions)
     Ok(out)
 }
 
-/// Single-thread throughput of `ty` on a 256 KiB matrix of 2560-wide rows.
+/// Single-thread throughput of `ty` on a 256 KiB matrix of 2560-wide rows,
+/// one token and a batch.
 fn bench_core(ty: GgmlType, kernels: Kernels, opts: &KernelBenchOptions) -> Result<CoreResult> {
     const COLS: usize = 2560;
     let rb = ty.row_bytes(COLS).expect("every type fits 2560-wide rows");
@@ -230,7 +241,22 @@ fn bench_core(ty: GgmlType, kernels: Kernels, opts: &KernelBenchOptions) -> Resu
         })
     });
     std::hint::black_box(&y);
-    Ok(CoreResult { ty, kernels, gbps: w.len() as f64 / t / 1e9, gweights: (rows * COLS) as f64 / t / 1e9 })
+    let batch = |cols: usize| -> Result<f64> {
+        let rows = ((256 << 10) / ty.row_bytes(cols).expect("checked by the caller")).max(1);
+        let w = weights(ty, rows, cols)?;
+        let xs: Vec<f32> = (0..BATCH_TOKENS).flat_map(|_| activation(cols)).collect();
+        let mut ys = vec![0f32; rows * BATCH_TOKENS];
+        let t = pool.install(|| {
+            time_median(opts.seconds, || {
+                matmul_batch_with(kernels, opts.isa(), &mut [MatMul { ty, rows: &w, cols, xs: &xs, pick: None, ys: &mut ys }])
+            })
+        });
+        std::hint::black_box(&ys);
+        Ok((rows * cols * BATCH_TOKENS) as f64 / t / 1e9)
+    };
+    let batch_gmacs = batch(COLS)?;
+    let batch_gmacs_short = if ty.row_bytes(640).is_some() { Some(batch(640)?) } else { None };
+    Ok(CoreResult { ty, kernels, gbps: w.len() as f64 / t / 1e9, gweights: (rows * COLS) as f64 / t / 1e9, batch_gmacs, batch_gmacs_short })
 }
 
 /// Measures the read bandwidth, then every requested type on every shape.
@@ -298,16 +324,20 @@ impl fmt::Display for KernelReport {
             writeln!(f)?;
         }
         if !self.per_core.is_empty() {
-            writeln!(f, "per core (1 thread, 256 KiB of 2560-wide rows in cache):")?;
+            writeln!(
+                f,
+                "per core (1 thread, 256 KiB of 2560-wide rows in cache; one token, and {BATCH_TOKENS} tokens in G multiply-adds/s on 2560- and 640-wide rows):"
+            )?;
             write!(f, "{:<6}", "type")?;
             for k in &families {
-                write!(f, " {:>12} {:>11}", format!("{} GB/s", k.name()), "G weights/s")?;
+                write!(f, " {:>12} {:>11} {:>11} {:>10}", format!("{} GB/s", k.name()), "G weights/s", "batch 2560", "batch 640")?;
             }
             writeln!(f)?;
             for group in self.per_core.chunk_by(|a, b| a.ty == b.ty) {
                 write!(f, "{:<6}", group[0].ty.name())?;
                 for r in group {
-                    write!(f, " {:>12.1} {:>11.1}", r.gbps, r.gweights)?;
+                    let short = r.batch_gmacs_short.map_or("-".to_string(), |g| format!("{g:.1}"));
+                    write!(f, " {:>12.1} {:>11.1} {:>11.1} {:>10}", r.gbps, r.gweights, r.batch_gmacs, short)?;
                 }
                 writeln!(f)?;
             }

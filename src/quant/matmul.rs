@@ -162,6 +162,12 @@ pub fn matmul_batch_with(kernels: Kernels, isa: Isa, jobs: &mut [MatMul<'_>]) {
     for (&(i, _), a) in tokens.iter().zip(rounded) {
         acts[i].push(a);
     }
+    // Per job its tokens' rounded activations, in its order.
+    let job_acts: Vec<Vec<&Activation>> = jobs
+        .iter()
+        .zip(&job_act)
+        .map(|(j, a)| a.map_or(Vec::new(), |a| (0..j.tokens()).map(|t| &acts[a][picked(j.pick, t)]).collect()))
+        .collect();
     // Pieces of rows, then tokens split where the rows alone give too few.
     let mut spans: Vec<(usize, usize, usize)> = Vec::new();
     for (i, j) in jobs.iter().enumerate() {
@@ -193,11 +199,11 @@ pub fn matmul_batch_with(kernels: Kernels, isa: Isa, jobs: &mut [MatMul<'_>]) {
             tile.clear();
             tile.resize(p.nt * p.nr, 0.0);
             match job_act[p.job] {
-                Some(a) => {
+                Some(_) => {
                     for t0 in (0..p.nt).step_by(TOKEN_TILE) {
                         let nt = TOKEN_TILE.min(p.nt - t0);
-                        let acts: Vec<&Activation> = (p.t0 + t0..p.t0 + t0 + nt).map(|t| &acts[a][picked(pick, t)]).collect();
-                        dot::dot_rows_tokens(isa, ty, rows, &acts, &mut tile[t0 * p.nr..(t0 + nt) * p.nr]);
+                        let acts = &job_acts[p.job][p.t0 + t0..p.t0 + t0 + nt];
+                        dot::dot_rows_tokens(isa, ty, rows, acts, &mut tile[t0 * p.nr..(t0 + nt) * p.nr]);
                     }
                 }
                 None => {
