@@ -7,9 +7,10 @@
 //! prefilling `T` tokens that way reads each weight `T` times. Here the rows
 //! of every job are cut into pieces of about [`CHUNK_BYTES`] of weights (as
 //! the matrix-vector path cuts them), and a piece meets the tokens in tiles
-//! of [`TOKEN_TILE`]: each row is loaded once per tile and stays in L1 while
-//! it meets the tile's tokens, the piece stays in L2 from one tile to the
-//! next, so the weights come from memory once per batch.
+//! of [`TOKEN_TILE`]: the piece stays in L2 while the tile's tokens meet its
+//! rows, four tokens at a time whose activations stay in L1
+//! ([`dot::dot_rows_tokens`]), and from one tile to the next, so the weights
+//! come from memory once per batch.
 //!
 //! Every product is the one the matrix-vector path computes: on the integer
 //! path each token's activation is rounded once ([`Activation`], the same
