@@ -9,9 +9,11 @@
 # `peer` puts llama.cpp's CPU backend beside it on one file: LLAMA (a
 # directory carried with the checkout holding llama-bench and its shared
 # libraries, e.g. a GGML_BACKEND_DL build with the CPU variants) runs
-# `llama-bench -p N -n 16 -r 1` and flashnext `bench --prompt-tokens N --gen 16`
-# on the same model, alternating, ROUNDS times (default 2), THREADS (0: all
-# cores for both). PEER_MODEL picks the file: q2_k-48L (default, the model
+# `llama-bench -p N -n 16 -r 1` and flashnext `bench --prompt-tokens N --gen 16
+# --prompt-repeats 2` on the same model, alternating, ROUNDS times (default 2),
+# THREADS (0: all cores for both). llama-bench times its prompt after a
+# warm-up pass; flashnext prints its first pass after loading and then the
+# two repeats ("again"), the figures to set beside llama-bench's. PEER_MODEL picks the file: q2_k-48L (default, the model
 # above) or real4 (`synth --type q4_k_m --layers 4 --ple-rows 65536`, 7.8 GB:
 # a quick one). Leave the `sapphirerapids` variant out of LLAMA: on the GPU
 # machine's virtual CPU its AMX code dies of an illegal instruction, and the
@@ -87,7 +89,7 @@ peer() {
             -t "$threads_l" -r 1 2>&1 | tee -a "$log" | grep -E "load_backend|pp$prompt_tokens|tg16|error" 
         say "flashnext round $r"
         timeout "$step_timeout" "$new" bench --model "$model" --backend cpu --threads "$threads" \
-            --prompt-tokens "$prompt_tokens" --gen 16 --warmup 2 --json "$out/peer-$r.json" 2>&1 | tee -a "$log" \
+            --prompt-tokens "$prompt_tokens" --prompt-repeats 2 --gen 16 --warmup 2 --json "$out/peer-$r.json" 2>&1 | tee -a "$log" \
             | grep -E "prompt:|decode:|bandwidth"
     done
 }
