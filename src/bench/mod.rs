@@ -450,12 +450,17 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
     let prompt_cpu_seconds = process_cpu_seconds().zip(cpu_before).map(|(a, b)| a - b);
     let prefill_peak_scratch_bytes = opts.heap.zip(heap_before).map(|(h, before)| (h.peak)().saturating_sub(before));
     let prefill_stages = cpu_stages.then(|| work_per_token(state.dispatch_ms(), prompt.len()));
+    // The repeats' routing is not the session's: kept out of the trace.
+    model.observe_routing(None);
     let mut prompt_again_tok_s = Vec::with_capacity(opts.prompt_repeats);
     for _ in 0..opts.prompt_repeats {
         let mut again = State::new(model.clone())?;
         let t = Instant::now();
         crate::generate::decode_tokens(&mut again, &prompt, &mut || false)?;
         prompt_again_tok_s.push(prompt.len() as f64 / t.elapsed().as_secs_f64());
+    }
+    if let Some(r) = &recorder {
+        model.observe_routing(Some(r.observer()));
     }
 
     let mut per_token = Vec::with_capacity(opts.gen);

@@ -352,7 +352,7 @@ pub fn delta_rule_batch(w: &Gdn, cfg: &Config, planes: &mut [f32], pos: usize, c
 fn column_bands(nv: usize, d: usize, t: usize) -> usize {
     let want = 4 * rayon::current_num_threads();
     let mut bands = 1;
-    while t > 1 && bands < 4 && nv * bands < want && d % (2 * bands) == 0 && d / (2 * bands) >= 8 {
+    while t > 1 && bands < 4 && nv * bands < want && d.is_multiple_of(2 * bands) && d / (2 * bands) >= 8 {
         bands *= 2;
     }
     bands

@@ -467,6 +467,7 @@ fn rows_tokens<A>(rows: &[u8], rb: usize, ahead: usize, a: &[&A], one: fn(&[u8],
             t += TOKENS;
         }
         let pad = |o: &[f32]| std::array::from_fn(|k| o.get(k).copied().unwrap_or(0.0));
+        // An expert's last three or two tokens in one group; a last one alone, below.
         match a.len() - t {
             3 => each_row(t, 3, &|row| pad(&(g.three)(row, std::array::from_fn(|k| a[t + k])))),
             2 => each_row(t, 2, &|row| pad(&(g.two)(row, std::array::from_fn(|k| a[t + k])))),
@@ -476,8 +477,8 @@ fn rows_tokens<A>(rows: &[u8], rb: usize, ahead: usize, a: &[&A], one: fn(&[u8],
             t = a.len();
         }
     }
-    for t in t..a.len() {
-        each_row(t, 1, &|row| [one(row, a[t]), 0.0, 0.0, 0.0]);
+    for (t, &at) in a.iter().enumerate().skip(t) {
+        each_row(t, 1, &|row| [one(row, at), 0.0, 0.0, 0.0]);
     }
 }
 
