@@ -87,3 +87,12 @@ pub fn copy_of(v: &[f32], what: &str) -> Result<Vec<f32>> {
     c.extend_from_slice(v);
     Ok(c)
 }
+
+/// The message of a caught panic's payload.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}

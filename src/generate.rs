@@ -82,12 +82,7 @@ pub fn model_text(tokenizer: Option<&Tokenizer>) -> Box<dyn Detokenize + '_> {
 
 /// The error a panic (a bug in flashnext) caught during generation becomes.
 fn panic_error(payload: &(dyn std::any::Any + Send)) -> Error {
-    let msg = payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into());
-    Error::Internal(msg)
+    Error::Internal(crate::error::panic_message(payload))
 }
 
 /// What [`generate`] does besides sampling.

@@ -159,6 +159,10 @@ pub struct ExpertCacheStats {
     pub host_ms_per_token: f64,
     pub upload_ms_per_token: f64,
     pub wait_ms_per_token: f64,
+    /// While the host computed its experts: milliseconds per token the pass
+    /// recorded on to the next router meanwhile, and then waited for them.
+    pub recorded_ms_per_token: f64,
+    pub host_join_ms_per_token: f64,
     /// Recall of predicting layer l+1's experts with its router on layer l's
     /// MoE input (`FNX_MEASURE_PREDICTION=1`; `None` when not measured).
     pub prediction_recall: Option<f64>,
@@ -392,6 +396,8 @@ fn backend_stats(model: &Model, state: &State, opts: &BenchOptions) -> BackendSt
             host_ms_per_token: 1e3 * c.host_seconds / tokens,
             upload_ms_per_token: 1e3 * c.upload_seconds / tokens,
             wait_ms_per_token: 1e3 * c.wait_seconds / tokens,
+            recorded_ms_per_token: 1e3 * c.recorded_seconds / tokens,
+            host_join_ms_per_token: 1e3 * c.join_seconds / tokens,
             prediction_recall: (c.predicted_of > 0).then(|| c.predicted as f64 / c.predicted_of as f64),
         }
     });
@@ -615,11 +621,13 @@ impl BenchReport {
         });
         let cache = s.expert_cache.as_ref().map(|c| {
             format!(
-                "{} slots/layer, hit rate {:.1}%, {:.1} experts/token on the host ({:.2} ms), {:.1} uploads/token ({:.1} in the background; {:.1} MB, {:.2} ms), GPU waits {:.2} ms/token; load measured host {:.1} GB/s, upload {:.1} GB/s",
+                "{} slots/layer, hit rate {:.1}%, {:.1} experts/token on the host ({:.2} ms; recorded on {:.2} ms meanwhile, then waited {:.2} ms), {:.1} uploads/token ({:.1} in the background; {:.1} MB, {:.2} ms), GPU waits {:.2} ms/token; load measured host {:.1} GB/s, upload {:.1} GB/s",
                 c.slots_per_layer,
                 100.0 * c.hit_rate,
                 c.host_experts_per_token,
                 c.host_ms_per_token,
+                c.recorded_ms_per_token,
+                c.host_join_ms_per_token,
                 c.uploads_per_token,
                 c.fills_per_token,
                 c.upload_bytes_per_token / 1e6,

@@ -140,12 +140,7 @@ fn set_last_error(msg: &str) {
     LAST_ERROR.with(|e| *e.borrow_mut() = c);
 }
 
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into())
-}
+use crate::error::panic_message;
 
 /// Runs `f` behind the panic boundary and turns its outcome into a status.
 /// `on_panic` runs after a caught panic (to mark a state unusable). A panic

@@ -260,6 +260,11 @@ pub struct ExpertCacheReport {
     pub host_seconds: f64,
     pub upload_seconds: f64,
     pub wait_seconds: f64,
+    /// While the host computed its experts: seconds the pass recorded on
+    /// meanwhile, and seconds it then waited for them (the host's time on
+    /// the token's path).
+    pub recorded_seconds: f64,
+    pub join_seconds: f64,
     /// With prediction measured: chosen experts that layer l's MoE input,
     /// through layer l+1's router, predicted, and how many were chosen.
     pub predicted: u64,

@@ -93,6 +93,10 @@ pub struct CacheStats {
     pub host_ns: u64,
     pub upload_ns: u64,
     pub wait_ns: u64,
+    /// While the host computed its experts: the time the pass recorded on
+    /// (to the next router), and the time it then waited for them.
+    pub recorded_ns: u64,
+    pub join_ns: u64,
     /// With prediction measured (`FNX_MEASURE_PREDICTION=1`): experts of
     /// layer l+1 that its router, run on layer l's MoE input, put in its
     /// top-k, and how many were chosen in all.

@@ -178,4 +178,14 @@ impl Model {
             None => f(),
         }
     }
+
+    /// Runs `f` on this thread with a scope whose spawned jobs run on the
+    /// model's threads (each should set the model's kernels itself, as
+    /// [`Model::install`] does); returns once they have all finished.
+    pub(crate) fn in_place_scope<'scope, R>(&self, f: impl FnOnce(&rayon::Scope<'scope>) -> R) -> R {
+        match &self.pool {
+            Some(p) => p.in_place_scope(f),
+            None => rayon::in_place_scope(f),
+        }
+    }
 }

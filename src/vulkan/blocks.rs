@@ -47,9 +47,13 @@
 //! (`moe_route`); the cache places each chosen expert; the resident ones
 //! (and those uploaded now) run in a second command buffer, submitted at
 //! once, while the host computes the rest from the mapped file on its cores
-//! (`moe_experts`); the host's weighted sum goes up with the next segment,
-//! which combines everything (`moe_combine`) and records on to the next
-//! layer's router. Background fills ([`super::cache`]) admitted at one
+//! (`moe_experts`). The host's share is a job in the pass's scope on the
+//! model's threads (started first, the layer's longest work), so this thread
+//! meanwhile submits the GPU's share and records the next segment, which
+//! combines everything (`moe_combine`) and goes on to the next layer's
+//! router: recording is off the token's path. The host's weighted sum is
+//! written where that segment's first copy reads it just before it is
+//! submitted ([`VkPass::land_host_share`]). Background fills ([`super::cache`]) admitted at one
 //! layer's MoE are repacked at the next layer's router wait (in the staging
 //! bank of their layer's parity) and copied by the next segment of the GPU's
 //! experts, after its expert dispatches; the last layer's in one more
@@ -65,10 +69,11 @@ use super::scratch::exp_h_stride;
 use super::state::{GpuState, STREAM_BANK};
 use crate::cpu::moe::{expert_outputs, Expert};
 use crate::cpu::ops::Rope;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::model::backend::{Batch, Blocks, LogitsFor, Site};
 use crate::model::expert_policy::MAX_UPLOADS;
 use crate::model::{Config, GateActivation, LayerKind, Model};
+use crate::quant::kernels::with_kernels;
 use ash::vk;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -99,11 +104,25 @@ pub(crate) struct Experts {
     host_sum: bool,
 }
 
-/// One token being recorded.
-pub(crate) struct VkPass<'a> {
+/// The host's share of a token's MoE, computing on the model's threads
+/// while the pass records on: its weighted sum (`[H]`) and the nanoseconds
+/// it took, or why it failed.
+struct HostShare {
+    done: std::sync::mpsc::Receiver<Result<(Vec<f32>, u64)>>,
+    /// When it was handed to the threads.
+    started: std::time::Instant,
+}
+
+/// One token being recorded. `'scope` is the pass's scope on the model's
+/// threads ([`Model::in_place_scope`]), which outlives the pass: the host's
+/// share of an offloaded MoE runs there while the pass records on.
+pub(crate) struct VkPass<'a, 'scope> {
     state: &'a mut GpuState,
     gpu: &'a GpuModel,
-    model: &'a Model,
+    model: &'scope Model,
+    scope: &'a rayon::Scope<'scope>,
+    /// The host's share of the last MoE, while it computes.
+    host_share: Option<HostShare>,
     cfg: &'a Config,
     rec: Recorder<'a>,
     /// The first token's position.
@@ -178,7 +197,7 @@ fn before_combine(d: &ash::Device, cmd: vk::CommandBuffer) {
     memory_barrier(d, cmd, (ANY_WORK, written), (vk::PipelineStageFlags::COMPUTE_SHADER, access));
 }
 
-impl<'a> VkPass<'a> {
+impl<'a, 'scope> VkPass<'a, 'scope> {
     /// Starts recording the batch's tokens: the upload of the host's inputs
     /// (written by the blocks as they are called, read when the command
     /// buffer runs) and, per token, the RoPE tables of its position and of
@@ -186,7 +205,8 @@ impl<'a> VkPass<'a> {
     pub fn begin(
         state: &'a mut GpuState,
         gpu: &'a GpuModel,
-        model: &'a Model,
+        model: &'scope Model,
+        scope: &'a rayon::Scope<'scope>,
         batch: &Batch,
         mut rec: Recorder<'a>,
         cache: Option<Token<'a>>,
@@ -232,6 +252,8 @@ impl<'a> VkPass<'a> {
             state,
             gpu,
             model,
+            scope,
+            host_share: None,
             cfg,
             rec,
             pos,
@@ -336,6 +358,7 @@ impl<'a> VkPass<'a> {
     /// `spin_wait`) and begins the next segment. Returns the nanoseconds
     /// waited after the staging.
     fn sync(&mut self) -> Result<u64> {
+        self.land_host_share()?;
         self.state.cmds.submit_async()?;
         self.submits += 1;
         self.stage_fills();
@@ -349,6 +372,58 @@ impl<'a> VkPass<'a> {
         self.state.cmds.begin()?;
         self.rec.cmd = self.state.cmds.cmd;
         Ok(wait_ns)
+    }
+
+    /// Starts the host's share of `layer`'s MoE (`on_host`: the experts the
+    /// host computes and their routing weights, on MoE input `x`) on the
+    /// model's threads; [`VkPass::land_host_share`] collects its weighted sum.
+    fn spawn_host_share(&mut self, layer: usize, x: Vec<f32>, on_host: Vec<(Expert, f32)>) {
+        let model = self.model;
+        let (tx, done) = std::sync::mpsc::sync_channel(1);
+        self.scope.spawn(move |_| {
+            let work = || {
+                let computed = std::time::Instant::now();
+                let (cfg, h) = (&model.config, model.config.hidden);
+                let experts: Vec<Expert> = on_host.iter().map(|e| e.0).collect();
+                let moe = &model.weights.layers[layer].moe;
+                let ys = with_kernels(model.cpu_kernels, || expert_outputs(moe, cfg, &x, &experts));
+                let mut sum = vec![0f32; h];
+                for ((_, w), y) in on_host.iter().zip(ys.chunks_exact(h)) {
+                    for (s, v) in sum.iter_mut().zip(y) {
+                        *s += w * v;
+                    }
+                }
+                (sum, computed.elapsed().as_nanos() as u64)
+            };
+            let share = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work))
+                .map_err(|p| Error::Internal(format!("the host's experts of layer {layer}: {}", crate::error::panic_message(&*p))));
+            // The receiver is gone only when the pass was abandoned.
+            let _ = tx.send(share);
+        });
+        self.host_share = Some(HostShare { done, started: std::time::Instant::now() });
+    }
+
+    /// Waits for the host's share of the last MoE, if one is computing, and
+    /// writes its sum where the recorded copy reads it (the mapped exchange
+    /// buffer, read when the segment runs). Counts the time it computed, the
+    /// time this thread recorded meanwhile, and the time it then waited.
+    fn land_host_share(&mut self) -> Result<()> {
+        let Some(share) = self.host_share.take() else { return Ok(()) };
+        let joined = std::time::Instant::now();
+        let recorded_ns = (joined - share.started).as_nanos() as u64;
+        let received = share.done.recv().map_err(|_| Error::Internal("the host's experts stopped without a result".into()));
+        let (sum, compute_ns) = received??;
+        let join_ns = joined.elapsed().as_nanos() as u64;
+        let k = self.cfg.n_experts_used;
+        let up = self.state.offload.as_mut().expect("a host share only with the exchange buffers").up.mapped();
+        for (i, v) in sum.iter().enumerate() {
+            up[(2 * k + i) * 4..(2 * k + i + 1) * 4].copy_from_slice(&v.to_le_bytes());
+        }
+        if let Some(t) = self.cache.as_mut() {
+            t.timed(compute_ns, 0);
+            t.overlapped(recorded_ns, join_ns);
+        }
+        Ok(())
     }
 
     /// Waits for the main segment with the model's threads kept busy: one
@@ -505,6 +580,7 @@ impl<'a> VkPass<'a> {
     }
 
     fn end_inner(&mut self) -> Result<()> {
+        self.land_host_share()?;
         self.state.cmds.submit_async()?;
         self.stage_fills();
         self.state.cmds.wait()?;
@@ -679,7 +755,7 @@ impl GpuState {
     }
 }
 
-impl Blocks for VkPass<'_> {
+impl Blocks for VkPass<'_, '_> {
     type Streams = Streams;
     type Branch = Branch;
     type Routes = Routes;
@@ -1045,6 +1121,15 @@ impl Blocks for VkPass<'_> {
             }
         }
         let on_gpu = slots.len();
+        // The host's share first, the longest of the layer's work: from the
+        // mapped file on the model's threads (still hot from the wait at the
+        // router), while this thread submits the GPU's share and records on
+        // to the next router; its sum goes up just before that segment is
+        // submitted (`land_host_share`).
+        let host_sum = !on_host.is_empty();
+        if host_sum {
+            self.spawn_host_share(layer, host.x.clone(), on_host);
+        }
         let slot_bytes = gpu.arena.slot_bytes;
         let o = self.state.offload.as_mut().expect("a state of a cached model has the exchange buffers");
         o.wait_experts()?;
@@ -1088,25 +1173,8 @@ impl Blocks for VkPass<'_> {
         o.pending = true;
         self.submits += 1;
         self.commit_fills();
-        // The host's share meanwhile, from the mapped file on the model's threads.
-        let host_sum = !on_host.is_empty();
+        // Where the host's sum goes up.
         if host_sum {
-            let experts: Vec<Expert> = on_host.iter().map(|e| e.0).collect();
-            let computed = std::time::Instant::now();
-            let ys = self.model.install(|| expert_outputs(moe, cfg, &host.x, &experts));
-            if let Some(t) = self.cache.as_mut() {
-                t.timed(computed.elapsed().as_nanos() as u64, 0);
-            }
-            let mut sum = vec![0f32; h];
-            for ((_, w), y) in on_host.iter().zip(ys.chunks_exact(h)) {
-                for (s, v) in sum.iter_mut().zip(y) {
-                    *s += w * v;
-                }
-            }
-            let up = self.state.offload.as_mut().expect("checked above").up.mapped();
-            for (i, v) in sum.iter().enumerate() {
-                up[(2 * k + i) * 4..(2 * k + i + 1) * 4].copy_from_slice(&v.to_le_bytes());
-            }
             let (o, l) = (self.state.offload.as_ref().expect("checked above"), &self.state.layout);
             self.copy(self.rec.cmd, &o.up, 2 * k as u32, &self.state.scratch, l.partial, h);
         }

@@ -171,6 +171,13 @@ impl Token<'_> {
     }
 
     /// Counts host time computing experts, and waiting for the GPU.
+    /// Counts a host share's time the pass recorded on meanwhile, and the
+    /// time it then waited for the share.
+    pub fn overlapped(&mut self, recorded_ns: u64, join_ns: u64) {
+        self.inner.stats.recorded_ns += recorded_ns;
+        self.inner.stats.join_ns += join_ns;
+    }
+
     pub fn timed(&mut self, host_ns: u64, wait_ns: u64) {
         self.inner.stats.host_ns += host_ns;
         self.inner.stats.wait_ns += wait_ns;

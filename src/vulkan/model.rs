@@ -590,6 +590,8 @@ impl BackendModel for VulkanBackend {
             host_seconds: s.host_ns as f64 * 1e-9,
             upload_seconds: s.upload_ns as f64 * 1e-9,
             wait_seconds: s.wait_ns as f64 * 1e-9,
+            recorded_seconds: s.recorded_ns as f64 * 1e-9,
+            join_seconds: s.join_ns as f64 * 1e-9,
             predicted: s.predicted,
             predicted_of: s.predicted_of,
         })

@@ -303,8 +303,10 @@ impl BackendState for GpuState {
         if let Some(t) = &self.timestamps {
             rec.profile_into(t.pool);
         }
-        let (mut stats, profiled) = {
-            let mut pass = super::blocks::VkPass::begin(self, &gpu, model, batch, rec, cache);
+        // The pass's scope on the model's threads: an offloaded MoE's host
+        // share computes there while the pass records on.
+        let (mut stats, profiled) = model.in_place_scope(|scope| {
+            let mut pass = super::blocks::VkPass::begin(self, &gpu, model, scope, batch, rec, cache);
             let walked = crate::model::forward::forward(model, batch, &mut pass);
             // A pass that submitted part of its work has changed the state.
             let submitted = pass.submits > 0;
@@ -314,8 +316,8 @@ impl BackendState for GpuState {
             }
             // The last segment (and, with an expert cache, the last layer's fills).
             pass.end().map_err(lost("a decode step"))?;
-            pass.finish()
-        };
+            Ok(pass.finish())
+        })?;
         stats.submits += 1;
         if let Some(o) = self.offload.as_mut() {
             o.wait_experts().map_err(lost("a decode step's expert work"))?;
