@@ -103,6 +103,11 @@ pub struct LoadOptions {
     /// (~0.18 ms an expert) outlasts a layer's wait and the fills cost more
     /// than their hits save (docs/BENCHMARKS.md). `FNX_EXPERT_FILL=0|1` wins.
     pub expert_fill: Option<bool>,
+    /// Whether an offloaded decode's spinning threads (`spin_wait`) read the
+    /// next layer's predicted misses into the caches while they wait for the
+    /// GPU (the next router run on the host on this layer's MoE input);
+    /// `None` = no. `FNX_EXPERT_PREFETCH=0|1` wins.
+    pub expert_prefetch: Option<bool>,
     /// Most tokens one pass of a prompt computes together (the prefill
     /// micro-batch); 0 = the default, [`DEFAULT_MICRO_BATCH`];
     /// `FNX_MICRO_BATCH=N` wins. Scratch memory grows with it (on the CPU
@@ -139,6 +144,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("spin_wait", &self.spin_wait)
             .field("expert_admission", &self.expert_admission)
             .field("expert_fill", &self.expert_fill)
+            .field("expert_prefetch", &self.expert_prefetch)
             .field("micro_batch", &self.micro_batch)
             .field("progress", &self.progress.as_ref().map(|_| "Fn(f32) -> bool"))
             .finish()
@@ -199,6 +205,9 @@ impl LoadOptions {
         }
         if let Some(v) = env_value("FNX_EXPERT_FILL") {
             o.expert_fill = Some(parse_bool("FNX_EXPERT_FILL", &v)?);
+        }
+        if let Some(v) = env_value("FNX_EXPERT_PREFETCH") {
+            o.expert_prefetch = Some(parse_bool("FNX_EXPERT_PREFETCH", &v)?);
         }
         if let Some(v) = env_value("FNX_EXPERT_ADMISSION") {
             o.expert_admission =
@@ -263,6 +272,7 @@ fn choose_backend(
         spin_wait: opts.spin_wait,
         admission: opts.expert_admission,
         fill: opts.expert_fill,
+        prefetch: opts.expert_prefetch,
     };
     let vulkan = |index| crate::vulkan::VulkanBackend::load(config, weights, &choice(index), &placement, host);
     let cpu = || Box::new(CpuBackend);

@@ -349,22 +349,34 @@ fn vulkan_expert_cache_two_states_on_two_threads() {
 fn vulkan_expert_cache_spinning_threads_change_nothing() {
     let path = converted("tiny_native", OutType::F32);
     let toks = tokens(24, 8);
-    let run = |spin| {
-        let opts = LoadOptions { expert_cache_slots: Some(1), expert_admission: Some(2.0), spin_wait: Some(spin), n_threads: 2, ..Default::default() };
+    let run = |spin, prefetch| {
+        let opts = LoadOptions {
+            expert_cache_slots: Some(1),
+            expert_admission: Some(2.0),
+            spin_wait: Some(spin),
+            expert_prefetch: Some(prefetch),
+            n_threads: 2,
+            ..Default::default()
+        };
         let model = On::Vulkan.load(&path, opts)?;
         let mut s = State::new(model.clone()).unwrap();
         let logits = one_by_one(&mut s, &toks);
         let c = model.expert_cache().unwrap();
         assert!(c.host_experts > 0, "misses ran on the host while the threads waited");
+        // Reading ahead predicts each layer after the first (and reads what it misses).
+        if prefetch {
+            assert!(c.predicted_of > 0 && c.prefetch_bytes > 0, "read ahead: {c:?}");
+        }
         Some(logits)
     };
-    let Some(sleeping) = run(false) else { return };
-    let spinning = run(true).unwrap();
+    let Some(sleeping) = run(false, false) else { return };
+    for spinning in [run(true, false).unwrap(), run(true, true).unwrap()] {
     for (pos, (p, q)) in spinning.iter().zip(&sleeping).enumerate() {
         let (p, q): (Vec<f32>, Vec<f32>) = (p.iter().map(|b| f32::from_bits(*b)).collect(), q.iter().map(|b| f32::from_bits(*b)).collect());
         let scale = q.iter().fold(0f32, |m, v| m.max(v.abs()));
         let err = p.iter().zip(&q).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
         assert!(err <= 1e-5, "position {pos}: rel err {err:.3e}");
+    }
     }
 }
 

@@ -163,6 +163,8 @@ pub struct ExpertCacheStats {
     /// recorded on to the next router meanwhile, and then waited for them.
     pub recorded_ms_per_token: f64,
     pub host_join_ms_per_token: f64,
+    /// Bytes of predicted misses read ahead per token while the host waited for the GPU.
+    pub prefetch_bytes_per_token: f64,
     /// Recall of predicting layer l+1's experts with its router on layer l's
     /// MoE input (`FNX_MEASURE_PREDICTION=1`; `None` when not measured).
     pub prediction_recall: Option<f64>,
@@ -398,6 +400,7 @@ fn backend_stats(model: &Model, state: &State, opts: &BenchOptions) -> BackendSt
             wait_ms_per_token: 1e3 * c.wait_seconds / tokens,
             recorded_ms_per_token: 1e3 * c.recorded_seconds / tokens,
             host_join_ms_per_token: 1e3 * c.join_seconds / tokens,
+            prefetch_bytes_per_token: c.prefetch_bytes as f64 / tokens,
             prediction_recall: (c.predicted_of > 0).then(|| c.predicted as f64 / c.predicted_of as f64),
         }
     });
@@ -621,7 +624,7 @@ impl BenchReport {
         });
         let cache = s.expert_cache.as_ref().map(|c| {
             format!(
-                "{} slots/layer, hit rate {:.1}%, {:.1} experts/token on the host ({:.2} ms; recorded on {:.2} ms meanwhile, then waited {:.2} ms), {:.1} uploads/token ({:.1} in the background; {:.1} MB, {:.2} ms), GPU waits {:.2} ms/token; load measured host {:.1} GB/s, upload {:.1} GB/s",
+                "{} slots/layer, hit rate {:.1}%, {:.1} experts/token on the host ({:.2} ms; recorded on {:.2} ms meanwhile, then waited {:.2} ms), {:.1} uploads/token ({:.1} in the background; {:.1} MB, {:.2} ms), GPU waits {:.2} ms/token ({:.1} MB of predicted misses read ahead); load measured host {:.1} GB/s, upload {:.1} GB/s",
                 c.slots_per_layer,
                 100.0 * c.hit_rate,
                 c.host_experts_per_token,
@@ -633,6 +636,7 @@ impl BenchReport {
                 c.upload_bytes_per_token / 1e6,
                 c.upload_ms_per_token,
                 c.wait_ms_per_token,
+                c.prefetch_bytes_per_token / 1e6,
                 c.host_gbs,
                 c.upload_gbs
             ) + &c.prediction_recall.map_or(String::new(), |r| format!("; next-layer prediction recall {:.1}%", 100.0 * r))

@@ -265,6 +265,8 @@ pub struct ExpertCacheReport {
     /// the token's path).
     pub recorded_seconds: f64,
     pub join_seconds: f64,
+    /// Bytes of predicted misses the host read ahead while it waited for the GPU.
+    pub prefetch_bytes: u64,
     /// With prediction measured: chosen experts that layer l's MoE input,
     /// through layer l+1's router, predicted, and how many were chosen.
     pub predicted: u64,

@@ -97,6 +97,9 @@ pub struct CacheStats {
     /// (to the next router), and the time it then waited for them.
     pub recorded_ns: u64,
     pub join_ns: u64,
+    /// Bytes of predicted misses the host's threads read ahead while they
+    /// waited for the GPU (see `vulkan::blocks`' prefetch).
+    pub prefetch_bytes: u64,
     /// With prediction measured (`FNX_MEASURE_PREDICTION=1`): experts of
     /// layer l+1 that its router, run on layer l's MoE input, put in its
     /// top-k, and how many were chosen in all.
@@ -151,6 +154,11 @@ impl LayerSlots {
             seen: vec![0; experts],
             chosen: vec![0; experts],
         }
+    }
+
+    /// Whether expert `e` serves hits now (resident, not being filled).
+    pub(crate) fn holds(&self, e: u32) -> bool {
+        self.slot_of.get(e as usize).copied().flatten().is_some_and(|s| !self.filling[s as usize])
     }
 
     /// Places the token's chosen experts (`ids`, in route order) at token `tick`.

@@ -53,7 +53,12 @@
 //! combines everything (`moe_combine`) and goes on to the next layer's
 //! router: recording is off the token's path. The host's weighted sum is
 //! written where that segment's first copy reads it just before it is
-//! submitted ([`VkPass::land_host_share`]). Background fills ([`super::cache`]) admitted at one
+//! submitted ([`VkPass::land_host_share`]). With `expert_prefetch`, the
+//! threads that spin through a layer's wait for the GPU ([`VkPass::wait_hot`])
+//! read ahead the experts the next layer will most likely miss: its router
+//! run on the host on this layer's MoE input predicts them, and their bytes
+//! go into the host's caches while the GPU computes, so the next host share
+//! reads them from there rather than from memory. Background fills ([`super::cache`]) admitted at one
 //! layer's MoE are repacked at the next layer's router wait (in the staging
 //! bank of their layer's parity) and copied by the next segment of the GPU's
 //! experts, after its expert dispatches; the last layer's in one more
@@ -75,10 +80,20 @@ use crate::model::expert_policy::MAX_UPLOADS;
 use crate::model::{Config, GateActivation, LayerKind, Model};
 use crate::quant::kernels::with_kernels;
 use ash::vk;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// A background fill: (layer, local slot, expert).
 type Fill = (usize, usize, usize);
+
+/// Bytes a waiting thread reads ahead between looks at whether the GPU is
+/// done (a few microseconds: the wait ends at most that late).
+const AHEAD_PIECE: usize = 16 << 10;
+
+/// Reads one byte of every cache line of `bytes` (bringing them into the
+/// caches).
+fn touch(bytes: &[u8]) {
+    std::hint::black_box(bytes.iter().step_by(64).fold(0u8, |a, &b| a ^ b));
+}
 
 /// The residual streams, at `residual` of the scratch buffer.
 pub(crate) struct Streams;
@@ -143,6 +158,13 @@ pub(crate) struct VkPass<'a, 'scope> {
     /// Whether the model's threads spin while the host waits for the GPU at
     /// a router (see [`VkPass::wait_hot`]).
     spin_wait: bool,
+    /// Whether the threads read ahead the next layer's predicted misses
+    /// while they wait for the GPU (`LoadOptions::expert_prefetch`; only
+    /// with `spin_wait`, whose threads are awake to do it).
+    prefetch: bool,
+    /// The next layer and this layer's MoE input, its router's input for
+    /// the prediction (set at a MoE, taken at the next wait).
+    read_ahead: Option<(usize, Vec<f32>)>,
     /// Background fills admitted at the last MoE, not yet staged.
     fills: Vec<Fill>,
     /// Fills repacked into staging, to be copied into their slots by the
@@ -247,6 +269,7 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
         state.write_upload(0, &inputs);
         let measure_prediction = cache.is_some() && n == 1 && std::env::var("FNX_MEASURE_PREDICTION").is_ok_and(|v| v == "1");
         let spin_wait = cache.is_some() && gpu.spin_wait;
+        let prefetch = spin_wait && n == 1 && gpu.prefetch;
         let logits = batch.logits;
         VkPass {
             state,
@@ -264,6 +287,8 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
             submits: 0,
             measure_prediction,
             spin_wait,
+            prefetch,
+            read_ahead: None,
             fills: Vec::new(),
             staged: Vec::new(),
         }
@@ -364,7 +389,8 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
         self.stage_fills();
         let waited = std::time::Instant::now();
         if self.spin_wait {
-            self.wait_hot()?;
+            let ahead = self.predicted_misses();
+            self.wait_hot(&ahead)?;
         } else {
             self.state.cmds.wait()?;
         }
@@ -436,14 +462,29 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
     /// On a contended host (a virtual machine with stolen time) spinning on
     /// every core starved the threads the driver needs: waits of 62-80 ms
     /// per token against 13 asleep (`FNX_SPIN_WAIT=0`, or fewer threads).
-    fn wait_hot(&mut self) -> Result<()> {
+    ///
+    /// Meanwhile the other threads read `ahead` (the next layer's predicted
+    /// misses, [`VkPass::predicted_misses`]) in pieces of [`AHEAD_PIECE`]
+    /// bytes until it is read or the fence is signalled, so the host's share
+    /// of that layer finds most of its weights in the caches (the host has
+    /// hundreds of megabytes of last-level cache; the experts of one layer's
+    /// misses are tens) instead of streaming them from memory then.
+    fn wait_hot(&mut self, ahead: &[&[u8]]) -> Result<()> {
         let cmds = &self.state.cmds;
         let done = AtomicBool::new(false);
+        let pieces: Vec<&[u8]> = ahead.iter().flat_map(|p| p.chunks(AHEAD_PIECE)).collect();
+        let (next, read) = (AtomicUsize::new(0), AtomicUsize::new(0));
         let polled = self.model.install(|| {
             rayon::broadcast(|ctx| {
                 if ctx.index() != 0 {
                     while !done.load(Ordering::Acquire) {
-                        std::hint::spin_loop();
+                        match pieces.get(next.fetch_add(1, Ordering::Relaxed)) {
+                            Some(piece) => {
+                                touch(piece);
+                                read.fetch_add(piece.len(), Ordering::Relaxed);
+                            }
+                            None => std::hint::spin_loop(),
+                        }
                     }
                     return None;
                 }
@@ -457,7 +498,31 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
                 Some(r)
             })
         });
+        if let Some(t) = self.cache.as_mut() {
+            t.prefetched(read.into_inner() as u64);
+        }
         polled.into_iter().flatten().next().expect("thread 0 polled the fence")
+    }
+
+    /// The byte ranges of the experts that the next layer's router, run on
+    /// the host on this layer's MoE input, picks and the cache does not hold
+    /// (its recall is counted as `FNX_MEASURE_PREDICTION`'s); none without a
+    /// read-ahead pending.
+    fn predicted_misses(&mut self) -> Vec<&'scope [u8]> {
+        let Some((layer, x)) = self.read_ahead.take() else { return Vec::new() };
+        let (model, cfg) = (self.model, self.cfg);
+        let moe = &model.weights.layers[layer].moe;
+        let ids: Vec<u32> = model.install(|| crate::cpu::moe::route(moe, cfg, &x)).iter().map(|&(e, _)| e as u32).collect();
+        let Some(t) = self.cache.as_mut() else { return Vec::new() };
+        let misses: Vec<usize> = ids.iter().filter(|&&e| !t.holds(layer, e)).map(|&e| e as usize).collect();
+        t.predict(layer, ids);
+        misses
+            .into_iter()
+            .flat_map(|e| {
+                let (gate_up, down) = expert_bytes(moe, &model.config, e);
+                gate_up.into_iter().chain(std::iter::once(down))
+            })
+            .collect()
     }
 
     /// Repacks the fills admitted at the last MoE (layer `l`) into staging
@@ -1129,6 +1194,9 @@ impl Blocks for VkPass<'_, '_> {
         let host_sum = !on_host.is_empty();
         if host_sum {
             self.spawn_host_share(layer, host.x.clone(), on_host);
+        }
+        if self.prefetch && layer + 1 < cfg.n_layers {
+            self.read_ahead = Some((layer + 1, host.x.clone()));
         }
         let slot_bytes = gpu.arena.slot_bytes;
         let o = self.state.offload.as_mut().expect("a state of a cached model has the exchange buffers");

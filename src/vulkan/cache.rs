@@ -124,6 +124,16 @@ impl Token<'_> {
         self.inner.predicted = Some((layer, ids));
     }
 
+    /// Whether layer `layer`'s expert `e` serves hits now.
+    pub fn holds(&self, layer: usize, e: u32) -> bool {
+        self.inner.layers[layer].holds(e)
+    }
+
+    /// Counts bytes of predicted misses read ahead.
+    pub fn prefetched(&mut self, bytes: u64) {
+        self.inner.stats.prefetch_bytes += bytes;
+    }
+
     /// Places layer `layer`'s chosen experts.
     pub fn place(&mut self, layer: usize, ids: &[u32]) -> Vec<Place> {
         if self.inner.predicted.as_ref().is_some_and(|(l, _)| *l == layer) {

@@ -126,6 +126,9 @@ pub struct GpuModel {
     /// Whether the model's threads spin through the waits for the GPU of an
     /// offloaded decode (see `ExpertPlacement::spin_wait`).
     pub(crate) spin_wait: bool,
+    /// Whether those threads read the next layer's predicted misses ahead
+    /// while they wait (see `ExpertPlacement::prefetch`).
+    pub(crate) prefetch: bool,
 }
 
 /// What a load measured.
@@ -167,6 +170,10 @@ pub struct ExpertPlacement {
     /// Whether admitted experts are filled in the background (computed on
     /// the host the token they are admitted); `None` = no.
     pub fill: Option<bool>,
+    /// Whether the spinning threads of an offloaded decode read the next
+    /// layer's predicted misses into the host's caches while they wait;
+    /// `None` = no.
+    pub prefetch: Option<bool>,
 }
 
 impl std::fmt::Debug for GpuModel {
@@ -331,7 +338,8 @@ impl GpuModel {
         };
         report.upload_seconds = started.elapsed().as_secs_f64();
         let spin_wait = placement.spin_wait.unwrap_or(!ctx.on_cpu);
-        Ok(GpuModel { layers, output_hc, output, arena, cache, params, pipes, ctx, report, spin_wait })
+        let prefetch = placement.prefetch.unwrap_or(false);
+        Ok(GpuModel { layers, output_hc, output, arena, cache, params, pipes, ctx, report, spin_wait, prefetch })
     }
 
     #[allow(clippy::type_complexity)]
@@ -592,6 +600,7 @@ impl BackendModel for VulkanBackend {
             wait_seconds: s.wait_ns as f64 * 1e-9,
             recorded_seconds: s.recorded_ns as f64 * 1e-9,
             join_seconds: s.join_ns as f64 * 1e-9,
+            prefetch_bytes: s.prefetch_bytes,
             predicted: s.predicted,
             predicted_of: s.predicted_of,
         })
