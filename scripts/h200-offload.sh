@@ -5,7 +5,7 @@
 # file), next to a baseline binary of an earlier commit on the same file.
 #
 # Usage (repository root; binaries carried, see the device notes):
-#   OUT=/dir scripts/h200-offload.sh synth|resident|budgets|hostmoe|hoststore|ab|hostmoe-ab|cpuprefetch|all
+#   OUT=/dir scripts/h200-offload.sh synth|resident|budgets|hostmoe|hoststore|ab|hostmoe-ab|cpuprefetch|prefetch|all
 # Environment: NEW (the binary under test, default target/carry/flashnext),
 # OLD (a baseline binary; skipped when absent), WORK (where the model is
 # written; default target/bench-models, kept between calls on a warm
@@ -122,6 +122,17 @@ budgets() {
     done
 }
 
+# The read-ahead of predicted misses (FNX_EXPERT_PREFETCH) against none,
+# the same binary, alternating, ROUNDS times.
+prefetch() {
+    local r pf
+    for r in $(seq "${ROUNDS:-2}"); do
+        for pf in 1 0; do
+            FNX_EXPERT_PREFETCH=$pf TAG=prefetch$pf-$r budgets
+        done
+    done
+}
+
 case $which in
     synth) synth ;;
     resident) synth; resident ;;
@@ -131,7 +142,8 @@ case $which in
     ab) synth; ab ;;
     hostmoe-ab) synth; hostmoe; ab ;;
     cpuprefetch) synth; cpuprefetch ;;
+    prefetch) synth; prefetch ;;
     all) synth; budgets; resident ;;
-    *) echo "usage: $0 synth|resident|budgets|hostmoe|hoststore|ab|hostmoe-ab|cpuprefetch|all" >&2; exit 2 ;;
+    *) echo "usage: $0 synth|resident|budgets|hostmoe|hoststore|ab|hostmoe-ab|cpuprefetch|prefetch|all" >&2; exit 2 ;;
 esac
 say "done"

@@ -396,7 +396,9 @@ mod tests {
         assert_eq!(l.place(2, &[3, 4], &FILLS, &mut st), [Place::Fill(0), Place::Fill(1)]);
         // Not committed yet: still misses, and not admitted a second time.
         assert_eq!(l.place(3, &[3, 4], &FILLS, &mut st), [Place::Host, Place::Host]);
+        assert!(!l.holds(3) && !l.holds(4) && !l.holds(7) && !l.holds(99));
         l.commit(0);
+        assert!(l.holds(3) && !l.holds(4));
         assert_eq!(l.place(4, &[3, 4], &FILLS, &mut st), [Place::Hit(0), Place::Host]);
         // A slot being filled is never a victim: 5 and 6 find no slot while 0 is
         // in use and 1 fills; once 1 is cancelled (empty), 5 takes it.
