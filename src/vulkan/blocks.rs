@@ -477,14 +477,15 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
         let polled = self.model.install(|| {
             rayon::broadcast(|ctx| {
                 if ctx.index() != 0 {
+                    // The pieces until they run out (nothing to take without a
+                    // read-ahead), then only the flag.
                     while !done.load(Ordering::Acquire) {
-                        match pieces.get(next.fetch_add(1, Ordering::Relaxed)) {
-                            Some(piece) => {
-                                touch(piece);
-                                read.fetch_add(piece.len(), Ordering::Relaxed);
-                            }
-                            None => std::hint::spin_loop(),
-                        }
+                        let Some(piece) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) else { break };
+                        touch(piece);
+                        read.fetch_add(piece.len(), Ordering::Relaxed);
+                    }
+                    while !done.load(Ordering::Acquire) {
+                        std::hint::spin_loop();
                     }
                     return None;
                 }
@@ -510,19 +511,29 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
     /// read-ahead pending.
     fn predicted_misses(&mut self) -> Vec<&'scope [u8]> {
         let Some((layer, x)) = self.read_ahead.take() else { return Vec::new() };
-        let (model, cfg) = (self.model, self.cfg);
-        let moe = &model.weights.layers[layer].moe;
-        let ids: Vec<u32> = model.install(|| crate::cpu::moe::route(moe, cfg, &x)).iter().map(|&(e, _)| e as u32).collect();
-        let Some(t) = self.cache.as_mut() else { return Vec::new() };
-        let misses: Vec<usize> = ids.iter().filter(|&&e| !t.holds(layer, e)).map(|&e| e as usize).collect();
-        t.predict(layer, ids);
-        misses
-            .into_iter()
+        let ids = self.predict(layer, &x);
+        let Some(t) = self.cache.as_ref() else { return Vec::new() };
+        let (model, moe) = (self.model, &self.model.weights.layers[layer].moe);
+        ids.into_iter()
+            .filter(|&e| !t.holds(layer, e))
             .flat_map(|e| {
-                let (gate_up, down) = expert_bytes(moe, &model.config, e);
+                let (gate_up, down) = expert_bytes(moe, &model.config, e as usize);
                 gate_up.into_iter().chain(std::iter::once(down))
             })
             .collect()
+    }
+
+    /// Layer `layer`'s router run on the host on `x` (an earlier layer's MoE
+    /// input): the experts it picks, recorded as the cache's prediction of
+    /// that layer's choice (whose recall the cache counts).
+    fn predict(&mut self, layer: usize, x: &[f32]) -> Vec<u32> {
+        let (model, cfg) = (self.model, self.cfg);
+        let moe = &model.weights.layers[layer].moe;
+        let ids: Vec<u32> = model.install(|| crate::cpu::moe::route(moe, cfg, x)).iter().map(|&(e, _)| e as u32).collect();
+        if let Some(t) = self.cache.as_mut() {
+            t.predict(layer, ids.clone());
+        }
+        ids
     }
 
     /// Repacks the fills admitted at the last MoE (layer `l`) into staging
@@ -1139,14 +1150,11 @@ impl Blocks for VkPass<'_, '_> {
         let o = self.state.offload.as_mut().expect("checked above");
         let v: Vec<f32> = o.down.mapped()[..(2 * k + h) * 4].chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
         let host = HostRoutes { ids: v[..k].iter().map(|f| f.to_bits()).collect(), weights: v[k..2 * k].to_vec(), x: v[2 * k..].to_vec() };
-        if self.measure_prediction && layer + 1 < cfg.n_layers {
-            // The next layer's router on this layer's MoE input: how well it
-            // would predict the next choice (a measurement; see `cache`).
-            let next = &self.model.weights.layers[layer + 1].moe;
-            let predicted = self.model.install(|| crate::cpu::moe::route(next, cfg, &host.x));
-            if let Some(t) = self.cache.as_mut() {
-                t.predict(layer + 1, predicted.iter().map(|&(e, _)| e as u32).collect());
-            }
+        // How well the next layer's router on this layer's MoE input would
+        // predict the next choice (a measurement; see `cache`). The
+        // read-ahead makes the same prediction at the next wait.
+        if self.measure_prediction && !self.prefetch && layer + 1 < cfg.n_layers {
+            self.predict(layer + 1, &host.x);
         }
         Ok(Routes { host: Some(host) })
     }

@@ -180,7 +180,6 @@ impl Token<'_> {
         self.inner.stats.upload_ns += ns;
     }
 
-    /// Counts host time computing experts, and waiting for the GPU.
     /// Counts a host share's time the pass recorded on meanwhile, and the
     /// time it then waited for the share.
     pub fn overlapped(&mut self, recorded_ns: u64, join_ns: u64) {
@@ -188,6 +187,7 @@ impl Token<'_> {
         self.inner.stats.join_ns += join_ns;
     }
 
+    /// Counts host time computing experts, and waiting for the GPU.
     pub fn timed(&mut self, host_ns: u64, wait_ns: u64) {
         self.inner.stats.host_ns += host_ns;
         self.inner.stats.wait_ns += wait_ns;
