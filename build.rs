@@ -14,10 +14,12 @@
 #[allow(dead_code)] // regeneration is for scripts/build-shaders.sh
 mod shaders;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 fn main() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // Read when the script runs (not when it was compiled): a build script
+    // compiled for one checkout may be reused by another at another path.
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let src = root.join("shaders");
     let spirv = src.join("spirv");
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));

@@ -931,6 +931,7 @@ impl Blocks for VkPass<'_, '_> {
         };
         let groups = self.rec.threads(Pipe::GdnConv, dc);
         self.rec.dispatch(Pipe::GdnConv, &[set], &conv, groups);
+        let parts = gpu.pipes.gdn_parts(cfg.ssm_head_dim, self.n);
         let push = GdnRecurrentPush {
             conv_off: l.conv_out,
             z_off: l.z,
@@ -950,8 +951,11 @@ impl Blocks for VkPass<'_, '_> {
             norm: w.norm,
             gate_silu: (cfg.ssm_gate == GateActivation::Silu) as u32,
             eps: cfg.eps,
+            parts: parts as u32,
+            ss_off: l.gdn_ss,
+            count_off: l.gdn_count,
         };
-        self.rec.dispatch(Pipe::GdnRecurrent, &[set], &push, [cfg.ssm_v_heads as u32, 1, 1]);
+        self.rec.dispatch(Pipe::GdnRecurrent, &[set], &push, [(cfg.ssm_v_heads * parts) as u32, 1, 1]);
         let post = self.post(self.state.layout.gdn_out);
         self.rec.matvec_n(&w.out, set, post, self.n);
         Ok(())
