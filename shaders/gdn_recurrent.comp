@@ -7,11 +7,12 @@
 // columns each (workgroup x = head * parts + part): one token's state,
 // 64 KB a head, is read and written by that many SMs instead of one. In a
 // workgroup, invocation `lid` owns column lid % cw of the part (cw = d /
-// parts) and rows lid / cw + m * ipc (ipc = WG / cw invocations per
-// column), which it keeps in registers from the first token to the last;
-// the ipc partial sums of a column meet in shared memory. A subgroup's
-// lanes hold consecutive columns of one row, so every state load and store
-// is a contiguous run. Head dims up to WG / 2.
+// parts) and rows lid / cw + m * ipc, which it keeps in registers from the
+// first token to the last: ipc invocations per column, as many as the
+// workgroup holds but no more than leave each 8 rows (fewer partial sums
+// to meet); the ipc partial sums of a column meet in shared memory. A
+// subgroup's lanes hold consecutive columns of one row, so every state
+// load and store is a contiguous run. Head dims up to WG / 2.
 //
 // The gated RMSNorm needs the whole head's output. With one part the
 // workgroup applies it per token; with several, each writes its columns'
@@ -62,7 +63,9 @@ layout(push_constant) uniform Push {
 
 shared float qs[WG / 2];
 shared float ks[WG / 2];
-shared float part[WG];
+// The columns' partial sums: of the memory read (mem), then of the output (out).
+shared float part_mem[WG];
+shared float part_out[WG];
 shared vec2 red2[WG / 4];
 shared uint arrival;
 
@@ -80,7 +83,7 @@ vec2 wg_sum2(vec2 v) {
 float gate(float z) { return pc.gate_silu == 1u ? silu(z) : sigmoid(z); }
 
 void main() {
-    uint d = pc.d, parts = pc.parts, cw = d / parts, ipc = WG / cw;
+    uint d = pc.d, parts = pc.parts, cw = d / parts, ipc = min(WG / cw, max(d / 8u, 1u));
     uint h = gl_WorkGroupID.x / parts, p = gl_WorkGroupID.x % parts;
     uint lid = gl_LocalInvocationIndex, jj = lid % cw, sub = lid / cw;
     // Invocations past ipc * cw (cw not dividing WG) hold nothing.
@@ -114,10 +117,10 @@ void main() {
             uint i = sub + m * ipc;
             if (m < rows && i < d) mem += (S[m] * decay) * ks[i];
         }
-        part[lid] = mem;
+        part_mem[lid] = mem;
         barrier();
         mem = 0.0;
-        for (uint u = 0u; u < ipc; u++) mem += part[u * cw + jj];
+        for (uint u = 0u; u < ipc; u++) mem += part_mem[u * cw + jj];
         float delta = (v - mem) * beta;
         float o = 0.0;
         [[unroll]] for (uint m = 0u; m < MAXR; m++) {
@@ -127,13 +130,11 @@ void main() {
                 o += S[m] * qs[i];
             }
         }
-        // Every column's memory is read before part is rewritten.
-        barrier();
-        part[lid] = o;
+        part_out[lid] = o;
         barrier();
         // Invocations lid < cw (sub 0) hold the part's columns' outputs.
         o = 0.0;
-        if (sub == 0u) for (uint u = 0u; u < ipc; u++) o += part[u * cw + jj];
+        if (sub == 0u) for (uint u = 0u; u < ipc; u++) o += part_out[u * cw + jj];
         if (on && t + pc.planes >= pc.n) {
             uint to = pc.planes_off + ((pc.pos + t + 1u) % pc.planes) * plane + col;
             [[unroll]] for (uint m = 0u; m < MAXR; m++) {
@@ -142,8 +143,8 @@ void main() {
             }
         }
         // Each column's output counts once in the norm. wg_sum's barriers
-        // also order this token's reads of qs, ks and part before the next
-        // token's writes.
+        // also order this token's reads of qs, ks, part_mem and part_out
+        // before the next token's writes.
         float ss = wg_sum(sub == 0u ? o * o : 0.0);
         uint y = pc.y_off + a + h * d + j;
         if (parts == 1u) {

@@ -689,6 +689,13 @@ pub(crate) struct Pipelines {
     /// (shaders/gdn_recurrent.comp), when `FNX_VK_GDN_PARTS` forces it
     /// (see [`Pipelines::gdn_parts`]).
     pub gdn_parts: Option<usize>,
+    /// Fewest rows a plain matrix must have for one token's matvec to run
+    /// the fast kernels (`FNX_VK_FAST_MIN_ROWS`, default 0: all): each
+    /// workgroup of a fast matvec first rounds the whole input, which a
+    /// short, wide matrix (the hyper-connection down projections: 324 rows
+    /// of 10240) repeats in every one of its few workgroups, where the
+    /// exact kernels read the input as they go.
+    pub fast_min_rows: usize,
     ctx: Arc<Context>,
 }
 
@@ -715,7 +722,9 @@ impl Pipelines {
     /// deferred norm would be one workgroup's loop over the tokens), else
     /// `FNX_VK_GDN_PARTS` where it is a power of two dividing `d` (at most
     /// [`MAX_GDN_PARTS`]), else 4 (a head's 64 KB of state read by four SMs;
-    /// fewer where a part would be under 4 columns).
+    /// fewer where a part would be under 4 columns), or 1 on a CPU device
+    /// (its workgroups take turns on the host's cores: four per head would
+    /// be four times the work, lavapipe measured it).
     pub fn gdn_parts(&self, d: usize, tokens: usize) -> usize {
         if tokens > 1 {
             return 1;
@@ -723,6 +732,7 @@ impl Pipelines {
         let fits = |p: usize| p.is_power_of_two() && p <= MAX_GDN_PARTS && d.is_multiple_of(p);
         match self.gdn_parts.filter(|&p| fits(p)) {
             Some(p) => p,
+            None if self.ctx.on_cpu => 1,
             None => (0..=2).rev().map(|s| 1 << s).find(|&p| fits(p) && d / p >= 4).unwrap_or(1),
         }
     }
@@ -764,6 +774,7 @@ impl Pipelines {
             mm_rows: std::env::var("FNX_VK_MM_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(1024),
             mm_experts: std::env::var("FNX_VK_MM_EXPERTS").is_ok_and(|v| v == "1"),
             gdn_parts: std::env::var("FNX_VK_GDN_PARTS").ok().and_then(|v| v.parse().ok()),
+            fast_min_rows: std::env::var("FNX_VK_FAST_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             ctx: ctx.clone(),
         };
         p.weight_layout = set_layout(ctx, &[1])?;

@@ -279,7 +279,8 @@ impl<'a> Recorder<'a> {
         let swiglu = push.mode == 4;
         assert!(!swiglu || m.chunks.len() == 1, "{}: a SwiGLU matrix is never split", m.name);
         let cols = m.chunks[0].layout.cols;
-        let pipe = Pipe::matvec(m.ty, false, self.fast(cols));
+        let fast = self.fast(cols) && (n > 1 || m.rows >= self.pipes.fast_min_rows);
+        let pipe = Pipe::matvec(m.ty, false, fast);
         self.round_for(state_set, m, &mut push, n);
         push.total_rows = m.rows as u32;
         push.scale = if push.scale == 0.0 { 1.0 } else { push.scale };
