@@ -237,7 +237,7 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
         let (pos, n) = (batch.pos, batch.tokens.len());
         assert!(n <= state.layout.batch as usize && batch.n_logits() <= state.layout.logit_rows as usize, "the scratch fits the pass");
         let l = &state.layout;
-        if n > 1 {
+        if n > 1 || gpu.pipes.round_once_cols > 0 {
             rec.xq = Some((l.xq, l.tok));
         }
         let (len, tok) = (l.input_len as usize, l.tok as u64);

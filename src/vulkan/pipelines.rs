@@ -696,6 +696,11 @@ pub(crate) struct Pipelines {
     /// of 10240) repeats in every one of its few workgroups, where the
     /// exact kernels read the input as they go.
     pub fast_min_rows: usize,
+    /// Rows at least this long (`FNX_VK_ROUND_ONCE_COLS`, default 0: none)
+    /// are rounded to 8 bits once for one token's fast matvec (act_int8,
+    /// one more dispatch) and copied by its workgroups, as a pass's are,
+    /// instead of rounded by every workgroup.
+    pub round_once_cols: usize,
     ctx: Arc<Context>,
 }
 
@@ -775,6 +780,7 @@ impl Pipelines {
             mm_experts: std::env::var("FNX_VK_MM_EXPERTS").is_ok_and(|v| v == "1"),
             gdn_parts: std::env::var("FNX_VK_GDN_PARTS").ok().and_then(|v| v.parse().ok()),
             fast_min_rows: std::env::var("FNX_VK_FAST_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
+            round_once_cols: std::env::var("FNX_VK_ROUND_ONCE_COLS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             ctx: ctx.clone(),
         };
         p.weight_layout = set_layout(ctx, &[1])?;

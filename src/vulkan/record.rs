@@ -237,14 +237,16 @@ impl<'a> Recorder<'a> {
     /// of `cols` values per token (at `x_off + j * x_stride`, tokens
     /// `tok_stride` apart, which must be the region's): rounds them once
     /// into the [`Recorder::xq`] region and points `push.xq_off` there.
-    /// Does nothing for one token, exact kernels, rows the region cannot
+    /// Does nothing for one token (unless its rows are at least
+    /// [`Pipelines::round_once_cols`] long), exact kernels, rows the region cannot
     /// hold, inside [`Recorder::independent`] (the matvec would not wait),
     /// or when `push` already has them.
     #[allow(clippy::too_many_arguments)]
     fn round_once(&mut self, set: vk::DescriptorSet, ty: GgmlType, arena: bool, push: &mut MatvecPush, (cols, rows): (usize, usize), count: usize, n: usize, tok_stride: u32) {
         let Some((q_off, stride)) = self.xq else { return };
         let fast = self.fast(cols) && Pipe::matvec(ty, arena, true) != Pipe::matvec(ty, arena, false);
-        if n < 2 || !fast || self.grouped || push.xq_off != 0 || tok_stride != stride || !cols.is_multiple_of(32) || count * cols > FAST_MAX_COLS {
+        let once = n >= 2 || (self.pipes.round_once_cols > 0 && count * cols >= self.pipes.round_once_cols);
+        if !once || !fast || self.grouped || push.xq_off != 0 || tok_stride != stride || !cols.is_multiple_of(32) || count * cols > FAST_MAX_COLS {
             return;
         }
         // The matrix-matrix modules read the activations as they are (experts: grouped pairs).

@@ -148,7 +148,7 @@ impl ScratchLayout {
         l.sh_h = next(cfg.shared_ff);
         l.sh_y = next(h);
         l.partial = next(h);
-        l.xq = next(if batch > 1 { XQ_FLOATS } else { 0 });
+        l.xq = next(XQ_FLOATS);
         let tok = next(0).div_ceil(64) * 64;
         l.tok = tok;
         l.batch = batch.max(1) as u32;

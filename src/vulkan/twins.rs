@@ -585,7 +585,7 @@ fn batched_matvecs_equal_single_tokens() {
         if fast && !ctx.int_dot.supported {
             continue;
         }
-        let pipes = Pipelines::tuned(&ctx, fast, |name| MatvecTuning { tile, share, ..MatvecTuning::for_pipeline(name, false) }).unwrap();
+        let mut pipes = Pipelines::tuned(&ctx, fast, |name| MatvecTuning { tile, share, ..MatvecTuning::for_pipeline(name, false) }).unwrap();
         let params = Buffer::new(&ctx, "twin params", 16, MemoryLocation::GpuOnly).unwrap();
         for ty in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
             let (rows, cols) = (300, 512);
@@ -622,6 +622,23 @@ fn batched_matvecs_equal_single_tokens() {
             // only they): the region is written exactly when they ran.
             let rounded = (0..T).all(|t| batched[t * tok + xq..t * tok + xq + XQ_FLOATS].iter().any(|v| v.to_bits() != 0));
             assert_eq!(rounded, fast && ty != GgmlType::F32, "{ty} (fast {fast}): activations rounded once per token");
+            // Token by token with each token's input rounded once first
+            // (`FNX_VK_ROUND_ONCE_COLS`): the same bits as rounded by each
+            // workgroup, the region written by the fast kernels only.
+            pipes.round_once_cols = 32;
+            let once = run_scratch(&ctx, &pipes, &scratch, &params, |rec, set| {
+                rec.xq = Some((xq as u32, tok as u32));
+                for t in 0..T {
+                    rec.matvec(&m, set, push(t, 3, y3));
+                    rec.matvec(&m, set, push(t, 0, y0));
+                }
+            });
+            pipes.round_once_cols = 0;
+            // (A token alone uses the region of the block its pass starts with.)
+            let rounded_once = once[xq..xq + XQ_FLOATS].iter().any(|v| v.to_bits() != 0);
+            assert_eq!(rounded_once, fast && ty != GgmlType::F32, "{ty} (fast {fast}): one token's activations rounded once");
+            let outside = |v: &[f32]| v.chunks(tok).flat_map(|b| b[..xq].iter().map(|v| v.to_bits())).collect::<Vec<_>>();
+            assert_eq!(outside(&once), outside(&single), "{ty} (fast {fast}): tokens rounded once, one by one");
             for t in 0..T {
                 single[t * tok + xq..t * tok + xq + XQ_FLOATS].copy_from_slice(&batched[t * tok + xq..t * tok + xq + XQ_FLOATS]);
             }
