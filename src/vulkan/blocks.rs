@@ -802,10 +802,16 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
         let (h, c) = (cfg.hidden as u32, cfg.hc as u32);
         let l = self.state.layout.at(first);
         let tok_stride = l.tok;
-        let norm = HcNormPush { x_off: l.residual, gamma: hc.norm, y_off: l.xn, n: h, eps: cfg.eps, tok_stride };
+        // One token's normalised streams rounded for the down projection's
+        // fast kernels by the norm itself, where they would be rounded once.
+        let rounded = (n == 1 && h.is_multiple_of(32))
+            .then(|| hc.down_inject.iter().find_map(|m| self.rec.single_round(m.ty, m.chunks[0].layout.cols)))
+            .flatten()
+            .unwrap_or(0);
+        let norm = HcNormPush { x_off: l.residual, gamma: hc.norm, y_off: l.xn, n: h, eps: cfg.eps, tok_stride, q_off: rounded };
         self.rec.dispatch(Pipe::HcNorm, &[set], &norm, norm.groups(c, n as u32));
         // Down rows get silu(v/C), injection rows 2*sigmoid(v/C).
-        let down = MatvecPush { scale: 1.0 / c as f32, split_row: hc.rank as u32, ..self.batched(l.xn, l.low, 1) };
+        let down = MatvecPush { scale: 1.0 / c as f32, split_row: hc.rank as u32, xq_off: rounded, ..self.batched(l.xn, l.low, 1) };
         self.rec.matvecs_n(&hc.down_inject, set, down, n);
         self.rec.matvec_n(&hc.up, set, self.batched(l.low, l.mix, 0), n);
         let combine = HcCombinePush { mix_off: l.mix, xn_off: l.xn, y_off: l.input, n: h, streams: c, tok_stride };

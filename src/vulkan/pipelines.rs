@@ -149,7 +149,7 @@ MatvecPush { rows: u32, cols: u32, row_bytes: u32, row_base: u32, x_off: u32, y_
     slots_per_slab: u32, slot_bytes: u32, part_off: u32, split_row: u32, tpr_shift: u32, fld0: u32, fld1: u32, kdiv: u32, tok_stride: u32,
     tile: u32, ntok: u32, order_off: u32, xq_off: u32, order_base: u32 });
 push_block!(/// shaders/hc_norm.comp
-HcNormPush { x_off: u32, gamma: u32, y_off: u32, n: u32, eps: f32, tok_stride: u32 });
+HcNormPush { x_off: u32, gamma: u32, y_off: u32, n: u32, eps: f32, tok_stride: u32, q_off: u32 });
 push_block!(/// shaders/hc_combine.comp
 HcCombinePush { mix_off: u32, xn_off: u32, y_off: u32, n: u32, streams: u32, tok_stride: u32 });
 push_block!(/// shaders/ple_mix.comp

@@ -260,6 +260,18 @@ impl<'a> Recorder<'a> {
         push.xq_off = q_off;
     }
 
+    /// Where one token's input of `cols` values, read by a fast matvec of a
+    /// plain matrix of `ty`, is to be rounded once
+    /// ([`Pipelines::round_once_cols`]): the [`Recorder::xq`] region, or
+    /// `None` where [`Recorder::round_once`] would not round it. For a
+    /// producer that writes the rounded copy itself (hc_norm).
+    pub fn single_round(&self, ty: GgmlType, cols: usize) -> Option<u32> {
+        let (q_off, _) = self.xq?;
+        let fast = self.fast(cols) && Pipe::matvec(ty, false, true) != Pipe::matvec(ty, false, false);
+        let long = self.pipes.round_once_cols > 0 && cols >= self.pipes.round_once_cols;
+        (fast && long && !self.grouped && cols.is_multiple_of(32) && cols <= FAST_MAX_COLS).then_some(q_off)
+    }
+
     /// Rounds the input of `m`'s matvec for `n` tokens once
     /// ([`Recorder::round_once`]); [`Recorder::matvec_n`] does it itself, and
     /// a caller does it ahead of an [`Recorder::independent`] group that

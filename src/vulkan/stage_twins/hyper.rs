@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::cpu::hyper;
-use crate::vulkan::pipelines::{HcCombinePush, HcNormPush};
+use crate::vulkan::pipelines::{ActInt8Push, HcCombinePush, HcNormPush, XQ_FLOATS};
 
 /// (streams, hidden, input scale): the real 4 x 2560; the same with inputs
 /// so small that the epsilon's place matters; hiddens that leave the
@@ -22,9 +22,26 @@ fn hc_norm() {
         let x_off = b.s.put(&x);
         let y_off = b.s.out(c * h);
         let gamma_off = b.prm.put(&gamma);
-        let push = HcNormPush { x_off, gamma: gamma_off, y_off, n: h as u32, eps: EPS, tok_stride: 0 };
+        let push = HcNormPush { x_off, gamma: gamma_off, y_off, n: h as u32, eps: EPS, tok_stride: 0, q_off: 0 };
         let out = g.run(Pipe::HcNorm, &push, Groups::Fixed(push.groups(c as u32, 1)), &b, &[(y_off, c * h)], &[]);
         check(&format!("hc_norm C={c} H={h} |x|<{scale}"), out.s(y_off, c * h), &want, 4e-6);
+        if !h.is_multiple_of(32) {
+            continue;
+        }
+        // With the rounded copy: the same floats, and the region act_int8
+        // writes from them, bit for bit.
+        let q_off = b.s.out(XQ_FLOATS);
+        let push = HcNormPush { q_off, ..push };
+        let rounded = g.run(Pipe::HcNorm, &push, Groups::Fixed(push.groups(c as u32, 1)), &b, &[(y_off, c * h), (q_off, XQ_FLOATS)], &[]);
+        check_exact(&format!("hc_norm C={c} H={h} |x|<{scale} rounding too"), rounded.s(y_off, c * h), out.s(y_off, c * h));
+        let mut a = Bufs::default();
+        let xn_off = a.s.put(out.s(y_off, c * h));
+        let aq = a.s.out(XQ_FLOATS);
+        let act = ActInt8Push { x_off: xn_off, x_stride: 0, tok_stride: 0, cols: (c * h) as u32, count: 1, q_off: aq };
+        let groups = ((c * h / 32).div_ceil(Pipe::ActInt8.spec().workgroup as usize / 4)) as u32;
+        let by_act = g.run(Pipe::ActInt8, &act, Groups::Fixed([groups, 1, 1]), &a, &[(aq, XQ_FLOATS)], &[]);
+        // (Entries past c * h values keep their sentinels in both.)
+        check_exact(&format!("hc_norm C={c} H={h} rounded as act_int8 rounds"), rounded.s(q_off, XQ_FLOATS), by_act.s(aq, XQ_FLOATS));
     }
 }
 
