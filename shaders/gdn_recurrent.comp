@@ -1,5 +1,6 @@
 #version 450
 #extension GL_EXT_control_flow_attributes : require
+#extension GL_KHR_shader_subgroup_shuffle : require
 // Gated DeltaNet delta rule, then the gated RMSNorm, for the `n` tokens of a
 // pass one after another. The value heads' columns are independent given
 // the token's q, k, decay and beta (column j of a head's [dk][dv] state
@@ -19,9 +20,10 @@
 // raw outputs and their sum of squares (ss_off: [tokens][nv][parts]), and
 // the last of the head's workgroups to finish (an arrival counter per head
 // at count_off, zero before the dispatch and reset to zero by that
-// workgroup) normalises the head's outputs of every token. The host cuts
-// heads only for one token (the deferred norm is one workgroup's loop over
-// the pass's tokens).
+// workgroup) normalises the head's outputs of every token (with q_off, one
+// token's, also rounded for the out projection's fast kernels, as
+// act_int8.comp would round them). The host cuts heads only for one token
+// (the deferred norm is one workgroup's loop over the pass's tokens).
 //
 // The state is read from the plane of position `pos` and the state after
 // each of the last `planes` tokens written to its position's plane (one per
@@ -31,6 +33,7 @@
 // Rows an invocation holds at most: d <= WG / 2 rows, at least two invocations per column.
 #define MAXR (WG / 4)
 #include "common.glsl"
+#include "act_int8.glsl"
 
 // The scratch again, for what one workgroup writes and another reads (the
 // deferred norm's inputs) and the arrival counters.
@@ -59,6 +62,8 @@ layout(push_constant) uniform Push {
     uint parts;      // workgroups per head (a power of two dividing d)
     uint ss_off;     // parts > 1: [nv][parts] sums of squares per token (tok_stride apart)
     uint count_off;  // parts > 1: [nv] arrival counters (uint bits), zero before the dispatch
+    uint q_off;      // parts > 1, one token, d a multiple of 32: the outputs also rounded
+                     // to 8 bits here for the out projection (act_int8.glsl); 0: not
 } pc;
 
 shared float qs[WG / 2];
@@ -163,6 +168,38 @@ void main() {
     if (arrival != parts - 1u) return;
     memoryBarrierBuffer();
     if (lid == 0u) su[pc.count_off + h] = 0u;
+    if (pc.q_off != 0u) {
+        // One token: eight columns per invocation, numbered by subgroup so a
+        // block's four share one, each block rounded from the floats written.
+        float ss = 0.0;
+        for (uint q = 0u; q < parts; q++) ss += sc[pc.ss_off + h * parts + q];
+        float r = rms_scale(ss, d, pc.eps);
+        uint t8 = gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
+        bool live = t8 < d / 8u;
+        uint j0 = 8u * min(t8, d / 8u - 1u);
+        vec4 v[2];
+        [[unroll]] for (uint hv = 0u; hv < 2u; hv++) {
+            [[unroll]] for (uint e = 0u; e < 4u; e++) {
+                uint jx = j0 + 4u * hv + e, y = pc.y_off + h * d + jx;
+                float o = sc[y] * r * prm[pc.norm + jx] * gate(s[pc.z_off + h * d + jx]);
+                if (live) sc[y] = o;
+                v[hv][e] = live ? o : 0.0;
+            }
+        }
+        uint w0, w1;
+        int sum;
+        float dq;
+        round_block(v[0], v[1], w0, w1, sum, dq);
+        if (live) {
+            uint col = h * d + j0, b = col >> 5, quarter = t8 & 3u;
+            uint e = 2u * b + (quarter >> 1), w = 2u * (quarter & 1u);
+            s[pc.q_off + 4u * e + w] = uintBitsToFloat(w0);
+            s[pc.q_off + 4u * e + w + 1u] = uintBitsToFloat(w1);
+            if ((quarter & 1u) == 0u) s[pc.q_off + XQ_S + e] = intBitsToFloat(sum);
+            if (quarter == 0u) s[pc.q_off + XQ_D + b] = dq;
+        }
+        return;
+    }
     for (uint t = 0u; t < pc.n; t++) {
         uint a = t * pc.tok_stride;
         float ss = 0.0;

@@ -938,6 +938,13 @@ impl Blocks for VkPass<'_, '_> {
         let groups = self.rec.threads(Pipe::GdnConv, dc);
         self.rec.dispatch(Pipe::GdnConv, &[set], &conv, groups);
         let parts = gpu.pipes.gdn_parts(cfg.ssm_head_dim, self.n);
+        // The out projection's input rounded by the delta rule's deferred
+        // norm, where it would be rounded once.
+        let dv = cfg.ssm_v_heads * cfg.ssm_head_dim;
+        let rounded = (parts > 1 && self.n == 1 && cfg.ssm_head_dim.is_multiple_of(32))
+            .then(|| self.rec.single_round(w.out.ty, dv))
+            .flatten()
+            .unwrap_or(0);
         let push = GdnRecurrentPush {
             conv_off: l.conv_out,
             z_off: l.z,
@@ -960,9 +967,10 @@ impl Blocks for VkPass<'_, '_> {
             parts: parts as u32,
             ss_off: l.gdn_ss,
             count_off: l.gdn_count,
+            q_off: rounded,
         };
         self.rec.dispatch(Pipe::GdnRecurrent, &[set], &push, [(cfg.ssm_v_heads * parts) as u32, 1, 1]);
-        let post = self.post(self.state.layout.gdn_out);
+        let post = MatvecPush { xq_off: rounded, ..self.post(self.state.layout.gdn_out) };
         self.rec.matvec_n(&w.out, set, post, self.n);
         Ok(())
     }

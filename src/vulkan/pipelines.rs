@@ -160,7 +160,7 @@ GdnConvPush { x_off: u32, y_off: u32, taps: u32, dc: u32, kc: u32, rows: u32, po
 push_block!(/// shaders/gdn_recurrent.comp
 GdnRecurrentPush { conv_off: u32, z_off: u32, b_off: u32, a_off: u32, y_off: u32, nk: u32, nv: u32, d: u32,
     planes_off: u32, planes: u32, pos: u32, n: u32, tok_stride: u32, decay_a: u32, dt_bias: u32, norm: u32, gate_silu: u32,
-    eps: f32, parts: u32, ss_off: u32, count_off: u32 });
+    eps: f32, parts: u32, ss_off: u32, count_off: u32, q_off: u32 });
 push_block!(/// shaders/attn_prep.comp
 AttnPrepPush { qg_off: u32, k_off: u32, v_off: u32, q_off: u32, q_norm: u32, k_norm: u32, rope: u32, half_dims: u32,
     hd: u32, nh: u32, nkv: u32, keys_off: u32, values_off: u32, pos: u32, eps: f32, tok_stride: u32 });

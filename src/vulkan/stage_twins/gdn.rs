@@ -3,7 +3,7 @@
 use super::*;
 use crate::cpu::gdn::{self, GdnState};
 use crate::model::weights::Gdn;
-use crate::vulkan::pipelines::{GdnConvPush, GdnRecurrentPush};
+use crate::vulkan::pipelines::{ActInt8Push, GdnConvPush, GdnRecurrentPush, XQ_FLOATS};
 
 /// One GDN token at position `pos` on the CPU, stage by stage.
 struct Case {
@@ -68,6 +68,7 @@ fn recurrent_push(b: &mut Bufs, c: &Case, planes: u32, pos: usize, offs: [u32; 5
         parts: parts as u32,
         ss_off: ss,
         count_off: b.s.put(&vec![0.0; nv]),
+        q_off: 0,
         conv_off,
         z_off,
         b_off,
@@ -158,6 +159,23 @@ fn gdn_recurrent() {
             let all = out.st(planes, c.after.planes.len());
             check(&format!("{what} state"), all, &c.after.planes, 2e-5);
             check(&format!("{what} output"), out.s(y_off, nv * d), &c.y, 2e-5);
+            if parts == 1 || !d.is_multiple_of(32) {
+                continue;
+            }
+            // With the output rounded for the out projection too: the same
+            // floats, and the region act_int8 writes from them, bit for bit.
+            let q_off = b.s.out(XQ_FLOATS);
+            let push = GdnRecurrentPush { q_off, ..push };
+            let written = [(y_off, nv * d), (ss, nv * parts), (q_off, XQ_FLOATS)];
+            let rounded = g.run(Pipe::GdnRecurrent, &push, Groups::Fixed([(nv * parts) as u32, 1, 1]), &b, &written, &[(at(pos + 1), plane)]);
+            check_exact(&format!("{what} rounding too"), rounded.s(y_off, nv * d), out.s(y_off, nv * d));
+            let mut a = Bufs::default();
+            let y = a.s.put(out.s(y_off, nv * d));
+            let aq = a.s.out(XQ_FLOATS);
+            let act = ActInt8Push { x_off: y, x_stride: 0, tok_stride: 0, cols: (nv * d) as u32, count: 1, q_off: aq };
+            let wg = ((nv * d / 32).div_ceil(Pipe::ActInt8.spec().workgroup as usize / 4)) as u32;
+            let by_act = g.run(Pipe::ActInt8, &act, Groups::Fixed([wg, 1, 1]), &a, &[(aq, XQ_FLOATS)], &[]);
+            check_exact(&format!("{what} rounded as act_int8 rounds"), rounded.s(q_off, XQ_FLOATS), by_act.s(aq, XQ_FLOATS));
         }
     }
 }
