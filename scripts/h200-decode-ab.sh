@@ -14,7 +14,8 @@
 # into target/carry), MODELS ("q4 q2": the 24-layer reference mix and the
 # 48-layer q2_k file), ROUNDS (2), GEN (64), WARMUP (4), KERNELS (fast;
 # FNX_GPU_KERNELS), VARIANTS (more runs of NEW: "NAME:VAR=VALUE,VAR=VALUE"
-# entries separated by spaces), WORK (where the models go; one at a time).
+# entries separated by spaces), WORK (where the models go; one at a time;
+# a model already there, e.g. scripts/h200-offload.sh's, is used as it is).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:?set OUT to the directory for reports}
@@ -63,9 +64,13 @@ model_args() {
 for m in ${MODELS:-q4 q2}; do
     read -r name layers args < <(model_args "$m") || continue
     model=$work/$name.gguf
-    say "synth $name: --layers $layers $args"
-    # shellcheck disable=SC2086
-    timeout 300 "$new" synth -o "$model" --layers "$layers" -q $args 2>&1 | tail -n 1 | tee -a "$log"
+    if [ -f "$model" ]; then
+        say "model present: $model"
+    else
+        say "synth $name: --layers $layers $args"
+        # shellcheck disable=SC2086
+        timeout 300 "$new" synth -o "$model" --layers "$layers" -q $args 2>&1 | tail -n 1 | tee -a "$log"
+    fi
     for r in $(seq "${ROUNDS:-2}"); do
         run "$name-old-$r" "$old" "$model"
         run "$name-new-$r" "$new" "$model"

@@ -237,9 +237,7 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
         let (pos, n) = (batch.pos, batch.tokens.len());
         assert!(n <= state.layout.batch as usize && batch.n_logits() <= state.layout.logit_rows as usize, "the scratch fits the pass");
         let l = &state.layout;
-        if n > 1 || gpu.pipes.round_once_cols > 0 {
-            rec.xq = Some((l.xq, l.tok));
-        }
+        rec.xq = Some((l.xq, l.tok));
         let (len, tok) = (l.input_len as usize, l.tok as u64);
         let regions: Vec<_> = (0..n)
             .map(|t| vk::BufferCopy { src_offset: (t * len * 4) as u64, dst_offset: t as u64 * tok * 4, size: (len * 4) as u64 })
@@ -803,8 +801,8 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
         let l = self.state.layout.at(first);
         let tok_stride = l.tok;
         // One token's normalised streams rounded for the down projection's
-        // fast kernels by the norm itself, where they would be rounded once.
-        let rounded = (n == 1 && h.is_multiple_of(32))
+        // fast kernels by the norm itself (Pipelines::hc_round).
+        let rounded = (n == 1 && self.gpu.pipes.hc_round && h.is_multiple_of(32))
             .then(|| hc.down_inject.iter().find_map(|m| self.rec.single_round(m.ty, m.chunks[0].layout.cols)))
             .flatten()
             .unwrap_or(0);
@@ -937,14 +935,6 @@ impl Blocks for VkPass<'_, '_> {
         };
         let groups = self.rec.threads(Pipe::GdnConv, dc);
         self.rec.dispatch(Pipe::GdnConv, &[set], &conv, groups);
-        let parts = gpu.pipes.gdn_parts(cfg.ssm_head_dim, self.n);
-        // The out projection's input rounded by the delta rule's deferred
-        // norm, where it would be rounded once.
-        let dv = cfg.ssm_v_heads * cfg.ssm_head_dim;
-        let rounded = (parts > 1 && self.n == 1 && cfg.ssm_head_dim.is_multiple_of(32))
-            .then(|| self.rec.single_round(w.out.ty, dv))
-            .flatten()
-            .unwrap_or(0);
         let push = GdnRecurrentPush {
             conv_off: l.conv_out,
             z_off: l.z,
@@ -964,13 +954,9 @@ impl Blocks for VkPass<'_, '_> {
             norm: w.norm,
             gate_silu: (cfg.ssm_gate == GateActivation::Silu) as u32,
             eps: cfg.eps,
-            parts: parts as u32,
-            ss_off: l.gdn_ss,
-            count_off: l.gdn_count,
-            q_off: rounded,
         };
-        self.rec.dispatch(Pipe::GdnRecurrent, &[set], &push, [(cfg.ssm_v_heads * parts) as u32, 1, 1]);
-        let post = MatvecPush { xq_off: rounded, ..self.post(self.state.layout.gdn_out) };
+        self.rec.dispatch(Pipe::GdnRecurrent, &[set], &push, [cfg.ssm_v_heads as u32, 1, 1]);
+        let post = self.post(self.state.layout.gdn_out);
         self.rec.matvec_n(&w.out, set, post, self.n);
         Ok(())
     }

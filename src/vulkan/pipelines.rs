@@ -160,7 +160,7 @@ GdnConvPush { x_off: u32, y_off: u32, taps: u32, dc: u32, kc: u32, rows: u32, po
 push_block!(/// shaders/gdn_recurrent.comp
 GdnRecurrentPush { conv_off: u32, z_off: u32, b_off: u32, a_off: u32, y_off: u32, nk: u32, nv: u32, d: u32,
     planes_off: u32, planes: u32, pos: u32, n: u32, tok_stride: u32, decay_a: u32, dt_bias: u32, norm: u32, gate_silu: u32,
-    eps: f32, parts: u32, ss_off: u32, count_off: u32, q_off: u32 });
+    eps: f32 });
 push_block!(/// shaders/attn_prep.comp
 AttnPrepPush { qg_off: u32, k_off: u32, v_off: u32, q_off: u32, q_norm: u32, k_norm: u32, rope: u32, half_dims: u32,
     hd: u32, nh: u32, nkv: u32, keys_off: u32, values_off: u32, pos: u32, eps: f32, tok_stride: u32 });
@@ -212,9 +212,6 @@ pub(crate) const MAX_EXPERTS: usize = 1024;
 pub(crate) const MAX_QSA_KEEP: usize = 1024;
 /// Largest head dims of gdn_recurrent / attn_prep / qsa_index (their workgroup sizes).
 pub(crate) const MAX_GDN_HEAD_DIM: usize = 128;
-/// Most workgroups gdn_recurrent.comp cuts a value head into (the scratch
-/// holds this many sums of squares per head and token).
-pub(crate) const MAX_GDN_PARTS: usize = 8;
 pub(crate) const MAX_ATTN_HEAD_DIM: usize = 256;
 pub(crate) const MAX_INDEX_DIM: usize = 128;
 
@@ -685,22 +682,19 @@ pub(crate) struct Pipelines {
     /// few per expert and tile, ran 2-4x slower there than on the batch
     /// modules; see docs/BENCHMARKS.md, "Tensor cores").
     pub mm_experts: bool,
-    /// Workgroups per value head of one token's delta rule
-    /// (shaders/gdn_recurrent.comp), when `FNX_VK_GDN_PARTS` forces it
-    /// (see [`Pipelines::gdn_parts`]).
-    pub gdn_parts: Option<usize>,
-    /// Fewest rows a plain matrix must have for one token's matvec to run
-    /// the fast kernels (`FNX_VK_FAST_MIN_ROWS`, default 0: all): each
-    /// workgroup of a fast matvec first rounds the whole input, which a
-    /// short, wide matrix (the hyper-connection down projections: 324 rows
-    /// of 10240) repeats in every one of its few workgroups, where the
-    /// exact kernels read the input as they go.
-    pub fast_min_rows: usize,
     /// Rows at least this long (`FNX_VK_ROUND_ONCE_COLS`, default 0: none)
     /// are rounded to 8 bits once for one token's fast matvec (act_int8,
     /// one more dispatch) and copied by its workgroups, as a pass's are,
-    /// instead of rounded by every workgroup.
+    /// instead of rounded by every workgroup. Measured on an H100, the
+    /// matvecs of 6144 and 10240 columns gained 2-3 us and the dispatch cost
+    /// 5.2: a loss unless the producer rounds (see `hc_round`).
     pub round_once_cols: usize,
+    /// Whether one token's hyper-connection norm also writes its output
+    /// rounded to 8 bits for the down projection's fast kernels, whose
+    /// workgroups then copy it instead of each rounding all 10240 values
+    /// (`FNX_VK_HC_ROUND=0` turns it off; on by default: measured on an
+    /// H100, the down projections 2.8-3.2 us faster, the norm 1.1 us slower).
+    pub hc_round: bool,
     ctx: Arc<Context>,
 }
 
@@ -722,26 +716,6 @@ fn set_layout(ctx: &Context, counts: &[u32]) -> Result<vk::DescriptorSetLayout> 
 }
 
 impl Pipelines {
-    /// Workgroups per value head for the delta rule of `tokens` tokens with
-    /// head dim `d` (shaders/gdn_recurrent.comp): one for a pass (its
-    /// deferred norm would be one workgroup's loop over the tokens), else
-    /// `FNX_VK_GDN_PARTS` where it is a power of two dividing `d` (at most
-    /// [`MAX_GDN_PARTS`]), else 4 (a head's 64 KB of state read by four SMs;
-    /// fewer where a part would be under 4 columns), or 1 on a CPU device
-    /// (its workgroups take turns on the host's cores: four per head would
-    /// be four times the work, lavapipe measured it).
-    pub fn gdn_parts(&self, d: usize, tokens: usize) -> usize {
-        if tokens > 1 {
-            return 1;
-        }
-        let fits = |p: usize| p.is_power_of_two() && p <= MAX_GDN_PARTS && d.is_multiple_of(p);
-        match self.gdn_parts.filter(|&p| fits(p)) {
-            Some(p) => p,
-            None if self.ctx.on_cpu => 1,
-            None => (0..=2).rev().map(|s| 1 << s).find(|&p| fits(p) && d / p >= 4).unwrap_or(1),
-        }
-    }
-
     /// Every pipeline, the matvecs tuned by the defaults and
     /// `FNX_VK_MATVEC_*`; the fast kernels when `fast` (which the device must
     /// support: [`Context::int_dot`]), and with them the matrix-matrix
@@ -778,9 +752,8 @@ impl Pipelines {
             mm_min: std::env::var("FNX_VK_MM_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(8).max(2),
             mm_rows: std::env::var("FNX_VK_MM_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(1024),
             mm_experts: std::env::var("FNX_VK_MM_EXPERTS").is_ok_and(|v| v == "1"),
-            gdn_parts: std::env::var("FNX_VK_GDN_PARTS").ok().and_then(|v| v.parse().ok()),
-            fast_min_rows: std::env::var("FNX_VK_FAST_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             round_once_cols: std::env::var("FNX_VK_ROUND_ONCE_COLS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
+            hc_round: std::env::var("FNX_VK_HC_ROUND").map_or(true, |v| v != "0"),
             ctx: ctx.clone(),
         };
         p.weight_layout = set_layout(ctx, &[1])?;

@@ -43,10 +43,10 @@ pub(crate) struct Recorder<'a> {
     pub force_tpr: Option<u32>,
     /// Inside [`Recorder::independent`]: no barrier after each dispatch.
     grouped: bool,
-    /// In a pass of several tokens: token 0's region for activations rounded
-    /// once by `act_int8` (the scratch's `xq`) and the floats between
-    /// tokens. The fast matvecs of the pass then copy a token's rounded
-    /// activations instead of rounding them in every workgroup.
+    /// Token 0's region for activations rounded once (the scratch's `xq`:
+    /// by `act_int8` in a pass of several tokens, or by their producer) and
+    /// the floats between tokens. The fast matvecs then copy a token's
+    /// rounded activations instead of rounding them in every workgroup.
     pub xq: Option<(u32, u32)>,
 }
 
@@ -260,16 +260,14 @@ impl<'a> Recorder<'a> {
         push.xq_off = q_off;
     }
 
-    /// Where one token's input of `cols` values, read by a fast matvec of a
-    /// plain matrix of `ty`, is to be rounded once
-    /// ([`Pipelines::round_once_cols`]): the [`Recorder::xq`] region, or
-    /// `None` where [`Recorder::round_once`] would not round it. For a
-    /// producer that writes the rounded copy itself (hc_norm).
+    /// Where a producer may write one token's input of `cols` values for a
+    /// fast matvec of a plain matrix of `ty` already rounded (hc_norm): the
+    /// [`Recorder::xq`] region, or `None` where that matvec runs no fast
+    /// kernel or the region cannot hold the rows.
     pub fn single_round(&self, ty: GgmlType, cols: usize) -> Option<u32> {
         let (q_off, _) = self.xq?;
         let fast = self.fast(cols) && Pipe::matvec(ty, false, true) != Pipe::matvec(ty, false, false);
-        let long = self.pipes.round_once_cols > 0 && cols >= self.pipes.round_once_cols;
-        (fast && long && !self.grouped && cols.is_multiple_of(32) && cols <= FAST_MAX_COLS).then_some(q_off)
+        (fast && !self.grouped && cols.is_multiple_of(32) && cols <= FAST_MAX_COLS).then_some(q_off)
     }
 
     /// Rounds the input of `m`'s matvec for `n` tokens once
@@ -293,8 +291,7 @@ impl<'a> Recorder<'a> {
         let swiglu = push.mode == 4;
         assert!(!swiglu || m.chunks.len() == 1, "{}: a SwiGLU matrix is never split", m.name);
         let cols = m.chunks[0].layout.cols;
-        let fast = self.fast(cols) && (n > 1 || m.rows >= self.pipes.fast_min_rows);
-        let pipe = Pipe::matvec(m.ty, false, fast);
+        let pipe = Pipe::matvec(m.ty, false, self.fast(cols));
         self.round_for(state_set, m, &mut push, n);
         push.total_rows = m.rows as u32;
         push.scale = if push.scale == 0.0 { 1.0 } else { push.scale };

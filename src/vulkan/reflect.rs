@@ -138,12 +138,12 @@ mod tests {
 
     #[test]
     fn reads_a_known_block() {
-        // shaders/hc_norm.comp: uint x_off, gamma, y_off, n; float eps; uint tok_stride.
+        // shaders/hc_norm.comp: uint x_off, gamma, y_off, n; float eps; uint tok_stride, q_off.
         let spec = TABLE.iter().find(|s| s.name == "hc_norm").unwrap();
-        let kinds = [Scalar::U32, Scalar::U32, Scalar::U32, Scalar::U32, Scalar::F32, Scalar::U32];
+        let kinds = [Scalar::U32, Scalar::U32, Scalar::U32, Scalar::U32, Scalar::F32, Scalar::U32, Scalar::U32];
         let got: Vec<(usize, Scalar)> = push_constants(spec.spirv).unwrap().into_iter().map(|m| (m.1, m.2)).collect();
         assert_eq!(got, kinds.iter().enumerate().map(|(i, k)| (4 * i, *k)).collect::<Vec<_>>());
-        let names = ["x_off", "gamma", "y_off", "n", "eps", "tok_stride"];
+        let names = ["x_off", "gamma", "y_off", "n", "eps", "tok_stride", "q_off"];
         assert_eq!(source_block(&source_of("hc_norm")), names.iter().zip(kinds).map(|(n, k)| (n.to_string(), k)).collect::<Vec<_>>());
         assert!(push_constants(&spec.spirv[..12]).is_err());
         // A mirror with two fields swapped, or one fewer, is not the block.
@@ -152,6 +152,6 @@ mod tests {
         let renamed: Vec<Member> = push_constants(spec.spirv).unwrap().into_iter().zip(names).map(|(m, n)| (Some(n.to_string()), m.1, m.2)).collect();
         assert!(same(&renamed, spec.fields));
         assert!(!same(&renamed, &swapped));
-        assert!(!same(&renamed, &spec.fields[..5]));
+        assert!(!same(&renamed, &spec.fields[..6]));
     }
 }

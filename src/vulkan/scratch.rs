@@ -11,7 +11,7 @@
 //! the attention probabilities of up to `att_rows` tokens attended in one
 //! dispatch (`n_heads * n_ctx` floats apart).
 
-use super::pipelines::{MAX_GDN_PARTS, XQ_FLOATS};
+use super::pipelines::XQ_FLOATS;
 use crate::error::{Error, Result};
 use crate::model::{Config, LayerKind};
 
@@ -31,9 +31,6 @@ pub(crate) struct ScratchLayout {
     pub rope: u32,
     /// One block-key table per attention layer.
     pub block_rope: u32,
-    /// The delta rule's arrival counters, one per value head (gdn_recurrent
-    /// with heads cut into parts): in the upload, so zero at every pass's start.
-    pub gdn_count: u32,
     /// End of the region the host uploads per token.
     pub input_len: u32,
     pub xn: u32,
@@ -50,8 +47,6 @@ pub(crate) struct ScratchLayout {
     pub alpha: u32,
     pub conv_out: u32,
     pub gdn_out: u32,
-    /// The delta rule's sums of squares of each value head's parts: [nv][MAX_GDN_PARTS].
-    pub gdn_ss: u32,
     pub qg: u32,
     pub k: u32,
     pub v: u32,
@@ -108,7 +103,6 @@ impl ScratchLayout {
             ple_rows: next(if cfg.ple.is_some() { h } else { 0 }),
             rope: next(cfg.rope_dims),
             block_rope: next(n_attn * cfg.rope_dims),
-            gdn_count: next(cfg.ssm_v_heads),
             ..Default::default()
         };
         l.input_len = next(0);
@@ -128,7 +122,6 @@ impl ScratchLayout {
         l.alpha = l.beta + cfg.ssm_v_heads as u32;
         l.conv_out = next(cfg.ssm_conv_dim());
         l.gdn_out = next(dv);
-        l.gdn_ss = next(cfg.ssm_v_heads * MAX_GDN_PARTS);
         let (nh, kv) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
         l.qg = next(2 * nh + 2 * kv + id + ih * id);
         l.k = l.qg + 2 * nh as u32;
@@ -185,7 +178,7 @@ impl ScratchLayout {
         for f in [
             &mut l.residual, &mut l.ple_rows, &mut l.rope, &mut l.block_rope, &mut l.xn, &mut l.low, &mut l.mix,
             &mut l.input, &mut l.inject, &mut l.ple_key, &mut l.ple_value, &mut l.ple_tmp, &mut l.qkv, &mut l.z,
-            &mut l.beta, &mut l.alpha, &mut l.conv_out, &mut l.gdn_out, &mut l.gdn_ss, &mut l.qg, &mut l.k, &mut l.v, &mut l.q,
+            &mut l.beta, &mut l.alpha, &mut l.conv_out, &mut l.gdn_out, &mut l.qg, &mut l.k, &mut l.v, &mut l.q,
             &mut l.iq, &mut l.ik, &mut l.att_out, &mut l.router, &mut l.ids, &mut l.order, &mut l.weights, &mut l.exp_h,
             &mut l.exp_y, &mut l.sh_h, &mut l.sh_y, &mut l.partial, &mut l.xq,
         ] {

@@ -3,7 +3,7 @@
 use super::*;
 use crate::cpu::gdn::{self, GdnState};
 use crate::model::weights::Gdn;
-use crate::vulkan::pipelines::{ActInt8Push, GdnConvPush, GdnRecurrentPush, XQ_FLOATS};
+use crate::vulkan::pipelines::{GdnConvPush, GdnRecurrentPush};
 
 /// One GDN token at position `pos` on the CPU, stage by stage.
 struct Case {
@@ -55,20 +55,12 @@ fn case(nk: usize, nv: usize, d: usize, kc: usize, window: usize, pos: usize, ga
 
 /// The delta rule's push for `c` from position `pos`: the activations at
 /// `offs` (conv output, z, beta, alpha, output; token 0's), `n` tokens `tok`
-/// floats apart, the planes at `planes`, each head cut into `parts`
-/// workgroups (their sums of squares at `ss`, `tok` apart, and the arrival
-/// counters put into `b`, zero, as the decode's upload leaves them), the
-/// parameters put into `b`.
-#[allow(clippy::too_many_arguments)]
-fn recurrent_push(b: &mut Bufs, c: &Case, planes: u32, pos: usize, offs: [u32; 5], n: usize, tok: usize, (parts, ss): (usize, u32)) -> GdnRecurrentPush {
+/// floats apart, the planes at `planes`, the parameters put into `b`.
+fn recurrent_push(b: &mut Bufs, c: &Case, planes: u32, pos: usize, offs: [u32; 5], n: usize, tok: usize) -> GdnRecurrentPush {
     let (cfg, w) = (&c.cfg, &c.w);
     let [conv_off, z_off, b_off, a_off, y_off] = offs;
     let (nv, d) = (cfg.ssm_v_heads, cfg.ssm_head_dim);
     GdnRecurrentPush {
-        parts: parts as u32,
-        ss_off: ss,
-        count_off: b.s.put(&vec![0.0; nv]),
-        q_off: 0,
         conv_off,
         z_off,
         b_off,
@@ -134,49 +126,23 @@ fn gdn_recurrent() {
         (16, 48, 128, 2, 5, GateActivation::Sigmoid),
         (2, 4, 32, 3, 3, GateActivation::Sigmoid),
     ];
-    // Each head whole and cut into parts (the decode's default of 4, and 8;
-    // 48 columns in parts of 12 and 6 leave invocations idle). The arrival
-    // counters must be back at zero (the run checks every float it was not
-    // told may change).
     for (nk, nv, d, window, pos, gate) in cases {
         let c = case(nk, nv, d, 4, window, pos, gate);
-        for parts in [1, 2, 4, 8] {
-            let mut b = Bufs::default();
-            let planes = state(&mut b, &c);
-            let conv_off = b.s.put(&c.conv_out);
-            let z_off = b.s.put(&c.p.z);
-            let b_off = b.s.put(&c.p.beta);
-            let a_off = b.s.put(&c.p.alpha);
-            let y_off = b.s.out(nv * d);
-            let ss = b.s.out(nv * parts);
-            let plane = nv * d * d;
-            let at = |n: usize| planes + ((n % (window + 1)) * plane) as u32;
-            let push = recurrent_push(&mut b, &c, planes, pos, [conv_off, z_off, b_off, a_off, y_off], 1, 0, (parts, ss));
-            let groups = Groups::Fixed([(nv * parts) as u32, 1, 1]);
-            let written = [(y_off, nv * d), (ss, nv * parts)];
-            let out = g.run(Pipe::GdnRecurrent, &push, groups, &b, &written, &[(at(pos + 1), plane)]);
-            let what = format!("gdn_recurrent nk={nk} nv={nv} d={d} window {window} pos {pos} {gate:?} parts {parts}");
-            let all = out.st(planes, c.after.planes.len());
-            check(&format!("{what} state"), all, &c.after.planes, 2e-5);
-            check(&format!("{what} output"), out.s(y_off, nv * d), &c.y, 2e-5);
-            if parts == 1 || !d.is_multiple_of(32) {
-                continue;
-            }
-            // With the output rounded for the out projection too: the same
-            // floats, and the region act_int8 writes from them, bit for bit.
-            let q_off = b.s.out(XQ_FLOATS);
-            let push = GdnRecurrentPush { q_off, ..push };
-            let written = [(y_off, nv * d), (ss, nv * parts), (q_off, XQ_FLOATS)];
-            let rounded = g.run(Pipe::GdnRecurrent, &push, Groups::Fixed([(nv * parts) as u32, 1, 1]), &b, &written, &[(at(pos + 1), plane)]);
-            check_exact(&format!("{what} rounding too"), rounded.s(y_off, nv * d), out.s(y_off, nv * d));
-            let mut a = Bufs::default();
-            let y = a.s.put(out.s(y_off, nv * d));
-            let aq = a.s.out(XQ_FLOATS);
-            let act = ActInt8Push { x_off: y, x_stride: 0, tok_stride: 0, cols: (nv * d) as u32, count: 1, q_off: aq };
-            let wg = ((nv * d / 32).div_ceil(Pipe::ActInt8.spec().workgroup as usize / 4)) as u32;
-            let by_act = g.run(Pipe::ActInt8, &act, Groups::Fixed([wg, 1, 1]), &a, &[(aq, XQ_FLOATS)], &[]);
-            check_exact(&format!("{what} rounded as act_int8 rounds"), rounded.s(q_off, XQ_FLOATS), by_act.s(aq, XQ_FLOATS));
-        }
+        let mut b = Bufs::default();
+        let planes = state(&mut b, &c);
+        let conv_off = b.s.put(&c.conv_out);
+        let z_off = b.s.put(&c.p.z);
+        let b_off = b.s.put(&c.p.beta);
+        let a_off = b.s.put(&c.p.alpha);
+        let y_off = b.s.out(nv * d);
+        let plane = nv * d * d;
+        let at = |n: usize| planes + ((n % (window + 1)) * plane) as u32;
+        let push = recurrent_push(&mut b, &c, planes, pos, [conv_off, z_off, b_off, a_off, y_off], 1, 0);
+        let out = g.run(Pipe::GdnRecurrent, &push, Groups::Fixed([nv as u32, 1, 1]), &b, &[(y_off, nv * d)], &[(at(pos + 1), plane)]);
+        let what = format!("gdn_recurrent nk={nk} nv={nv} d={d} window {window} pos {pos} {gate:?}");
+        let all = out.st(planes, c.after.planes.len());
+        check(&format!("{what} state"), all, &c.after.planes, 2e-5);
+        check(&format!("{what} output"), out.s(y_off, nv * d), &c.y, 2e-5);
     }
 }
 
@@ -233,25 +199,17 @@ fn gdn_over_a_pass_of_tokens() {
         check_exact(&format!("{what} conv ring"), out.st(0, rows * dc), &after.conv);
         assert_eq!(out.st(planes, 1)[0].to_bits(), c.before.planes[0].to_bits());
         // The delta rule on the CPU's conv outputs.
-        // Heads whole (as a pass runs them) and cut in two (the deferred
-        // norm over every token of the pass), the sums of squares in the
-        // qkv regions (the conv read them above; the delta rule does not).
-        for parts in [1, 2] {
-            let mut b = Bufs::default();
-            let planes = state(&mut b, &c);
-            let at = b.s.put(&block);
-            let offs = [conv, z, beta, alpha, y].map(|o| at + o as u32);
-            let push = recurrent_push(&mut b, &c, planes, pos, offs, n, tok, (parts, at));
-            let mut outs: Vec<(u32, usize)> = (0..n).map(|t| (at + (t * tok + y) as u32, dv)).collect();
-            if parts > 1 {
-                outs.extend((0..n).map(|t| (at + (t * tok) as u32, nv * parts)));
-            }
-            let all = c.after.planes.len();
-            let out = g.run(Pipe::GdnRecurrent, &push, Groups::Fixed([(nv * parts) as u32, 1, 1]), &b, &outs, &[(planes, all)]);
-            for (t, want) in ys.iter().enumerate() {
-                check(&format!("{what} parts {parts} output token {t}"), out.s(at + (t * tok + y) as u32, dv), want, 2e-5);
-            }
-            check(&format!("{what} parts {parts} planes"), out.st(planes, all), &after.planes, 2e-5);
+        let mut b = Bufs::default();
+        let planes = state(&mut b, &c);
+        let at = b.s.put(&block);
+        let offs = [conv, z, beta, alpha, y].map(|o| at + o as u32);
+        let push = recurrent_push(&mut b, &c, planes, pos, offs, n, tok);
+        let outs: Vec<(u32, usize)> = (0..n).map(|t| (at + (t * tok + y) as u32, dv)).collect();
+        let all = c.after.planes.len();
+        let out = g.run(Pipe::GdnRecurrent, &push, Groups::Fixed([nv as u32, 1, 1]), &b, &outs, &[(planes, all)]);
+        for (t, want) in ys.iter().enumerate() {
+            check(&format!("{what} output token {t}"), out.s(at + (t * tok + y) as u32, dv), want, 2e-5);
         }
+        check(&format!("{what} planes"), out.st(planes, all), &after.planes, 2e-5);
     }
 }
