@@ -35,11 +35,5 @@ void main() {
     int sum;
     float d;
     round_block(v0, v1, w0, w1, sum, d);
-    if (live) {
-        uint q = pc.q_off + tok, e = 2u * b + (quarter >> 1), w = 2u * (quarter & 1u);
-        s[q + 4u * e + w] = uintBitsToFloat(w0);
-        s[q + 4u * e + w + 1u] = uintBitsToFloat(w1);
-        if ((quarter & 1u) == 0u) s[q + XQ_S + e] = intBitsToFloat(sum);
-        if (quarter == 0u) s[q + XQ_D + b] = d;
-    }
+    if (live) store_block(pc.q_off + tok, b, quarter, w0, w1, sum, d);
 }

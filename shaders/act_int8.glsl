@@ -46,3 +46,16 @@ void round_block(vec4 v0, vec4 v1, out uint w0, out uint w1, out int half_sum, o
     w1 = pack_levels(q1);
     d = bad == 0u ? amax / 127.0 : uintBitsToFloat(0x7fc00000u);
 }
+
+#ifndef BATCH
+// Writes block b's rounding (this invocation's part: round_block's outputs,
+// `quarter` its eighth-values' place in the block) into the region at
+// scratch float q (act_int8.comp, and producers that round their output).
+void store_block(uint q, uint b, uint quarter, uint w0, uint w1, int half_sum, float d) {
+    uint e = 2u * b + (quarter >> 1), w = 2u * (quarter & 1u);
+    s[q + 4u * e + w] = uintBitsToFloat(w0);
+    s[q + 4u * e + w + 1u] = uintBitsToFloat(w1);
+    if ((quarter & 1u) == 0u) s[q + XQ_S + e] = intBitsToFloat(half_sum);
+    if (quarter == 0u) s[q + XQ_D + b] = d;
+}
+#endif

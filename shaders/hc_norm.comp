@@ -50,11 +50,5 @@ void main() {
     int sum;
     float d;
     round_block(v[0], v[1], w0, w1, sum, d);
-    if (live) {
-        uint b = (c * pc.n + first) >> 5, e = 2u * b + (quarter >> 1), w = 2u * (quarter & 1u);
-        s[pc.q_off + 4u * e + w] = uintBitsToFloat(w0);
-        s[pc.q_off + 4u * e + w + 1u] = uintBitsToFloat(w1);
-        if ((quarter & 1u) == 0u) s[pc.q_off + XQ_S + e] = intBitsToFloat(sum);
-        if (quarter == 0u) s[pc.q_off + XQ_D + b] = d;
-    }
+    if (live) store_block(pc.q_off, (c * pc.n + first) >> 5, quarter, w0, w1, sum, d);
 }
