@@ -106,7 +106,8 @@ pub struct LoadOptions {
     /// Whether an offloaded decode's spinning threads (`spin_wait`) read the
     /// next layer's predicted misses into the caches while they wait for the
     /// GPU (the next router run on the host on this layer's MoE input);
-    /// `None` = no. `FNX_EXPERT_PREFETCH=0|1` wins.
+    /// `None` = no: measured on an H100 machine's host, +1.4 % at 27 GB,
+    /// within the runs' spread (docs/BENCHMARKS.md). `FNX_EXPERT_PREFETCH=0|1` wins.
     pub expert_prefetch: Option<bool>,
     /// Most tokens one pass of a prompt computes together (the prefill
     /// micro-batch); 0 = the default, [`DEFAULT_MICRO_BATCH`];
