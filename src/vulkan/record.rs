@@ -244,9 +244,8 @@ impl<'a> Recorder<'a> {
     #[allow(clippy::too_many_arguments)]
     fn round_once(&mut self, set: vk::DescriptorSet, ty: GgmlType, arena: bool, push: &mut MatvecPush, (cols, rows): (usize, usize), count: usize, n: usize, tok_stride: u32) {
         let Some((q_off, stride)) = self.xq else { return };
-        let fast = self.fast(cols) && Pipe::matvec(ty, arena, true) != Pipe::matvec(ty, arena, false);
         let once = n >= 2 || (self.pipes.round_once_cols > 0 && count * cols >= self.pipes.round_once_cols);
-        if !once || !fast || self.grouped || push.xq_off != 0 || tok_stride != stride || !cols.is_multiple_of(32) || count * cols > FAST_MAX_COLS {
+        if !once || !self.reads_rounded(ty, arena, cols, count) || push.xq_off != 0 || tok_stride != stride {
             return;
         }
         // The matrix-matrix modules read the activations as they are (experts: grouped pairs).
@@ -266,8 +265,16 @@ impl<'a> Recorder<'a> {
     /// kernel or the region cannot hold the rows.
     pub fn single_round(&self, ty: GgmlType, cols: usize) -> Option<u32> {
         let (q_off, _) = self.xq?;
-        let fast = self.fast(cols) && Pipe::matvec(ty, false, true) != Pipe::matvec(ty, false, false);
-        (fast && !self.grouped && cols.is_multiple_of(32) && cols <= FAST_MAX_COLS).then_some(q_off)
+        self.reads_rounded(ty, false, cols, 1).then_some(q_off)
+    }
+
+    /// Whether a matvec of `ty` (an expert part when `arena`) over `count`
+    /// vectors of `cols` values per entry can read them from the region
+    /// rounded once: fast kernels, rows of whole blocks the region holds,
+    /// outside an [`Recorder::independent`] group (its matvecs would not wait).
+    fn reads_rounded(&self, ty: GgmlType, arena: bool, cols: usize, count: usize) -> bool {
+        let fast = self.fast(cols) && Pipe::matvec(ty, arena, true) != Pipe::matvec(ty, arena, false);
+        fast && !self.grouped && cols.is_multiple_of(32) && count * cols <= FAST_MAX_COLS
     }
 
     /// Rounds the input of `m`'s matvec for `n` tokens once

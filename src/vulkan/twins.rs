@@ -566,6 +566,12 @@ fn run_scratch(ctx: &Arc<Context>, pipes: &Pipelines, scratch: &[f32], params: &
     f32s(&cmds.download(&buf, 0, scratch.len() * 4).unwrap())
 }
 
+/// The bits of every token block of `scratch` (`tok` floats each) before
+/// float `xq`, where the region of activations rounded once starts.
+fn before_rounded(scratch: &[f32], tok: usize, xq: usize) -> Vec<u32> {
+    scratch.chunks(tok).flat_map(|b| b[..xq].iter().map(|v| v.to_bits())).collect()
+}
+
 /// A batch (a prompt's micro-batch: a workgroup takes a tile of tokens in
 /// turn, each token's activations a block apart; the routed experts as
 /// (token, expert) pairs)
@@ -637,8 +643,7 @@ fn batched_matvecs_equal_single_tokens() {
             // (A token alone uses the region of the block its pass starts with.)
             let rounded_once = once[xq..xq + XQ_FLOATS].iter().any(|v| v.to_bits() != 0);
             assert_eq!(rounded_once, fast && ty != GgmlType::F32, "{ty} (fast {fast}): one token's activations rounded once");
-            let outside = |v: &[f32]| v.chunks(tok).flat_map(|b| b[..xq].iter().map(|v| v.to_bits())).collect::<Vec<_>>();
-            assert_eq!(outside(&once), outside(&single), "{ty} (fast {fast}): tokens rounded once, one by one");
+            assert_eq!(before_rounded(&once, tok, xq), before_rounded(&single, tok, xq), "{ty} (fast {fast}): tokens rounded once, one by one");
             for t in 0..T {
                 single[t * tok + xq..t * tok + xq + XQ_FLOATS].copy_from_slice(&batched[t * tok + xq..t * tok + xq + XQ_FLOATS]);
             }
@@ -686,7 +691,7 @@ fn batched_matvecs_equal_single_tokens() {
         };
         let single = run_scratch(&ctx, &pipes, &scratch, &slots, |rec, set| (0..TE).for_each(|t| record(rec, set, t, 1, 0, false)));
         // Equal outside the rounded activations' regions (written by batches only).
-        let bits = |v: &[f32]| v.chunks(tok).flat_map(|b| b[..xq].iter().map(|v| v.to_bits())).collect::<Vec<_>>();
+        let bits = |v: &[f32]| before_rounded(v, tok, xq);
         let batched = run_scratch(&ctx, &pipes, &scratch, &slots, |rec, set| record(rec, set, 0, TE, k as u32, false));
         assert_eq!(bits(&batched), bits(&single), "experts (fast {fast}): a batch of {TE} tokens");
         let rounded = (0..TE).all(|t| batched[t * tok + xq..t * tok + xq + XQ_FLOATS].iter().any(|v| v.to_bits() != 0));
