@@ -17,7 +17,9 @@ void main() {
     uint d = gl_GlobalInvocationID.x;
     if (d >= pc.n) return;
     uint a = gl_WorkGroupID.y * pc.tok_stride;
-    float acc = 0.0;
+    // precise: added as the up projection's fused epilogue adds them
+    // (shaders/matvec.comp, mode 5), bit for bit.
+    precise float acc = 0.0;
     for (uint c = 0u; c < pc.streams; c++) acc += sigmoid(s[pc.mix_off + a + c * pc.n + d]) * s[pc.xn_off + a + c * pc.n + d];
     s[pc.y_off + a + d] = acc / float(pc.streams);
 }

@@ -47,6 +47,11 @@
 // entry's activations (`w_dot`), each entry's sums still added in its own
 // order, so an entry's result is the one it gets alone. Without BATCH
 // (NT = 1) an item's activations are loaded once for all ROWS rows instead.
+// Mode 5 (one token, no BATCH) is the hyper-connection up projection with
+// its combine as the epilogue: rows are walked stream-interleaved (output r
+// is matrix row (r mod C) * H + r / C), so each workgroup holds all C mix
+// logits of its d and writes y[d] = mean_c sigmoid(mix[c][d]) * xn[c][d]
+// itself, as shaders/hc_combine.comp would.
 // With ARENA (routed experts): k reads expert id s[expert_off + k], finds
 // its arena slot through the slot table, and reads x and writes y at
 // k * stride. With kdiv > 0 (a batch of tokens' experts) k is a pair:
@@ -162,6 +167,9 @@ void main() {
         uint blk[ROWS];
         [[unroll]] for (uint i = 0u; i < ROWS; i++) {
             uint r = min(r0 + i, pc.rows - 1u);
+            // Mode 5 walks the rows stream-interleaved: output r is row
+            // (r mod C) * H + r / C, so a workgroup holds every stream of its d.
+            if (pc.mode == 5u) r = (r % pc.aux_n) * (pc.total_rows / pc.aux_n) + r / pc.aux_n;
             row[i] = base + r * pc.row_bytes;
             blk[i] = r * nb;
         }
@@ -238,6 +246,27 @@ void main() {
                 }
             }
         }
+#ifndef BATCH
+        if (pc.mode == 5u) {
+            // Hyper-connection up with its combine (one entry, a workgroup's
+            // rows a multiple of C, TPR >= 2 so they fit red_mv; the host
+            // checks): the mix logits through shared memory, then
+            // y[d] = mean_c sigmoid(mix[c][d]) * xn[c][d] with xn at aux_off,
+            // added as shaders/hc_combine.comp adds them.
+            barrier();
+            if (lane == 0u) {
+                [[unroll]] for (uint i = 0u; i < ROWS; i++) red_mv[(t >> pc.tpr_shift) * ROWS + i] = acc[i];
+            }
+            barrier();
+            uint h = pc.total_rows / pc.aux_n, d = (wg * sets * ROWS) / pc.aux_n + t;
+            if (t < sets * ROWS / pc.aux_n && d < h) {
+                uint a = en[0].tok + en[0].k * pc.y_stride;
+                precise float mixed = 0.0;
+                for (uint c = 0u; c < pc.aux_n; c++) mixed += sigmoid(red_mv[t * pc.aux_n + c]) * s[pc.aux_off + a + c * h + d];
+                s[pc.y_off + a + d] = mixed / float(pc.aux_n);
+            }
+        } else
+#endif
         if (lane == 0u) {
             // Output a of entry a / ROWS: row r0 + a % ROWS.
             uint y[NT];

@@ -11,11 +11,11 @@ layout(push_constant) uniform Push {
     uint row_base;    // output index of the first row (split tensors)
     uint x_off;       // a multiple of 4
     uint y_off;
-    uint mode;        // 0 store, 1 hyper-connection down|inject, 3 residual post, 4 swiglu
+    uint mode;        // 0 store, 1 hyper-connection down|inject, 3 residual post, 4 swiglu, 5 hyper-connection up+combine
     float scale;
-    uint aux_off;     // mode 3: scratch offset of the per-stream weights
-    uint aux_n;       // mode 3: number of streams
-    uint total_rows;  // mode 3: stream length
+    uint aux_off;     // mode 3: scratch offset of the per-stream weights; mode 5: of the normalised streams
+    uint aux_n;       // modes 3, 5: number of streams
+    uint total_rows;  // mode 3: stream length; mode 5: the matrix's rows
     uint expert_off;  // ARENA: scratch offset of the chosen expert ids
     uint x_stride;    // a multiple of 4
     uint y_stride;

@@ -811,6 +811,12 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
         // Down rows get silu(v/C), injection rows 2*sigmoid(v/C).
         let down = MatvecPush { scale: 1.0 / c as f32, split_row: hc.rank as u32, xq_off: rounded, ..self.batched(l.xn, l.low, 1) };
         self.rec.matvecs_n(&hc.down_inject, set, down, n);
+        // One token's up projection combines the streams itself (Pipelines::hc_fuse).
+        if n == 1 && self.gpu.pipes.hc_fuse && self.rec.fuses_combine(&hc.up, cfg.hc) {
+            let up = MatvecPush { aux_off: l.xn, aux_n: c, ..self.batched(l.low, l.input, 5) };
+            self.rec.matvec_n(&hc.up, set, up, 1);
+            return;
+        }
         self.rec.matvec_n(&hc.up, set, self.batched(l.low, l.mix, 0), n);
         let combine = HcCombinePush { mix_off: l.mix, xn_off: l.xn, y_off: l.input, n: h, streams: c, tok_stride };
         let groups = self.rec.threads_n(Pipe::HcCombine, cfg.hidden, n);

@@ -695,6 +695,12 @@ pub(crate) struct Pipelines {
     /// (`FNX_VK_HC_ROUND=0` turns it off; on by default: measured on an
     /// H100, the down projections 2.8-3.2 us faster, the norm 1.1 us slower).
     pub hc_round: bool,
+    /// Whether one token's hyper-connection up projection also combines the
+    /// streams into the block input (matvec mode 5: rows walked
+    /// stream-interleaved, the combine as its epilogue, bit for bit
+    /// hc_combine's sums) instead of a separate hc_combine dispatch
+    /// (`FNX_VK_HC_FUSE=0` turns it off).
+    pub hc_fuse: bool,
     ctx: Arc<Context>,
 }
 
@@ -754,6 +760,7 @@ impl Pipelines {
             mm_experts: std::env::var("FNX_VK_MM_EXPERTS").is_ok_and(|v| v == "1"),
             round_once_cols: std::env::var("FNX_VK_ROUND_ONCE_COLS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             hc_round: std::env::var("FNX_VK_HC_ROUND").map_or(true, |v| v != "0"),
+            hc_fuse: std::env::var("FNX_VK_HC_FUSE").map_or(true, |v| v != "0"),
             ctx: ctx.clone(),
         };
         p.weight_layout = set_layout(ctx, &[1])?;

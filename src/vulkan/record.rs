@@ -209,15 +209,37 @@ impl<'a> Recorder<'a> {
         let tile = if tiled { self.pipes.tuning[pipe as usize].tile.min(entries) } else { 1 };
         // The batch modules read the activations act_int8 rounded (push.xq_off).
         let pipe = if tile > 1 && push.xq_off != 0 && self.pipes.tuning[pipe as usize].share > 1 { pipe.batch() } else { pipe };
+        let (shift, per_group) = self.row_sets(pipe, part.items, push.rows as usize, experts as usize);
+        push.tpr_shift = shift;
+        if push.mode == 5 {
+            // (Recorder::fuses_combine held.)
+            assert!(n == 1 && shift >= 1 && per_group.is_multiple_of(push.aux_n as usize), "mode 5 out of its bounds");
+        }
+        (push.tile, push.ntok) = (tile, entries);
+        (pipe, grid(self.ctx, (push.rows as usize).div_ceil(per_group), entries.div_ceil(tile)))
+    }
+
+    /// log2 of the invocations per row set, and the rows of a workgroup, of
+    /// pipeline `pipe` for `rows` rows of `items` items, `grids` times.
+    fn row_sets(&self, pipe: Pipe, items: usize, rows: usize, grids: usize) -> (u32, usize) {
         let tuning = match self.force_tpr {
             Some(t) => MatvecTuning { tpr: Some(t), ..self.pipes.tuning[pipe as usize] },
             None => self.pipes.tuning[pipe as usize],
         };
-        let shift = tuning.tpr_shift_filled(part.items, push.rows as usize, experts as usize);
-        push.tpr_shift = shift;
-        let per_group = tuning.rows_per_workgroup(shift) as usize;
-        (push.tile, push.ntok) = (tile, entries);
-        (pipe, grid(self.ctx, (push.rows as usize).div_ceil(per_group), entries.div_ceil(tile)))
+        let shift = tuning.tpr_shift_filled(items, rows, grids);
+        (shift, tuning.rows_per_workgroup(shift) as usize)
+    }
+
+    /// Whether one token's matvec of `m` can combine `streams`
+    /// hyper-connection streams as its epilogue (mode 5): one chunk of
+    /// `streams` x H rows, each workgroup's rows whole groups of `streams`,
+    /// row sets of at least two invocations (their sums fit the shared
+    /// reduction region).
+    pub fn fuses_combine(&self, m: &GpuMatrix, streams: usize) -> bool {
+        let [c] = &m.chunks[..] else { return false };
+        let pipe = Pipe::matvec(m.ty, false, self.fast(c.layout.cols));
+        let (shift, per_group) = self.row_sets(pipe, c.layout.items, m.rows, 1);
+        streams > 0 && m.rows.is_multiple_of(streams) && shift >= 1 && per_group.is_multiple_of(streams)
     }
 
     /// The matrix-matrix module (shaders/mm.comp) for a batch of `entries`

@@ -36,7 +36,7 @@ use super::buffer::{Buffer, Commands, Stream};
 use super::device::{validation_errors, Context, DeviceChoice};
 use super::layout::PartLayout;
 use super::matrix::GpuMatrix;
-use super::pipelines::{MatvecPush, MatvecTuning, MoeGroupPush, Pipe, Pipelines, XQ_FLOATS};
+use super::pipelines::{HcCombinePush, MatvecPush, MatvecTuning, MoeGroupPush, Pipe, Pipelines, XQ_FLOATS};
 use super::record::{DescriptorPool, Recorder};
 use crate::gguf::{GgmlType, TensorInfo};
 use crate::tensor::Tensor;
@@ -570,6 +570,71 @@ fn run_scratch(ctx: &Arc<Context>, pipes: &Pipelines, scratch: &[f32], params: &
 /// float `xq`, where the region of activations rounded once starts.
 fn before_rounded(scratch: &[f32], tok: usize, xq: usize) -> Vec<u32> {
     scratch.chunks(tok).flat_map(|b| b[..xq].iter().map(|v| v.to_bits())).collect()
+}
+
+/// One token's hyper-connection up projection with the combine as its
+/// epilogue (mode 5: rows walked stream-interleaved, `Pipelines::hc_fuse`)
+/// writes what the up projection (mode 0) and then hc_combine write, bit for
+/// bit (a pass runs the two, a token the one: tests/prefill.rs holds them
+/// equal): every type, both kernel families, row sets of two invocations to
+/// twice the subgroup, hiddens that leave a workgroup's last rows past the end.
+#[test]
+fn hc_up_with_its_combine_equals_up_then_combine() {
+    let Some(ctx) = context() else { return };
+    let sg = ctx.subgroup_size;
+    let params = Buffer::new(&ctx, "twin params", 16, MemoryLocation::GpuOnly).unwrap();
+    let mut fused_runs = 0;
+    for fast in [false, true] {
+        if fast && !ctx.int_dot.supported {
+            continue;
+        }
+        let pipes = Pipelines::tuned(&ctx, fast, |name| MatvecTuning::for_pipeline(name, false)).unwrap();
+        for ty in all_types() {
+            // 320: the real model's rank.
+            let cols = if ty.block_size() == 256 { 256 } else { 320 };
+            for (c, h) in [(4, 96), (4, 100), (2, 70)] {
+                let w = tensor(ty, c * h, cols, (c * h + cols) as u64);
+                let mut stream = Stream::new(&ctx).unwrap();
+                let m = GpuMatrix::upload_split(&ctx, &pipes, &mut stream, &[&w], usize::MAX).unwrap();
+                stream.finish().unwrap();
+                // [x | xn: C x H | mix: C x H | y, up then combine | y, fused]
+                let xn = cols.div_ceil(4) * 4;
+                let (mix, y0) = (xn + c * h, xn + 2 * c * h);
+                let y5 = y0 + h;
+                let mut scratch = vec![f32::NAN; y5 + h];
+                scratch[..cols].copy_from_slice(&values(cols, cols, 5));
+                scratch[xn..xn + c * h].copy_from_slice(&values(c * h, h, 6));
+                for tpr in [None, Some(2), Some(4), Some(sg), Some(2 * sg)] {
+                    let mut fused = false;
+                    let out = run_scratch(&ctx, &pipes, &scratch, &params, |rec, set| {
+                        rec.force_tpr = tpr;
+                        fused = rec.fuses_combine(&m, c);
+                        rec.matvec(&m, set, MatvecPush { x_off: 0, y_off: mix as u32, ..Default::default() });
+                        let (n, streams) = (h as u32, c as u32);
+                        let combine = HcCombinePush { mix_off: mix as u32, xn_off: xn as u32, y_off: y0 as u32, n, streams, tok_stride: 0 };
+                        rec.dispatch(Pipe::HcCombine, &[set], &combine, rec.threads_n(Pipe::HcCombine, h, 1));
+                        if fused {
+                            let up = MatvecPush { x_off: 0, y_off: y5 as u32, mode: 5, aux_off: xn as u32, aux_n: streams, ..Default::default() };
+                            rec.matvec(&m, set, up);
+                        }
+                    });
+                    let what = format!("{ty} fast {fast} C={c} H={h} tpr {tpr:?}");
+                    assert!(out[y0..y5].iter().all(|v| v.is_finite()), "{what}: up then combine wrote every value");
+                    if fused {
+                        assert_eq!(bits(&out[y5..y5 + h]), bits(&out[y0..y5]), "{what}: fused");
+                        fused_runs += 1;
+                    }
+                }
+            }
+        }
+    }
+    // Most cases fuse (those that do not: row sets too wide for whole groups of C rows).
+    assert!(fused_runs >= 40, "{fused_runs} fused runs");
+    assert_eq!(validation_errors(), 0, "Vulkan validation errors (printed above)");
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// A batch (a prompt's micro-batch: a workgroup takes a tile of tokens in
