@@ -11,7 +11,7 @@
 #   On the GPU machine:    OUT=/some/dir bash scripts/h200-decode-ab.sh
 #
 # Environment: NEW, OLD (binaries; default: unpacked from .vkc/ab.tar.xz
-# into target/carry), MODELS ("q4 q2": the 24-layer reference mix and the
+# into target/carry; without OLD, NEW and its variants only), MODELS ("q4 q2": the 24-layer reference mix and the
 # 48-layer q2_k file), ROUNDS (2), GEN (64), WARMUP (4), KERNELS (fast;
 # FNX_GPU_KERNELS), VARIANTS (more runs of NEW: "NAME:VAR=VALUE,VAR=VALUE"
 # entries separated by spaces), WORK (where the models go; one at a time;
@@ -29,7 +29,9 @@ if [ -f .vkc/ab.tar.xz ] && [ -z "${NEW:-}" ]; then
 fi
 new=${NEW:-target/carry/new}
 old=${OLD:-target/carry/old}
-chmod +x "$new" "$old"
+# Without a baseline binary only NEW and its variants run.
+chmod +x "$new"
+[ -f "$old" ] && chmod +x "$old"
 
 nvidia_icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 if [ -f "$nvidia_icd" ] && ls .gl/*.deb >/dev/null 2>&1; then
@@ -72,7 +74,7 @@ for m in ${MODELS:-q4 q2}; do
         timeout 300 "$new" synth -o "$model" --layers "$layers" -q $args 2>&1 | tail -n 1 | tee -a "$log"
     fi
     for r in $(seq "${ROUNDS:-2}"); do
-        run "$name-old-$r" "$old" "$model"
+        [ -x "$old" ] && run "$name-old-$r" "$old" "$model"
         run "$name-new-$r" "$new" "$model"
         for v in ${VARIANTS:-}; do
             # shellcheck disable=SC2046
