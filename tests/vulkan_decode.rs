@@ -10,7 +10,9 @@
 //!   (measured at most 6.2e-5 on lavapipe: only summation order, which
 //!   depends on the device's subgroup width, and the GPU's exp differ; no
 //!   expert or QSA choice flipped on these fixtures).
-//! - GPU vs transformers: F32 1e-4 at every position, as the CPU; F16, BF16
+//! - GPU vs transformers (its token-by-token logits, and its one-pass
+//!   logits where a fixture has them): F32 1e-4 at every position, as the
+//!   CPU (this is also tests/prefill.rs's Vulkan micro-batch 1); F16, BF16
 //!   and Q8_0 the CPU's median / max bounds of tests/reference.rs.
 //!
 //! - K-quant presets (q2_k, q3_k_m, q4_k_m, q5_k_m, q6_k) on synthetic
@@ -48,6 +50,8 @@ struct Sequence {
     logits: Vec<f32>,
     /// Positions from the first QSA tie on are not compared (see tests/reference.rs).
     first_tie: usize,
+    /// transformers' one-pass logits and their first tie, where the fixture has them.
+    full_forward: Option<(Vec<f32>, usize)>,
 }
 
 /// The fixture's vocabulary size and sequences.
@@ -61,10 +65,18 @@ fn sequences(dir: &Path) -> (usize, Vec<Sequence>) {
             name: q["name"].as_str().unwrap().to_string(),
             tokens: q["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect(),
             logits: read_f32(&dir.join("expected").join(q["logits_file"].as_str().unwrap())),
-            first_tie: q["tie_positions"].as_array().and_then(|t| t.iter().filter_map(|p| p.as_u64()).min()).map_or(usize::MAX, |p| p as usize),
+            first_tie: first_tie(&q["tie_positions"]),
+            full_forward: q["full_forward_logits_file"]
+                .as_str()
+                .map(|f| (read_f32(&dir.join("expected").join(f)), first_tie(&q["full_forward_tie_positions"]))),
         })
         .collect();
     (m["vocab_size"].as_u64().unwrap() as usize, seqs)
+}
+
+/// The smallest of a manifest's tie positions (none: `usize::MAX`).
+fn first_tie(positions: &serde_json::Value) -> usize {
+    positions.as_array().and_then(|t| t.iter().filter_map(|p| p.as_u64()).min()).map_or(usize::MAX, |p| p as usize)
 }
 
 #[derive(Default, Debug)]
@@ -103,6 +115,9 @@ fn compare(fixture: &str, ty: OutType) -> Option<Errors> {
             assert!(g.iter().all(|x| x.is_finite()), "{fixture} {ty:?} {}: non-finite logits at {pos}", seq.name);
             errors.vs_cpu.push(rel_err(g, cpu.logits().unwrap()));
             errors.vs_ref.push(rel_err(g, &expected[pos * v..(pos + 1) * v]));
+            if let Some((full, _)) = seq.full_forward.as_ref().filter(|(_, tie)| pos < *tie) {
+                errors.vs_ref.push(rel_err(g, &full[pos * v..(pos + 1) * v]));
+            }
         }
     }
     let stats = gpu.pass_stats().unwrap();
