@@ -71,10 +71,11 @@ pub struct LoadOptions {
     /// matrix-matrix products on the device's cooperative matrices (tensor
     /// cores; weights and activations rounded to f16, sums in f32: error
     /// stated in shaders/mm.comp) where the device has them
-    /// (`VK_NV_cooperative_matrix`) and the fast kernels run; `None` = no,
-    /// until their speed is measured against the matvec kernels'
-    /// (docs/BENCHMARKS.md). Without them a pass gives token-by-token
-    /// decoding's logits bit for bit. `FNX_VK_COOPMAT=0|1` wins.
+    /// (`VK_NV_cooperative_matrix`) and the fast kernels run; `None` = yes
+    /// (on an H100, 1.13-1.31x the prompt speed of the matvec kernels on
+    /// both benchmark files: docs/BENCHMARKS.md). Without them (`Some(false)`)
+    /// a pass gives token-by-token decoding's logits bit for bit.
+    /// `FNX_VK_COOPMAT=0|1` wins.
     pub gpu_coopmat: Option<bool>,
     /// Positions a state can step back without a copy (`State::rewind`);
     /// 0 = the default, [`DEFAULT_REWIND_WINDOW`]; `FNX_REWIND_WINDOW=N` wins.

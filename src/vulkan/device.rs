@@ -51,8 +51,9 @@ pub struct DeviceChoice {
     pub kernels: Option<crate::quant::kernels::Kernels>,
     /// Whether passes run their quantized matrices on cooperative matrices
     /// (shaders/mm.comp) where the device has them and the fast kernels
-    /// run; `None` = no (their speed is not measured yet). Only then are
-    /// the device's cooperative-matrix features enabled.
+    /// run; `None` = yes (measured faster on every prompt of both benchmark
+    /// files: docs/BENCHMARKS.md, "Tensor cores"). Only then are the
+    /// device's cooperative-matrix features enabled.
     pub coopmat: Option<bool>,
 }
 
@@ -383,7 +384,7 @@ impl Context {
         let int_dot = unsafe { int_dot_support(&instance, physical) };
         let mut dot_features = vk::PhysicalDeviceShaderIntegerDotProductFeatures::default().shader_integer_dot_product(true);
         let dot_ext = [ash::khr::shader_integer_dot_product::NAME.as_ptr()];
-        let coopmat = choice.coopmat == Some(true) && unsafe { coopmat_support(entry()?, &instance, physical, subgroup.subgroup_size) };
+        let coopmat = choice.coopmat != Some(false) && unsafe { coopmat_support(entry()?, &instance, physical, subgroup.subgroup_size) };
         let mut coop = vk::PhysicalDeviceCooperativeMatrixFeaturesNV::default().cooperative_matrix(true);
         let mut half = vk::PhysicalDeviceShaderFloat16Int8Features::default().shader_float16(true);
         // Device scope too: with the memory model on, the other shaders' buffer barriers need it.

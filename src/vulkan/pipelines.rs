@@ -54,8 +54,8 @@
 //! rows and entries unrolls at compile time) and their workgroup is halved
 //! where the reduction slots would not fit.
 //!
-//! Where the device has cooperative matrices ([`Context::coopmat`], asked
-//! for by `LoadOptions::gpu_coopmat` or `FNX_VK_COOPMAT=1`) and the fast
+//! Where the device has cooperative matrices ([`Context::coopmat`]; on
+//! unless `LoadOptions::gpu_coopmat` or `FNX_VK_COOPMAT=0` says no) and the fast
 //! kernels run, a pass's quantized matrices whose rows are a multiple of
 //! [`MM_COLS`] values take a third family instead when the dispatch has at
 //! least `FNX_VK_MM_MIN` entries (default 8; [`Pipelines::mm`]): the
