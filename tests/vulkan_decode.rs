@@ -30,6 +30,7 @@
 //! Without any Vulkan device the tests print why and pass, unless
 //! `FNX_REQUIRE_VULKAN=1` (scripts/test.sh sets it), which makes them fail.
 
+mod golden;
 mod vulkan_util;
 
 use flashnext::convert::OutType;
@@ -37,47 +38,10 @@ use flashnext::gguf::{GgmlType, GgufFile};
 use flashnext::model::{Model, State};
 use flashnext::quant::policy::Preset;
 use flashnext::synth::{synthesize, Dims, SynthOptions};
-use std::path::Path;
 use flashnext::quant::kernels::Kernels;
 use flashnext::LoadOptions;
-use vulkan_util::{converted, cpu_twin, fixture_dir, load_gpu, load_gpu_with, read_f32, rel_err};
-
-/// One reference sequence of a fixture's `expected/manifest.json`.
-struct Sequence {
-    name: String,
-    tokens: Vec<u32>,
-    /// Expected logits: [tokens][vocab]
-    logits: Vec<f32>,
-    /// Positions from the first QSA tie on are not compared (see tests/reference.rs).
-    first_tie: usize,
-    /// transformers' one-pass logits and their first tie, where the fixture has them.
-    full_forward: Option<(Vec<f32>, usize)>,
-}
-
-/// The fixture's vocabulary size and sequences.
-fn sequences(dir: &Path) -> (usize, Vec<Sequence>) {
-    let m: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("expected/manifest.json")).unwrap()).unwrap();
-    let seqs = m["sequences"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|q| Sequence {
-            name: q["name"].as_str().unwrap().to_string(),
-            tokens: q["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect(),
-            logits: read_f32(&dir.join("expected").join(q["logits_file"].as_str().unwrap())),
-            first_tie: first_tie(&q["tie_positions"]),
-            full_forward: q["full_forward_logits_file"]
-                .as_str()
-                .map(|f| (read_f32(&dir.join("expected").join(f)), first_tie(&q["full_forward_tie_positions"]))),
-        })
-        .collect();
-    (m["vocab_size"].as_u64().unwrap() as usize, seqs)
-}
-
-/// The smallest of a manifest's tie positions (none: `usize::MAX`).
-fn first_tie(positions: &serde_json::Value) -> usize {
-    positions.as_array().and_then(|t| t.iter().filter_map(|p| p.as_u64()).min()).map_or(usize::MAX, |p| p as usize)
-}
+use golden::Manifest;
+use vulkan_util::{converted, cpu_twin, fixture_dir, load_gpu, load_gpu_with, rel_err};
 
 #[derive(Default, Debug)]
 struct Errors {
@@ -101,11 +65,13 @@ fn compare(fixture: &str, ty: OutType) -> Option<Errors> {
     let gpu_model = load_gpu(&path)?;
     let cpu_model = Model::load(&path, &cpu_twin()).unwrap();
     let dir = fixture_dir(fixture);
-    let (v, seqs) = sequences(&dir);
+    let manifest = Manifest::read(&dir);
+    let v = manifest.vocab_size;
     let (mut gpu, mut cpu) = (State::new(gpu_model.clone()).unwrap(), State::new(cpu_model).unwrap());
     let mut errors = Errors::default();
-    for seq in &seqs {
-        let (expected, first_tie) = (&seq.logits, seq.first_tie);
+    for seq in &manifest.sequences {
+        let (expected, first_tie) = (seq.logits(&dir), seq.first_tie());
+        let full_forward = seq.full_forward(&dir);
         gpu.reset().unwrap();
         cpu.reset().unwrap();
         for (pos, &tok) in seq.tokens.iter().enumerate().take_while(|(p, _)| *p < first_tie) {
@@ -115,7 +81,7 @@ fn compare(fixture: &str, ty: OutType) -> Option<Errors> {
             assert!(g.iter().all(|x| x.is_finite()), "{fixture} {ty:?} {}: non-finite logits at {pos}", seq.name);
             errors.vs_cpu.push(rel_err(g, cpu.logits().unwrap()));
             errors.vs_ref.push(rel_err(g, &expected[pos * v..(pos + 1) * v]));
-            if let Some((full, _)) = seq.full_forward.as_ref().filter(|(_, tie)| pos < *tie) {
+            if let Some((full, _)) = full_forward.as_ref().filter(|(_, tie)| pos < *tie) {
                 errors.vs_ref.push(rel_err(g, &full[pos * v..(pos + 1) * v]));
             }
         }

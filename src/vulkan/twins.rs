@@ -712,7 +712,7 @@ fn batched_matvecs_equal_single_tokens() {
             for t in 0..T {
                 single[t * tok + xq..t * tok + xq + XQ_FLOATS].copy_from_slice(&batched[t * tok + xq..t * tok + xq + XQ_FLOATS]);
             }
-            assert_eq!(batched.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), single.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{ty} (fast {fast}, tile {tile}, share {share}): a batch of {T} tokens");
+            assert_eq!(bits(&batched), bits(&single), "{ty} (fast {fast}, tile {tile}, share {share}): a batch of {T} tokens");
             let (want, abs) = cpu(&w, &single[..cols], fast);
             assert!(worst(&format!("{ty} token 0"), &single[y0..y0 + rows], &want, &abs) <= 1.0);
         }
