@@ -277,7 +277,11 @@ void main() {
                     [[unroll]] for (uint a = 0u; a < NT * ROWS; a++) {
                         uint j = a / ROWS, i = a % ROWS;
                         if (j < n && r0 + i < pc.rows) {
-                            s[y[j] + i + c * pc.total_rows] += s[pc.aux_off + en[j].k * pc.y_stride + c] * acc[j * NACC + i];
+                            // One fused multiply-add in every module (the
+                            // compilers contract the plain form in some and not
+                            // others, breaking passes' bit equality with tokens).
+                            uint at = y[j] + i + c * pc.total_rows;
+                            s[at] = fma(s[pc.aux_off + en[j].k * pc.y_stride + c], acc[j * NACC + i], s[at]);
                         }
                     }
                 }

@@ -83,6 +83,17 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
+/// Panics unless the bit patterns are equal, naming how many differ and the
+/// first few (index, both values) rather than printing both.
+#[track_caller]
+fn same_bits(a: &[u32], b: &[u32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let differ: Vec<usize> = (0..a.len()).filter(|&i| a[i] != b[i]).collect();
+    let f = f32::from_bits;
+    let first: Vec<String> = differ.iter().take(8).map(|&i| format!("[{i}] {:e} vs {:e}", f(a[i]), f(b[i]))).collect();
+    assert!(differ.is_empty(), "{what}: {} of {} values differ, first {}", differ.len(), a.len(), first.join(", "));
+}
+
 every_backend! {
     fn golden_at_every_split(on) {
         for name in FIXTURES {
@@ -144,7 +155,7 @@ every_backend! {
                     bits(s.logits().unwrap())
                 }).collect();
                 for (split, model) in &split_models {
-                    assert_eq!(bits(&prefill(model, &seq.tokens)), want, "{on:?} {ty:?} {} micro-batch {split}", seq.name);
+                    same_bits(&bits(&prefill(model, &seq.tokens)), &want, &format!("{on:?} {ty:?} {} micro-batch {split}", seq.name));
                 }
             }
         }

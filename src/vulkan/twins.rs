@@ -621,7 +621,7 @@ fn hc_up_with_its_combine_equals_up_then_combine() {
                     let what = format!("{ty} fast {fast} C={c} H={h} tpr {tpr:?}");
                     assert!(out[y0..y5].iter().all(|v| v.is_finite()), "{what}: up then combine wrote every value");
                     if fused {
-                        assert_eq!(bits(&out[y5..y5 + h]), bits(&out[y0..y5]), "{what}: fused");
+                        same_bits(&out[y5..y5 + h], &out[y0..y5], &format!("{what}: fused"));
                         fused_runs += 1;
                     }
                 }
@@ -635,6 +635,16 @@ fn hc_up_with_its_combine_equals_up_then_combine() {
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Panics unless `a` and `b` are equal bit for bit, naming how many values
+/// differ and the first few (index, both values) rather than printing both.
+#[track_caller]
+fn same_bits(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let differ: Vec<usize> = (0..a.len()).filter(|&i| a[i].to_bits() != b[i].to_bits()).collect();
+    let first: Vec<String> = differ.iter().take(8).map(|&i| format!("[{i}] {:e} vs {:e}", a[i], b[i])).collect();
+    assert!(differ.is_empty(), "{what}: {} of {} values differ, first {}", differ.len(), a.len(), first.join(", "));
 }
 
 /// A batch (a prompt's micro-batch: a workgroup takes a tile of tokens in
@@ -712,7 +722,7 @@ fn batched_matvecs_equal_single_tokens() {
             for t in 0..T {
                 single[t * tok + xq..t * tok + xq + XQ_FLOATS].copy_from_slice(&batched[t * tok + xq..t * tok + xq + XQ_FLOATS]);
             }
-            assert_eq!(bits(&batched), bits(&single), "{ty} (fast {fast}, tile {tile}, share {share}): a batch of {T} tokens");
+            same_bits(&batched, &single, &format!("{ty} (fast {fast}, tile {tile}, share {share}): a batch of {T} tokens"));
             let (want, abs) = cpu(&w, &single[..cols], fast);
             assert!(worst(&format!("{ty} token 0"), &single[y0..y0 + rows], &want, &abs) <= 1.0);
         }
@@ -819,7 +829,9 @@ fn mm_within_the_f16_bound() {
         println!("SKIPPED: {} has no cooperative matrices (VK_NV_cooperative_matrix)", ctx.name);
         return;
     }
-    let pipes = Pipelines::with_mm(&ctx, true, true, |name| MatvecTuning::for_pipeline(name, false)).unwrap();
+    let mut pipes = Pipelines::with_mm(&ctx, true, true, |name| MatvecTuning::for_pipeline(name, false)).unwrap();
+    // Every matrix on the modules, whatever the default selection by size.
+    (pipes.mm_rows, pipes.mm_experts) = (0, true);
     let params = Buffer::new(&ctx, "twin params", 16, MemoryLocation::GpuOnly).unwrap();
     const T: usize = 45;
     let (rows, cols, split) = (300, 512, 100);
