@@ -3,17 +3,24 @@
 #extension GL_KHR_shader_subgroup_shuffle : require
 // Gated DeltaNet delta rule for one value head per workgroup, then the gated
 // RMSNorm, for the `n` tokens of a pass one after another. Column j of the
-// head's [dk][dv] state belongs to invocations 2j and 2j+1 (adjacent lanes
-// of a subgroup), each holding half of its rows in registers from the first
-// token to the last; the two halves' partial sums meet by one shuffle. Head
-// dims up to WG / 2. The state is read from the plane of position `pos` and
-// the state after each of the last `planes` tokens written to its
-// position's plane (one per position of the rewind window; see
-// src/model/backend.rs): the earlier ones would be overwritten by later
-// tokens of the pass.
-#define WG 256
-#define HALF (WG / 4)
+// head's [dk][dv] state belongs to the LANES invocations LANES j .. LANES j +
+// LANES - 1 (adjacent lanes of a subgroup), each holding PER = 128 / LANES
+// of its rows in registers from the first token to the last; their partial
+// sums meet by shuffles (lane pairs, then pairs of pairs). Head dims up to
+// 128. LANES is specialization constant 5 and the workgroup 128 LANES
+// invocations (constant 6; the host sets both: src/vulkan/pipelines.rs,
+// 4 where the device allows 512 invocations, else 2): one column per
+// invocation pair leaves most of a token's time to each invocation's serial
+// work (measured on an H100: 20-23 us per head set with 2, 14-15 with 4,
+// 16 with 8). The state is read from the plane of position `pos` and the
+// state after each of the last `planes` tokens written to its position's
+// plane (one per position of the rewind window; see src/model/backend.rs):
+// the earlier ones would be overwritten by later tokens of the pass.
+#define WG 512
 #include "common.glsl"
+layout(local_size_x_id = 6) in;
+layout(constant_id = 5) const uint LANES = 4u;
+#define PER (128u / LANES)
 
 layout(push_constant) uniform Push {
     uint conv_off;   // [2*nk*d + nv*d] conv output: q | k | v (token 0's; tok_stride apart)
@@ -36,19 +43,19 @@ layout(push_constant) uniform Push {
     float eps;
 } pc;
 
-shared float qs[WG / 2];
-shared float ks[WG / 2];
+shared float qs[128];
+shared float ks[128];
 
 void main() {
     uint h = gl_WorkGroupID.x, lid = gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID, d = pc.d;
-    uint j = lid >> 1, i0 = (lid & 1u) * HALF;
-    bool on = j < d, first = (lid & 1u) == 0u;
+    uint j = lid / LANES, i0 = (lid % LANES) * PER;
+    bool on = j < d, first = lid % LANES == 0u;
     uint kh = h % pc.nk;
     uint plane = d * d * pc.nv;
     uint col = h * d * d + j;
-    float S[HALF];
+    float S[64];  // PER of them used (LANES >= 2)
     uint from = pc.planes_off + (pc.pos % pc.planes) * plane + col;
-    [[unroll]] for (uint i = 0u; i < HALF; i++) S[i] = on && i0 + i < d ? st[from + (i0 + i) * d] : 0.0;
+    [[unroll]] for (uint i = 0u; i < PER; i++) S[i] = on && i0 + i < d ? st[from + (i0 + i) * d] : 0.0;
     for (uint t = 0u; t < pc.n; t++) {
         uint a = t * pc.tok_stride;
         uint c = pc.conv_off + a;
@@ -66,20 +73,20 @@ void main() {
         float decay = exp(prm[pc.decay_a + h] * softplus(s[pc.a_off + a + h] + prm[pc.dt_bias + h]));
         float beta = sigmoid(s[pc.b_off + a + h]);
         float mem = 0.0;
-        [[unroll]] for (uint i = 0u; i < HALF; i++) if (i0 + i < d) mem += (S[i] * decay) * ks[i0 + i];
-        mem += subgroupShuffleXor(mem, 1u);
+        [[unroll]] for (uint i = 0u; i < PER; i++) if (i0 + i < d) mem += (S[i] * decay) * ks[i0 + i];
+        [[unroll]] for (uint o = 1u; o < LANES; o <<= 1) mem += subgroupShuffleXor(mem, o);
         float delta = (v - mem) * beta;
         float o = 0.0;
-        [[unroll]] for (uint i = 0u; i < HALF; i++) {
+        [[unroll]] for (uint i = 0u; i < PER; i++) {
             if (i0 + i < d) {
                 S[i] = S[i] * decay + ks[i0 + i] * delta;
                 o += S[i] * qs[i0 + i];
             }
         }
-        o += subgroupShuffleXor(o, 1u);
+        [[unroll]] for (uint m = 1u; m < LANES; m <<= 1) o += subgroupShuffleXor(o, m);
         if (on && t + pc.planes >= pc.n) {
             uint to = pc.planes_off + ((pc.pos + t + 1u) % pc.planes) * plane + col;
-            [[unroll]] for (uint i = 0u; i < HALF; i++) if (i0 + i < d) st[to + (i0 + i) * d] = S[i];
+            [[unroll]] for (uint i = 0u; i < PER; i++) if (i0 + i < d) st[to + (i0 + i) * d] = S[i];
         }
         float r = rms_scale(wg_sum(first ? o * o : 0.0), d, pc.eps);
         if (on && first) {

@@ -21,6 +21,7 @@
 //! | 2 `ROWS` | output rows per row set | 2 | `FNX_VK_MATVEC_ROWS` |
 //! | 3 `UNROLL` | work items an invocation loads per pass | 1 (the H200 sweep: 2 was 5-15% slower at every real shape) | `FNX_VK_MATVEC_UNROLL` |
 //! | 4 `SHARE` | entries of a tile that share each weight decode (batch modules, at most 8; 1: passes run the plain fast modules) | 8; `expert_q2_k_fast`, `expert_q4_0_fast` 1 | `FNX_VK_MATVEC_SHARE` |
+//! | 5 `LANES`, 6 its workgroup | gdn_recurrent only: invocations per column of a head's state, 128 per lane ([`gdn_lanes`]) | 4 (2 where workgroups of 512 are not allowed) | `FNX_VK_GDN_LANES` |
 //!
 //! and per dispatch the recorder picks `TPR`, the invocations per row set
 //! (push constant `tpr_shift`): the largest power of two, at most `WG`,
@@ -331,7 +332,7 @@ pipes! {
     HcCombine = "hc_combine", State, HcCombinePush, 64;
     PleMix = "ple_mix", State, PleMixPush, 256;
     GdnConv = "gdn_conv", State, GdnConvPush, 64;
-    GdnRecurrent = "gdn_recurrent", State, GdnRecurrentPush, 256;
+    GdnRecurrent = "gdn_recurrent", State, GdnRecurrentPush, 512;
     AttnPrep = "attn_prep", State, AttnPrepPush, 256;
     QsaIndex = "qsa_index", State, QsaIndexPush, 128;
     QsaScore = "qsa_score", State, QsaScorePush, 64;
@@ -701,6 +702,8 @@ pub(crate) struct Pipelines {
     /// hc_combine's sums) instead of a separate hc_combine dispatch
     /// (`FNX_VK_HC_FUSE=0` turns it off).
     pub hc_fuse: bool,
+    /// shaders/gdn_recurrent.comp's invocations per state column ([`gdn_lanes`]).
+    pub gdn_lanes: u32,
     ctx: Arc<Context>,
 }
 
@@ -721,6 +724,21 @@ fn set_layout(ctx: &Context, counts: &[u32]) -> Result<vk::DescriptorSetLayout> 
         .map_err(err("creating a descriptor set layout"))
 }
 
+/// Invocations per column of a GDN head's state in shaders/gdn_recurrent.comp
+/// (its workgroup: 128 per lane): 4 where the device allows workgroups of 512
+/// (measured on an H100: 14-15 us per layer against 20-23 with 2 and 16 with
+/// 8), else 2; `FNX_VK_GDN_LANES` (2, 4 or 8) within the device's limit.
+fn gdn_lanes(ctx: &Context) -> u32 {
+    let l = &ctx.limits;
+    let max = l.max_compute_work_group_size[0].min(l.max_compute_work_group_invocations) / 128;
+    let want = std::env::var("FNX_VK_GDN_LANES").ok().and_then(|v| v.parse::<u32>().ok()).filter(|v| [2, 4, 8].contains(v));
+    let mut lanes = want.unwrap_or(4);
+    while lanes > 2 && lanes > max {
+        lanes /= 2;
+    }
+    lanes
+}
+
 impl Pipelines {
     /// Every pipeline, the matvecs tuned by the defaults and
     /// `FNX_VK_MATVEC_*`; the fast kernels when `fast` (which the device must
@@ -739,6 +757,17 @@ impl Pipelines {
 
     /// [`Pipelines::tuned`], with the matrix-matrix modules when `mm`.
     pub fn with_mm(ctx: &Arc<Context>, fast: bool, mm: bool, tuning: impl Fn(&str) -> MatvecTuning) -> Result<Pipelines> {
+        Self::build(ctx, fast, mm, tuning, gdn_lanes(ctx))
+    }
+
+    /// The exact kernels' pipelines with gdn_recurrent at `lanes` invocations
+    /// per column (2, 4 or 8; the twins run every one).
+    #[cfg(test)]
+    pub fn with_gdn_lanes(ctx: &Arc<Context>, lanes: u32) -> Result<Pipelines> {
+        Self::build(ctx, false, false, MatvecTuning::from_env, lanes)
+    }
+
+    fn build(ctx: &Arc<Context>, fast: bool, mm: bool, tuning: impl Fn(&str) -> MatvecTuning, gdn_lanes: u32) -> Result<Pipelines> {
         if fast && !ctx.int_dot.supported {
             return Err(crate::Error::Backend(format!("Vulkan device {} has no integer dot products for the fast kernels", ctx.name)));
         }
@@ -761,6 +790,7 @@ impl Pipelines {
             round_once_cols: std::env::var("FNX_VK_ROUND_ONCE_COLS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             hc_round: std::env::var("FNX_VK_HC_ROUND").map_or(true, |v| v != "0"),
             hc_fuse: std::env::var("FNX_VK_HC_FUSE").map_or(true, |v| v != "0"),
+            gdn_lanes,
             ctx: ctx.clone(),
         };
         p.weight_layout = set_layout(ctx, &[1])?;
@@ -806,9 +836,10 @@ impl Pipelines {
                 .map_err(err(spec.name))?;
             self.layouts.push(layout);
             let module = d.create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&words), None).map_err(err(spec.name))?;
-            // Constants 0 (MAX_SLABS), 1 (workgroup size), 2 (ROWS), 3 (UNROLL), 4 (SHARE);
-            // a module ignores those it lacks.
-            let constants = [self.max_slabs, tuning.wg, tuning.rows, tuning.unroll, tuning.share];
+            // Constants 0 (MAX_SLABS), 1 (workgroup size), 2 (ROWS), 3 (UNROLL), 4 (SHARE),
+            // 5 and 6 (gdn_recurrent's LANES and workgroup size); a module ignores those it lacks.
+            let lanes = self.gdn_lanes;
+            let constants = [self.max_slabs, tuning.wg, tuning.rows, tuning.unroll, tuning.share, lanes, 128 * lanes];
             let data: Vec<u8> = constants.iter().flat_map(|v| v.to_le_bytes()).collect();
             let entries: Vec<_> = (0..constants.len() as u32)
                 .map(|i| vk::SpecializationMapEntry { constant_id: i, offset: 4 * i, size: 4 })
@@ -816,7 +847,7 @@ impl Pipelines {
             let special = vk::SpecializationInfo::default().map_entries(&entries).data(&data);
             let mut stage =
                 vk::PipelineShaderStageCreateInfo::default().stage(vk::ShaderStageFlags::COMPUTE).module(module).name(c"main");
-            if spec.sets != Sets::State {
+            if spec.sets != Sets::State || spec.name == Pipe::GdnRecurrent.spec().name {
                 stage = stage.specialization_info(&special);
             }
             let info = [vk::ComputePipelineCreateInfo::default().stage(stage).layout(layout)];

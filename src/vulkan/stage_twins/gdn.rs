@@ -117,6 +117,16 @@ fn gdn_conv() {
 #[test]
 fn gdn_recurrent() {
     let Some(g) = gpu() else { return };
+    // Every width of a column's invocations (the default, then the others).
+    recurrent_cases(g);
+    for lanes in [2, 4, 8].into_iter().filter(|&l| l != g.pipes.gdn_lanes) {
+        let pipes = Pipelines::with_gdn_lanes(&g.ctx, lanes).unwrap();
+        assert_eq!(pipes.gdn_lanes, lanes, "the device allows workgroups of {}", 128 * lanes);
+        recurrent_cases(&Gpu { ctx: g.ctx.clone(), pipes });
+    }
+}
+
+fn recurrent_cases(g: &Gpu) {
     // (nk, nv, d, window, pos, gate): head dim 128 (the real one); a head dim
     // of 48 (invocations idle); the real 48 heads over 16 key heads; the
     // state read from the last plane and written to the first.
@@ -139,7 +149,7 @@ fn gdn_recurrent() {
         let at = |n: usize| planes + ((n % (window + 1)) * plane) as u32;
         let push = recurrent_push(&mut b, &c, planes, pos, [conv_off, z_off, b_off, a_off, y_off], 1, 0);
         let out = g.run(Pipe::GdnRecurrent, &push, Groups::Fixed([nv as u32, 1, 1]), &b, &[(y_off, nv * d)], &[(at(pos + 1), plane)]);
-        let what = format!("gdn_recurrent nk={nk} nv={nv} d={d} window {window} pos {pos} {gate:?}");
+        let what = format!("gdn_recurrent lanes {} nk={nk} nv={nv} d={d} window {window} pos {pos} {gate:?}", g.pipes.gdn_lanes);
         let all = out.st(planes, c.after.planes.len());
         check(&format!("{what} state"), all, &c.after.planes, 2e-5);
         check(&format!("{what} output"), out.s(y_off, nv * d), &c.y, 2e-5);
