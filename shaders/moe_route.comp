@@ -1,8 +1,8 @@
 #version 450
 // MoE router after its matvec, one workgroup: softmax over the expert
 // logits (in place, and in shared memory), top-k by probability (ties to
-// the lower expert id; per subgroup, then over the subgroups' picks),
-// weights renormalised over the chosen k. Writes ids (as float bits) and
+// the lower expert id; ranks within groups of experts, then among the
+// groups' picks), weights renormalised over the chosen k. Writes ids (as float bits) and
 // weights. With `shared_in_arena` the shared expert follows as expert k:
 // id n_experts (its slot-table entry), weight sigmoid(shared_gate . x).
 // Workgroup y-index t is the pass's token t (activations t * tok_stride further).
@@ -26,11 +26,12 @@ layout(push_constant) uniform Push {
 
 shared float prob[MAX_EXPERTS];
 shared float chosen[MAX_K];
-// Each subgroup's k best, at MAX_K apart: subgroups x k must be at most
-// MAX_CAND (the host checks: MOE_ROUTE_CANDIDATES in src/vulkan/pipelines.rs).
-#define MAX_CAND 2048
-shared float cand_v[MAX_CAND];
-shared uint cand_i[MAX_CAND];
+// Experts are ranked first within groups of GROUP (see below), each group's
+// k best kept as candidates.
+#define GROUP 32u
+#define GROUPS (WG / GROUP)
+shared float cand_v[GROUPS * MAX_K];
+shared uint cand_i[GROUPS * MAX_K];
 
 void main() {
     uint t = gl_LocalInvocationIndex, n = pc.n_experts, a = gl_WorkGroupID.y * pc.tok_stride, l = pc.logits_off + a;
@@ -49,48 +50,50 @@ void main() {
         s[l + i] = prob[i];
     }
     barrier();
-    // Top-k in two stages, with no workgroup barrier between rounds: each
-    // subgroup picks the k best of the experts its invocations own (k rounds
-    // of a subgroup argmax over i = t mod WG, the owner marking the winner
-    // taken), then subgroup 0 picks the k best of those candidates the same
-    // way. Order: probability descending, then expert id ascending (a tie
-    // keeps the lower id, as the CPU); every global top-k expert is among its
-    // subgroup's top-k, so the two stages choose what one would.
-    uint sg = gl_SubgroupID, lane = gl_SubgroupInvocationID, sgs = gl_SubgroupSize;
-    for (uint r = 0u; r < pc.k; r++) {
-        float bv = -1.0;
-        uint bi = 0xffffffffu;
-        for (uint i = t; i < n; i += WG) {
-            float v = prob[i];
-            if (v > bv) { bv = v; bi = i; }
-        }
-        float sv = subgroupMax(bv);
-        uint si = subgroupMin(bv == sv ? bi : 0xffffffffu);
-        if (subgroupElect()) {
-            cand_v[sg * pc.k + r] = sv;
-            cand_i[sg * pc.k + r] = si;
-        }
-        if (si != 0xffffffffu && si % WG == t) prob[si] = -1.0;
+    // Empty candidate slots (a group with fewer than k experts) lose to every expert.
+    uint nc = GROUPS * pc.k;
+    for (uint c = t; c < nc; c += WG) {
+        cand_v[c] = -2.0;
+        cand_i[c] = 0xffffffffu;
     }
     barrier();
-    if (sg == 0u) {
-        uint nc = gl_NumSubgroups * pc.k;
-        for (uint r = 0u; r < pc.k; r++) {
-            // Lane `lane` owns candidates c = lane mod sgs and marks those taken -4.
-            float bv = -3.0;
-            uint bi = 0xffffffffu, bc = 0xffffffffu;
-            for (uint c = lane; c < nc; c += sgs) {
-                float v = cand_v[c];
-                uint i = cand_i[c];
-                if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; bc = c; }
+    // Top-k in two stages of ranks, each expert's rank the count of those
+    // before it: probability descending, then expert id ascending (a tie
+    // keeps the lower id, as the CPU), so ranks are distinct. First within
+    // each of GROUPS groups of experts (expert i in group (i mod WG) / GROUP),
+    // whose k first become the group's candidates in rank order; then among
+    // all candidates, whose k first are the choice. Every global top-k
+    // expert is among its group's top-k, so the two stages choose what one
+    // would. No loop over k: the comparisons run side by side.
+    for (uint i = t; i < n; i += WG) {
+        float v = prob[i];
+        uint g = (i % WG) / GROUP, rank = 0u;
+        for (uint m = 0u; m * WG < n; m++) {
+            for (uint l = 0u; l < GROUP; l++) {
+                uint o = m * WG + g * GROUP + l;
+                if (o < n) {
+                    float u = prob[o];
+                    rank += (u > v || (u == v && o < i)) ? 1u : 0u;
+                }
             }
-            float sv = subgroupMax(bv);
-            uint si = subgroupMin(bv == sv ? bi : 0xffffffffu);
-            if (bv == sv && bi == si && bc != 0xffffffffu) cand_v[bc] = -4.0;
-            if (lane == 0u) {
-                chosen[r] = sv;
-                s[pc.ids_off + a + r] = uintBitsToFloat(si);
-            }
+        }
+        if (rank < pc.k) {
+            cand_v[g * pc.k + rank] = v;
+            cand_i[g * pc.k + rank] = i;
+        }
+    }
+    barrier();
+    for (uint c = t; c < nc; c += WG) {
+        float v = cand_v[c];
+        uint i = cand_i[c], rank = 0u;
+        for (uint o = 0u; o < nc; o++) {
+            float u = cand_v[o];
+            uint j = cand_i[o];
+            rank += (u > v || (u == v && j < i)) ? 1u : 0u;
+        }
+        if (rank < pc.k) {
+            chosen[rank] = v;
+            s[pc.ids_off + a + rank] = uintBitsToFloat(i);
         }
     }
     barrier();

@@ -18,7 +18,7 @@ use super::buffer::{Buffer, Stream};
 use super::cache::{ExpertCache, Split};
 use super::device::{Context, DeviceChoice};
 use super::matrix::GpuMatrix;
-use super::pipelines::{Pipe, Pipelines, MAX_ATTN_HEAD_DIM, MAX_GDN_HEAD_DIM, MAX_INDEX_DIM, MAX_EXPERTS, MAX_QSA_KEEP, MAX_TOP_K, MOE_ROUTE_CANDIDATES};
+use super::pipelines::{Pipelines, MAX_ATTN_HEAD_DIM, MAX_GDN_HEAD_DIM, MAX_INDEX_DIM, MAX_EXPERTS, MAX_QSA_KEEP, MAX_TOP_K};
 use crate::error::{Error, Result};
 use crate::model::backend::{BackendKind, BackendModel, BackendState, ExpertCacheReport, OnModelThreads};
 use crate::model::profile::RoutingProfile;
@@ -291,16 +291,6 @@ impl GpuModel {
     ) -> Result<GpuModel> {
         check_shapes(cfg)?;
         let ctx = Arc::new(Context::new(choice)?);
-        let subgroups = (Pipe::MoeRoute.spec().workgroup / ctx.subgroup_size.max(1)) as usize;
-        if subgroups * cfg.n_experts_used > MOE_ROUTE_CANDIDATES {
-            return Err(Error::Backend(format!(
-                "{} experts per token need subgroups of at least {} invocations on this device ({} has {})",
-                cfg.n_experts_used,
-                Pipe::MoeRoute.spec().workgroup as usize * cfg.n_experts_used / MOE_ROUTE_CANDIDATES,
-                ctx.name,
-                ctx.subgroup_size
-            )));
-        }
         let pipes = Pipelines::new(&ctx, choice.fast_kernels(&ctx), choice.coopmat(&ctx))?;
         let mut stream = Stream::new(&ctx)?;
         let started = std::time::Instant::now();

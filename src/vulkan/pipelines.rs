@@ -204,9 +204,6 @@ pub(crate) const NO_PARTIAL: u32 = u32::MAX;
 
 /// Largest `k` moe_route.comp handles (`MAX_K`).
 pub(crate) const MAX_TOP_K: usize = 64;
-/// Candidates moe_route.comp keeps (`MAX_CAND`): each of its subgroups'
-/// top k, so subgroups x k must be at most this.
-pub(crate) const MOE_ROUTE_CANDIDATES: usize = 2048;
 /// Most routed experts moe_route.comp handles (`MAX_EXPERTS`).
 pub(crate) const MAX_EXPERTS: usize = 1024;
 /// Most QSA blocks one query keeps (`MAX_KEEP` in shaders/qsa_topk.comp).

@@ -633,10 +633,6 @@ fn hc_up_with_its_combine_equals_up_then_combine() {
     assert_eq!(validation_errors(), 0, "Vulkan validation errors (printed above)");
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
 /// Panics unless `a` and `b` are equal bit for bit, naming how many values
 /// differ and the first few (index, both values) rather than printing both.
 #[track_caller]
