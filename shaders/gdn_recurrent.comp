@@ -9,7 +9,7 @@
 // sums meet by shuffles (lane pairs, then pairs of pairs). Head dims up to
 // 128. LANES is specialization constant 5 and the workgroup 128 LANES
 // invocations (constant 6; the host sets both: src/vulkan/pipelines.rs,
-// 4 where the device allows 512 invocations, else 2): one column per
+// 4 on a GPU that allows 512 invocations, else 2): one column per
 // invocation pair leaves most of a token's time to each invocation's serial
 // work (measured on an H100: 20-23 us per head set with 2, 14-15 with 4,
 // 16 with 8). The state is read from the plane of position `pos` and the

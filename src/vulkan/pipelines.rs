@@ -21,7 +21,7 @@
 //! | 2 `ROWS` | output rows per row set | 2 | `FNX_VK_MATVEC_ROWS` |
 //! | 3 `UNROLL` | work items an invocation loads per pass | 1 (the H200 sweep: 2 was 5-15% slower at every real shape) | `FNX_VK_MATVEC_UNROLL` |
 //! | 4 `SHARE` | entries of a tile that share each weight decode (batch modules, at most 8; 1: passes run the plain fast modules) | 8; `expert_q2_k_fast`, `expert_q4_0_fast` 1 | `FNX_VK_MATVEC_SHARE` |
-//! | 5 `LANES`, 6 its workgroup | gdn_recurrent only: invocations per column of a head's state, 128 per lane ([`gdn_lanes`]) | 4 (2 where workgroups of 512 are not allowed) | `FNX_VK_GDN_LANES` |
+//! | 5 `LANES`, 6 its workgroup | gdn_recurrent only: invocations per column of a head's state, 128 per lane ([`gdn_lanes`]) | 4 (2 on CPU devices and where workgroups of 512 are not allowed) | `FNX_VK_GDN_LANES` |
 //!
 //! and per dispatch the recorder picks `TPR`, the invocations per row set
 //! (push constant `tpr_shift`): the largest power of two, at most `WG`,
@@ -722,14 +722,17 @@ fn set_layout(ctx: &Context, counts: &[u32]) -> Result<vk::DescriptorSetLayout> 
 }
 
 /// Invocations per column of a GDN head's state in shaders/gdn_recurrent.comp
-/// (its workgroup: 128 per lane): 4 where the device allows workgroups of 512
+/// (its workgroup: 128 per lane): 4 on a GPU that allows workgroups of 512
 /// (measured on an H100: 14-15 us per layer against 20-23 with 2 and 16 with
-/// 8), else 2; `FNX_VK_GDN_LANES` (2, 4 or 8) within the device's limit.
+/// 8), else 2, and 2 on a CPU device, whose invocations are SIMD lanes of a
+/// few threads, so twice as many repeat the per-token scalar work twice as
+/// often (lavapipe: tests/prefill.rs's Vulkan golden test 97 s with 2, 131
+/// with 4); `FNX_VK_GDN_LANES` (2, 4 or 8) within the device's limit.
 fn gdn_lanes(ctx: &Context) -> u32 {
     let l = &ctx.limits;
     let max = l.max_compute_work_group_size[0].min(l.max_compute_work_group_invocations) / 128;
     let want = std::env::var("FNX_VK_GDN_LANES").ok().and_then(|v| v.parse::<u32>().ok()).filter(|v| [2, 4, 8].contains(v));
-    let mut lanes = want.unwrap_or(4);
+    let mut lanes = want.unwrap_or(if ctx.on_cpu { 2 } else { 4 });
     while lanes > 2 && lanes > max {
         lanes /= 2;
     }
