@@ -837,19 +837,20 @@ impl Pipelines {
             self.layouts.push(layout);
             let module = d.create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&words), None).map_err(err(spec.name))?;
             // Constants 0 (MAX_SLABS), 1 (workgroup size), 2 (ROWS), 3 (UNROLL), 4 (SHARE),
-            // 5 and 6 (gdn_recurrent's LANES and workgroup size); a module ignores those it lacks.
-            let lanes = self.gdn_lanes;
-            let constants = [self.max_slabs, tuning.wg, tuning.rows, tuning.unroll, tuning.share, lanes, 128 * lanes];
+            // 5 and 6 (gdn_recurrent's LANES and workgroup size); a module ignores
+            // those it lacks (the other state shaders have none).
+            let (lanes, wg) = (self.gdn_lanes, 128 * self.gdn_lanes);
+            let constants = [self.max_slabs, tuning.wg, tuning.rows, tuning.unroll, tuning.share, lanes, wg];
             let data: Vec<u8> = constants.iter().flat_map(|v| v.to_le_bytes()).collect();
             let entries: Vec<_> = (0..constants.len() as u32)
                 .map(|i| vk::SpecializationMapEntry { constant_id: i, offset: 4 * i, size: 4 })
                 .collect();
             let special = vk::SpecializationInfo::default().map_entries(&entries).data(&data);
-            let mut stage =
-                vk::PipelineShaderStageCreateInfo::default().stage(vk::ShaderStageFlags::COMPUTE).module(module).name(c"main");
-            if spec.sets != Sets::State || spec.name == Pipe::GdnRecurrent.spec().name {
-                stage = stage.specialization_info(&special);
-            }
+            let stage = vk::PipelineShaderStageCreateInfo::default()
+                .stage(vk::ShaderStageFlags::COMPUTE)
+                .module(module)
+                .name(c"main")
+                .specialization_info(&special);
             let info = [vk::ComputePipelineCreateInfo::default().stage(stage).layout(layout)];
             let made = d.create_compute_pipelines(vk::PipelineCache::null(), &info, None);
             d.destroy_shader_module(module, None);
