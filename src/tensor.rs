@@ -10,7 +10,7 @@
 //! time. Products that share a layer step go through [`matvec_all`] together.
 
 use crate::gguf::{GgmlType, Storage, TensorInfo};
-use crate::quant::kernels::{matvec_batch, MatVec};
+use crate::quant::kernels::{matvec_batch, MatVec, Rows};
 use crate::quant::matmul::{matmul_batch, MatMul};
 
 /// A tensor in the mapped file. `dims` are in ggml order (`dims[0]` contiguous):
@@ -103,6 +103,13 @@ impl Tensor {
     pub fn matvec(&self, x: &[f32], y: &mut [f32]) {
         assert_eq!(y.len(), self.rows(), "{}: output length", self.name);
         self.matvec_rows(0, x, y);
+    }
+
+    /// Rows `first_row..first_row + n` (for [`crate::quant::kernels::glu_batch`]).
+    pub fn rows_at(&self, first_row: usize, n: usize) -> Rows<'_> {
+        assert!(first_row + n <= self.rows(), "{}: rows out of range", self.name);
+        let rb = self.row_bytes();
+        Rows { ty: self.ty, bytes: &self.bytes()[first_row * rb..(first_row + n) * rb] }
     }
 
     /// The product over a batch, `ys[t] = W[rows] · xs[t]` (`xs`: [T][cols],

@@ -10,11 +10,13 @@
 //!   the unrounded activations, within the activation-rounding bound
 //!   `sum_b (amax_b / 254) sum_{i in b} |w_i|` (module docs of `quant::dot`);
 //! * the activation rounding itself, and `matvec_batch` scheduling (chunks,
-//!   shared inputs) giving the same numbers as single rows.
+//!   shared inputs) giving the same numbers as single rows;
+//! * `glu_batch` (gate, up and down of several experts in one region) giving
+//!   the numbers of its two `matvec_batch` stages, on 1, 2 and 5 threads.
 
 use flashnext::gguf::GgmlType;
 use flashnext::quant::dot::{dot_row, ActKind, Activation};
-use flashnext::quant::kernels::{matvec_batch_with, Isa, Kernels, MatVec};
+use flashnext::quant::kernels::{glu_batch_with, matvec_batch_with, Glu, Isa, Kernels, MatVec, Rows};
 use flashnext::quant::{dequantize_row, quantize_row, QUANT_TYPES};
 
 struct Rng(u64);
@@ -354,6 +356,68 @@ fn batch_scheduling_matches_single_rows() {
                     _ => flashnext::quant::kernels::dot_row_with(isa, ty, row, x),
                 };
                 assert_eq!(got.to_bits(), want.to_bits(), "{kernels:?} {ty} row {k}: {got} vs {want}");
+            }
+        }
+    }
+}
+
+/// `glu_batch_with` runs gate/up and down of several units in one region,
+/// each down product as soon as its unit's gate and up are done: the numbers
+/// must be those of two `matvec_batch_with` calls with the gate step
+/// between, for both kernel families, units of different widths and types
+/// (routed experts, a shared one), on one thread (serial) and on pools of 2
+/// and 5 (every interleaving of the chunks gives the same bits).
+#[test]
+fn glu_batch_matches_two_batches() {
+    let mut rng = Rng(11);
+    let isa = Isa::detect();
+    let h = 512;
+    let x = make_x(h, &mut rng);
+    // (gate/up type, down type, width)
+    let specs = [(GgmlType::Q2K, GgmlType::Q4_0, 640), (GgmlType::Q4K, GgmlType::Q5_0, 256), (GgmlType::Q8_0, GgmlType::Q8_0, 96), (GgmlType::Q2K, GgmlType::Q4_0, 640)];
+    let mats: Vec<[Vec<u8>; 3]> = specs
+        .iter()
+        .map(|&(t, d, ff)| [make_row(t, h * ff, &mut rng, 0), make_row(t, h * ff, &mut rng, 0), make_row(d, ff * h, &mut rng, 0)])
+        .collect();
+    let glu = |g: &mut [f32], u: &[f32]| {
+        for (gv, uv) in g.iter_mut().zip(u) {
+            *gv = *gv / (1.0 + (-*gv).exp()) * uv;
+        }
+    };
+    for kernels in [Kernels::Exact, Kernels::Fast] {
+        // The reference: gate and up of all units, the gate step, then all downs.
+        let mut gates: Vec<Vec<f32>> = specs.iter().map(|s| vec![f32::NAN; s.2]).collect();
+        let mut ups = gates.clone();
+        let mut jobs = Vec::new();
+        for (((&(t, _, _), m), g), u) in specs.iter().zip(&mats).zip(gates.iter_mut()).zip(ups.iter_mut()) {
+            jobs.push(MatVec { ty: t, rows: &m[0], x: &x, y: g });
+            jobs.push(MatVec { ty: t, rows: &m[1], x: &x, y: u });
+        }
+        matvec_batch_with(kernels, isa, &mut jobs);
+        for (g, u) in gates.iter_mut().zip(&ups) {
+            glu(g, u);
+        }
+        let mut want = vec![f32::NAN; specs.len() * h];
+        let mut jobs: Vec<MatVec<'_>> = specs
+            .iter()
+            .zip(&mats)
+            .zip(gates.iter())
+            .zip(want.chunks_mut(h))
+            .map(|(((&(_, d, _), m), g), y)| MatVec { ty: d, rows: &m[2], x: g, y })
+            .collect();
+        matvec_batch_with(kernels, isa, &mut jobs);
+        let units: Vec<Glu<'_>> = specs
+            .iter()
+            .zip(&mats)
+            .map(|(&(t, d, _), m)| Glu { gate: Rows { ty: t, bytes: &m[0] }, up: Rows { ty: t, bytes: &m[1] }, down: Rows { ty: d, bytes: &m[2] } })
+            .collect();
+        for threads in [1, 2, 5] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            for round in 0..3 {
+                let mut got = vec![f32::NAN; specs.len() * h];
+                pool.install(|| glu_batch_with(kernels, isa, &units, &x, glu, &mut got));
+                let diff: Vec<usize> = (0..got.len()).filter(|&i| got[i].to_bits() != want[i].to_bits()).collect();
+                assert!(diff.is_empty(), "{kernels:?}, {threads} threads, round {round}: {} of {} differ, first {:?}", diff.len(), got.len(), &diff[..diff.len().min(8)]);
             }
         }
     }

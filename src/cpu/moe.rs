@@ -11,7 +11,8 @@ use super::{per_chunk, prof};
 use rayon::prelude::*;
 use crate::model::config::Config;
 use crate::model::weights::{ExpertGateUp, Moe};
-use crate::tensor::{matmul_all, matvec_all};
+use crate::quant::kernels::{glu_batch, Glu};
+use crate::tensor::matmul_all;
 
 /// The router's choice for one token: expert ids and their normalised weights.
 pub fn route(w: &Moe, cfg: &Config, x: &[f32]) -> Vec<(usize, f32)> {
@@ -42,56 +43,27 @@ pub enum Expert {
     Shared,
 }
 
-/// `down(silu(gate x) * up x)` of each of `experts`, in order: [n][H]. Two
-/// parallel regions: gate and up of all of them (one rounded `x` on the fast
-/// path), then all the down projections.
+/// `down(silu(gate x) * up x)` of each of `experts`, in order: [n][H]. One
+/// parallel region ([`glu_batch`]): the gate and up rows of all of them (one
+/// rounded `x` on the fast path), then the down rows of each expert as soon
+/// as its gate and up are done.
 pub fn expert_outputs(w: &Moe, cfg: &Config, x: &[f32], experts: &[Expert]) -> Vec<f32> {
     let (h, f, fs) = (cfg.hidden, cfg.expert_ff, cfg.shared_ff);
-    let width = |e: &Expert| if *e == Expert::Shared { fs } else { f };
-    let offsets: Vec<usize> = experts.iter().scan(0, |at, e| Some(std::mem::replace(at, *at + 2 * width(e)))).collect();
-    // Per expert `[gate | up]`.
-    let mut gu = vec![0f32; experts.iter().map(|e| 2 * width(e)).sum()];
-    {
-        let mut jobs = Vec::with_capacity(2 * experts.len());
-        let mut rest = &mut gu[..];
-        for e in experts {
-            let (buf, tail) = rest.split_at_mut(2 * width(e));
-            rest = tail;
-            match (e, &w.gate_up) {
-                (Expert::Routed(id), ExpertGateUp::Fused(t)) => jobs.push(t.matvec_job(id * 2 * f, x, buf)),
-                (Expert::Routed(id), ExpertGateUp::Separate { gate, up }) => {
-                    let (g, u) = buf.split_at_mut(f);
-                    jobs.push(gate.matvec_job(id * f, x, g));
-                    jobs.push(up.matvec_job(id * f, x, u));
-                }
-                (Expert::Shared, _) => {
-                    let (g, u) = buf.split_at_mut(fs);
-                    jobs.push(w.shared_gate_proj.matvec_job(0, x, g));
-                    jobs.push(w.shared_up.matvec_job(0, x, u));
-                }
-            }
-        }
-        matvec_all(&mut jobs);
-    }
-    for (e, &at) in experts.iter().zip(&offsets) {
-        let n = width(e);
-        let (g, u) = gu[at..at + 2 * n].split_at_mut(n);
-        for (gv, uv) in g.iter_mut().zip(u.iter()) {
+    let units: Vec<Glu<'_>> = experts
+        .iter()
+        .map(|e| match (e, &w.gate_up) {
+            (Expert::Routed(id), ExpertGateUp::Fused(t)) => Glu { gate: t.rows_at(id * 2 * f, f), up: t.rows_at(id * 2 * f + f, f), down: w.down.rows_at(id * h, h) },
+            (Expert::Routed(id), ExpertGateUp::Separate { gate, up }) => Glu { gate: gate.rows_at(id * f, f), up: up.rows_at(id * f, f), down: w.down.rows_at(id * h, h) },
+            (Expert::Shared, _) => Glu { gate: w.shared_gate_proj.rows_at(0, fs), up: w.shared_up.rows_at(0, fs), down: w.shared_down.rows_at(0, h) },
+        })
+        .collect();
+    let mut ys = vec![0f32; experts.len() * h];
+    let swiglu = |g: &mut [f32], u: &[f32]| {
+        for (gv, uv) in g.iter_mut().zip(u) {
             *gv = silu(*gv) * uv;
         }
-    }
-    let mut ys = vec![0f32; experts.len() * h];
-    {
-        let mut jobs = Vec::with_capacity(experts.len());
-        for ((e, &at), y) in experts.iter().zip(&offsets).zip(ys.chunks_exact_mut(h)) {
-            let hidden = &gu[at..at + width(e)];
-            jobs.push(match e {
-                Expert::Routed(id) => w.down.matvec_job(id * h, hidden, y),
-                Expert::Shared => w.shared_down.matvec_job(0, hidden, y),
-            });
-        }
-        matvec_all(&mut jobs);
-    }
+    };
+    glu_batch(&units, x, swiglu, &mut ys);
     ys
 }
 

@@ -341,6 +341,7 @@ pub fn dot_rows(isa: Isa, ty: GgmlType, rows: &[u8], act: &Activation, y: &mut [
     let rb = ty.row_bytes(act.len()).unwrap_or_else(|| panic!("{ty} row of {} values", act.len()));
     assert_eq!(rows.len(), rb * y.len(), "{ty}: {} bytes for {} rows", rows.len(), y.len());
     let ahead = prefetch_distance();
+    lead_in(rows, ahead);
     match (row_fn(isa, ty), act) {
         (RowFn::Q8(f), Activation::Q8(a)) => {
             for (y, row) in y.iter_mut().zip(rows.chunks_exact(rb)) {
@@ -520,6 +521,20 @@ fn prefetch(row: &[u8], ahead: usize) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (row, ahead);
+}
+
+/// Asks for the first `ahead` bytes of `rows` at once (the prefetch of each
+/// row covers the bytes `ahead` past it, so a piece of rows starting cold
+/// would otherwise meet its first page one miss after another).
+#[inline(always)]
+fn lead_in(rows: &[u8], ahead: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for line in (0..ahead.min(rows.len())).step_by(64) {
+        // SAFETY: a prefetch is a hint: it never faults, whatever the address.
+        unsafe { std::arch::x86_64::_mm_prefetch(rows.as_ptr().wrapping_add(line) as *const i8, std::arch::x86_64::_MM_HINT_T0) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (rows, ahead);
 }
 
 /// `row · act` for one row of `ty` at level `isa` (see [`dot_rows`]).
