@@ -486,24 +486,47 @@ unsafe fn offset_block<const VNNI: bool, const N: usize, const SHIFT: i32>(
     }
 }
 
+/// Q2_K with each 2-bit level multiplied by its 4-bit sub-block scale
+/// before the dot product: `scale * level` is at most 45, an unsigned byte,
+/// so one `vpdpbusd` per 64 values takes the scaled weights straight into
+/// the i32 sums (`vpmaddubsw` then `vpdpwssd` with the scales spread by
+/// `vpermw` before). The products come from a table per sub-block, `scale *
+/// {0, 1, 2, 3}` in a dword (one `vpmulld` per super-block), moved into
+/// each 128-bit lane (`vpermd`: a lane is one sub-block) and looked up by
+/// `vpshufb`; built once per super-block for every token. Each i32 lane
+/// still sums the same four values times the same scale, so the sums are
+/// the same integers as before.
 #[inline(always)]
 unsafe fn q2_k<const VNNI: bool, const N: usize>(row: &[u8], a: [&Q8KBlocks; N]) -> [f32; N] {
     let m3 = _mm512_set1_epi8(3);
+    let times = _mm512_set1_epi32(0x0302_0100);
+    // Register v's 128-bit lane k is sub-block 4 v + k.
+    let lanes: [__m512i; 4] = four(|v| {
+        let j = 4 * v as i32;
+        _mm512_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1, j + 2, j + 2, j + 2, j + 2, j + 3, j + 3, j + 3, j + 3)
+    });
     let block = |p: *const u8, i: usize, acc: &mut [__m512; N], mins: &mut [__m256; N]| {
         // SAFETY: `p` is super-block `i` (84 bytes: scales 16, qs 64, d, dmin), checked by `kquant`.
         let sm = _mm_loadu_si128(p as *const __m128i);
-        let scales = _mm256_cvtepu8_epi16(_mm_and_si128(sm, _mm_set1_epi8(15)));
+        // Dword j: scale_j * (0, 1, 2, 3), bytes (no carries: 3 * 15 < 256).
+        let table = _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(sm, _mm_set1_epi8(15))), times);
         let m = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(sm), _mm_set1_epi8(15)));
         // Register v: half v / 2 (32 bytes), bit pairs 4 (v % 2) and 4 (v % 2) + 2.
         let q = [load32x2(p.add(16)), load32x2(p.add(48))];
         let shifts = [halves16(0, 2), halves16(4, 6)];
-        let levels: [__m512i; 4] = four(|v| _mm512_and_si512(_mm512_srlv_epi16(q[v / 2], shifts[v % 2]), m3));
+        let weights: [__m512i; 4] = four(|v| {
+            let levels = _mm512_and_si512(_mm512_srlv_epi16(q[v / 2], shifts[v % 2]), m3);
+            _mm512_shuffle_epi8(_mm512_permutexvar_epi32(lanes[v], table), levels)
+        });
         for t in 0..N {
             let x = &a[t].qs[256 * i..256 * i + 256];
             let (d, dmin) = scales2(p.add(80), a[t], i);
             let msum = _mm256_madd_epi16(m, bsums16(a[t], i));
             mins[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(msum), mins[t]);
-            let isum = scaled16::<VNNI>(x, _mm512_castsi256_si512(scales), &levels);
+            let mut isum = _mm512_setzero_si512();
+            for (v, &w) in weights.iter().enumerate() {
+                isum = dot4::<VNNI>(isum, w, load_x(x, 64 * v));
+            }
             acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(isum), acc[t]);
         }
     };
