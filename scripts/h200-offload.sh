@@ -5,7 +5,7 @@
 # file), next to a baseline binary of an earlier commit on the same file.
 #
 # Usage (repository root; binaries carried, see the device notes):
-#   OUT=/dir scripts/h200-offload.sh synth|resident|budgets|hostmoe|hoststore|ab|hostmoe-ab|cpuprefetch|prefetch|all
+#   OUT=/dir scripts/h200-offload.sh synth|resident|budgets|hostmoe|hoststore|ab|hostmoe-ab|cpuprefetch|prefetch|fills|all
 # Environment: NEW (the binary under test, default target/carry/flashnext),
 # OLD (a baseline binary; skipped when absent), WORK (where the model is
 # written; default target/bench-models, kept between calls on a warm
@@ -133,6 +133,20 @@ prefetch() {
     done
 }
 
+# Background fills (FNX_EXPERT_FILL=1: an admitted expert repacked while
+# the GPU runs the next layer's dense part, admission at the second miss)
+# against none, the same binary, alternating, ROUNDS times. Meant with
+# ROUTE=real, GEN=128 and BUDGETS="27648 11264": fills buy hits only where
+# experts come back.
+fills() {
+    local r f
+    for r in $(seq "${ROUNDS:-1}"); do
+        for f in 1 0; do
+            FNX_EXPERT_FILL=$f TAG=fill$f-$r budgets
+        done
+    done
+}
+
 case $which in
     synth) synth ;;
     resident) synth; resident ;;
@@ -143,7 +157,8 @@ case $which in
     hostmoe-ab) synth; hostmoe; ab ;;
     cpuprefetch) synth; cpuprefetch ;;
     prefetch) synth; prefetch ;;
+    fills) synth; fills ;;
     all) synth; budgets; resident ;;
-    *) echo "usage: $0 synth|resident|budgets|hostmoe|hoststore|ab|hostmoe-ab|cpuprefetch|prefetch|all" >&2; exit 2 ;;
+    *) echo "usage: $0 synth|resident|budgets|hostmoe|hoststore|ab|hostmoe-ab|cpuprefetch|prefetch|fills|all" >&2; exit 2 ;;
 esac
 say "done"

@@ -101,8 +101,10 @@ pub struct LoadOptions {
     /// the slot serves hits from the next token; admission at the second
     /// miss) rather than uploading it on the token's critical path and
     /// running it on the GPU; `None` = no: on the H200 host the repack
-    /// (~0.18 ms an expert) outlasts a layer's wait and the fills cost more
-    /// than their hits save (docs/BENCHMARKS.md). `FNX_EXPERT_FILL=0|1` wins.
+    /// (~0.18 ms an expert on four threads) outlasted a layer's wait and the
+    /// fills cost more than their hits saved (docs/BENCHMARKS.md); the
+    /// repack now spreads over every thread, to be measured again
+    /// (`scripts/h200-offload.sh fills`). `FNX_EXPERT_FILL=0|1` wins.
     pub expert_fill: Option<bool>,
     /// Whether an offloaded decode's spinning threads (`spin_wait`) read the
     /// next layer's predicted misses into the caches while they wait for the

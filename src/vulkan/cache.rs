@@ -27,9 +27,10 @@
 //!   it had not copied, and a step copies all its fills before it ends, so
 //!   states sharing the cache never see a half-filled slot). Admission is
 //!   then at the second miss: it brings the hit rate to plain LRU's. Off by
-//!   default because on the H200 host the repack (~0.18 ms an expert) is
-//!   longer than a layer's wait, so the fills cost the token more than
-//!   their hits save (docs/BENCHMARKS.md).
+//!   default because on the H200 host the repack (~0.18 ms an expert, when
+//!   it ran on four threads) was longer than a layer's wait, so the fills
+//!   cost the token more than their hits saved (docs/BENCHMARKS.md); it now
+//!   spreads over every thread and awaits a new measurement.
 //! * The placement itself (hits, admission, eviction) is
 //!   [`crate::model::expert_policy`], shared with offline replays.
 //! * **Passes of several tokens** (prompts) run every chosen expert on the
