@@ -122,30 +122,28 @@ budgets() {
     done
 }
 
-# The read-ahead of predicted misses (FNX_EXPERT_PREFETCH) against none,
-# the same binary, alternating, ROUNDS times.
-prefetch() {
-    local r pf
-    for r in $(seq "${ROUNDS:-2}"); do
-        for pf in 1 0; do
-            FNX_EXPERT_PREFETCH=$pf TAG=prefetch$pf-$r budgets
+# budgets with VAR=1 against VAR=0 (a load option as an environment
+# variable), the same binary, alternating, ROUNDS (default $2) times; the
+# runs tagged NAME1-r and NAME0-r.
+toggle() {
+    local var=$1 name=$3 r v
+    for r in $(seq "${ROUNDS:-$2}"); do
+        for v in 1 0; do
+            export "$var=$v"
+            TAG="$name$v-$r" budgets
         done
     done
+    unset "$var"
 }
+
+# The read-ahead of predicted misses (FNX_EXPERT_PREFETCH) against none.
+prefetch() { toggle FNX_EXPERT_PREFETCH 2 prefetch; }
 
 # Background fills (FNX_EXPERT_FILL=1: an admitted expert repacked while
 # the GPU runs the next layer's dense part, admission at the second miss)
-# against none, the same binary, alternating, ROUNDS times. Meant with
-# ROUTE=real, GEN=128 and BUDGETS="27648 11264": fills buy hits only where
-# experts come back.
-fills() {
-    local r f
-    for r in $(seq "${ROUNDS:-1}"); do
-        for f in 1 0; do
-            FNX_EXPERT_FILL=$f TAG=fill$f-$r budgets
-        done
-    done
-}
+# against none. Meant with ROUTE=real, GEN=128 and BUDGETS="27648 11264":
+# fills buy hits only where experts come back.
+fills() { toggle FNX_EXPERT_FILL 1 fill; }
 
 case $which in
     synth) synth ;;
