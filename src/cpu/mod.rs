@@ -459,6 +459,10 @@ impl Blocks for CpuPass<'_> {
     fn moe_experts(&mut self, layer: usize, branch: &HcBatch, routes: &Vec<Routing>) -> Result<moe::GroupedOutputs> {
         let w = &self.model.weights.layers[layer].moe;
         let chosen: Vec<Vec<(usize, f32)>> = routes.iter().map(|r| r.routes.clone()).collect();
+        if branch.tokens == 1 {
+            // One token: its experts in one parallel region (the same numbers).
+            return Ok(moe::expert_outputs_single(w, &self.model.config, &branch.inputs, &chosen[0]));
+        }
         Ok(moe::expert_outputs_grouped(w, &self.model.config, &branch.inputs, &chosen))
     }
 

@@ -93,6 +93,21 @@ impl GroupedOutputs {
     }
 }
 
+/// [`expert_outputs_grouped`] for one token (`x`: [H]) through
+/// [`expert_outputs`]: its routed experts and the shared one in one parallel
+/// region ([`glu_batch`]) rather than two. The numbers are the same: each
+/// product is the same kernel call on the same rounded input (the grouped
+/// path's kernels for several tokens give each token what it gets alone).
+pub fn expert_outputs_single(w: &Moe, cfg: &Config, x: &[f32], routes: &[(usize, f32)]) -> GroupedOutputs {
+    let h = cfg.hidden;
+    let _span = prof::span("moe: experts of one token (gate/up, SwiGLU, down in one region)");
+    let mut experts: Vec<Expert> = routes.iter().map(|&(e, _)| Expert::Routed(e)).collect();
+    experts.push(Expert::Shared);
+    let mut ys = expert_outputs(w, cfg, x, &experts);
+    let shared = ys.split_off(routes.len() * h);
+    GroupedOutputs { downs: ys.chunks_exact(h).map(<[f32]>::to_vec).collect(), at: vec![(0..routes.len()).map(|j| (j, 0)).collect()], shared }
+}
+
 /// The expert outputs of a batch (`xs`: [T][H], `routes` per token), grouped
 /// by expert: each expert runs once over the tokens routed to it (its weights
 /// read once for the batch), reading them in place in `xs` (on the integer
