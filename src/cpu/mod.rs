@@ -23,7 +23,10 @@
 //!   expert runs once over the tokens routed to it, reading them in place
 //!   (`quant::matmul`'s picked tokens: each token rounded once for all its
 //!   experts, nothing gathered), and each token's combine reads its experts'
-//!   outputs where they were written, in route order as one token's are;
+//!   outputs where they were written, in route order as one token's are; a
+//!   batch of one token runs its experts in one parallel region instead
+//!   ([`moe::expert_outputs_single`], the offloaded decode's host share:
+//!   the same numbers);
 //! * what carries state from one token to the next runs over the batch in
 //!   position order where it must and in parallel where it can: the GDN
 //!   delta rule head by head (each head's state carried through the batch
