@@ -461,11 +461,11 @@ impl Blocks for CpuPass<'_> {
 
     fn moe_experts(&mut self, layer: usize, branch: &HcBatch, routes: &Vec<Routing>) -> Result<moe::GroupedOutputs> {
         let w = &self.model.weights.layers[layer].moe;
-        let chosen: Vec<Vec<(usize, f32)>> = routes.iter().map(|r| r.routes.clone()).collect();
-        if branch.tokens == 1 {
+        if let [one] = routes.as_slice() {
             // One token: its experts in one parallel region (the same numbers).
-            return Ok(moe::expert_outputs_single(w, &self.model.config, &branch.inputs, &chosen[0]));
+            return Ok(moe::expert_outputs_single(w, &self.model.config, &branch.inputs, &one.routes));
         }
+        let chosen: Vec<Vec<(usize, f32)>> = routes.iter().map(|r| r.routes.clone()).collect();
         Ok(moe::expert_outputs_grouped(w, &self.model.config, &branch.inputs, &chosen))
     }
 

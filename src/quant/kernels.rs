@@ -693,7 +693,7 @@ pub fn glu_batch_with(kernels: Kernels, isa: Isa, units: &[Glu<'_>], x: &[f32], 
             }
         }
     };
-    let weights: usize = ffs.iter().map(|ff| 3 * ff * h).sum();
+    let weights: usize = ffs.iter().map(|ff| ff * (2 * x.len() + h)).sum();
     if threads <= 1 || weights < PAR_MIN_WEIGHTS {
         work();
     } else {
@@ -704,7 +704,6 @@ pub fn glu_batch_with(kernels: Kernels, isa: Isa, units: &[Glu<'_>], x: &[f32], 
             work();
         });
     }
-    drop(buf);
 }
 
 /// The chunk size of [`glu_batch_with`]: [`GLU_CHUNK_BYTES`], or

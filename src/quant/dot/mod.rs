@@ -511,16 +511,9 @@ pub const PREFETCH_BYTES: usize = 4096;
 /// Asks for the cache lines `ahead` bytes past `row` (as long as the row).
 #[inline(always)]
 fn prefetch(row: &[u8], ahead: usize) {
-    #[cfg(target_arch = "x86_64")]
     if ahead > 0 {
-        let start = row.as_ptr().wrapping_add(ahead);
-        for line in (0..row.len()).step_by(64) {
-            // SAFETY: a prefetch is a hint: it never faults, whatever the address.
-            unsafe { std::arch::x86_64::_mm_prefetch(start.wrapping_add(line) as *const i8, std::arch::x86_64::_MM_HINT_T0) };
-        }
+        prefetch_lines(row.as_ptr().wrapping_add(ahead), row.len());
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (row, ahead);
 }
 
 /// Asks for the first `ahead` bytes of `rows` at once (the prefetch of each
@@ -528,13 +521,19 @@ fn prefetch(row: &[u8], ahead: usize) {
 /// would otherwise meet its first page one miss after another).
 #[inline(always)]
 fn lead_in(rows: &[u8], ahead: usize) {
+    prefetch_lines(rows.as_ptr(), ahead.min(rows.len()));
+}
+
+/// Asks for the cache lines of `len` bytes from `start`.
+#[inline(always)]
+fn prefetch_lines(start: *const u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
-    for line in (0..ahead.min(rows.len())).step_by(64) {
+    for line in (0..len).step_by(64) {
         // SAFETY: a prefetch is a hint: it never faults, whatever the address.
-        unsafe { std::arch::x86_64::_mm_prefetch(rows.as_ptr().wrapping_add(line) as *const i8, std::arch::x86_64::_MM_HINT_T0) };
+        unsafe { std::arch::x86_64::_mm_prefetch(start.wrapping_add(line) as *const i8, std::arch::x86_64::_MM_HINT_T0) };
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (rows, ahead);
+    let _ = (start, len);
 }
 
 /// `row · act` for one row of `ty` at level `isa` (see [`dot_rows`]).
