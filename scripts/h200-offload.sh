@@ -5,7 +5,7 @@
 # file), next to a baseline binary of an earlier commit on the same file.
 #
 # Usage (repository root; binaries carried, see the device notes):
-#   OUT=/dir scripts/h200-offload.sh synth|resident|budgets|hostmoe|hoststore|ab|hostmoe-ab|cpuprefetch|prefetch|fills|all
+#   OUT=/dir scripts/h200-offload.sh synth|resident|budgets|hostmoe|hoststore|ab|hostmoe-ab|cpuprefetch|prefetch|fills|peer|all
 # Environment: NEW (the binary under test, default target/carry/flashnext),
 # OLD (a baseline binary; skipped when absent), WORK (where the model is
 # written; default target/bench-models, kept between calls on a warm
@@ -13,7 +13,10 @@
 # budget runs), ROUNDS (of the A/B), STEP_TIMEOUT, ROUTE (a `synth
 # --route-preset`, e.g. real: a model whose routing looks like the real
 # model's; its own file, and the other q2_k files are deleted for the disk),
-# TAG (a suffix for the budget runs' report names).
+# TAG (a suffix for the budget runs' report names), LLAMA (for `peer`: a
+# directory holding a llama-bench built with llama.cpp's Vulkan backend and
+# any shared libraries it needs), PAIRS (for `peer`: N:MiB pairs, llama.cpp's
+# `--n-cpu-moe N` against flashnext's budget of the VRAM llama.cpp used).
 set -u -o pipefail
 
 which=${1:-all}
@@ -145,6 +148,32 @@ prefetch() { toggle FNX_EXPERT_PREFETCH 2 prefetch; }
 # fills buy hits only where experts come back.
 fills() { toggle FNX_EXPERT_FILL 1 fill; }
 
+# llama.cpp beside flashnext on the same file and machine: llama-bench's
+# tg with the experts of N layers on the CPU (`-ngl 99 --n-cpu-moe N`, its
+# Vulkan backend, all cores) and flashnext under the budget of the VRAM
+# llama.cpp used, alternating, ROUNDS times (default 1). Both decode
+# random tokens; llama.cpp's static split does not depend on the routing.
+peer() {
+    local llama=${LLAMA:?set LLAMA to the directory holding llama-bench} pairs r p n b
+    pairs=${PAIRS:-"48:4096 40:11264 32:19456 24:27648"}
+    chmod +x "$llama"/llama-bench
+    for r in $(seq "${ROUNDS:-1}"); do
+        for p in $pairs; do
+            n=${p%%:*} b=${p#*:}
+            say "llama-bench round $r: -ngl 99 --n-cpu-moe $n -p 0 -n $gen -t $(nproc)"
+            # The VRAM it used: the peak of the card's memory in use while it runs.
+            nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$out/vram-$n-$r.txt" 2>/dev/null &
+            local smi=$!
+            LD_LIBRARY_PATH=$llama timeout "$step_timeout" "$llama"/llama-bench -m "$model" -ngl 99 --n-cpu-moe "$n" \
+                -p 0 -n "$gen" -t "$(nproc)" -r 2 2>&1 | tee -a "$log" | grep -E "ggml_vulkan: 0|tg$gen|error" \
+                || say "llama-bench failed"
+            kill "$smi" 2>/dev/null
+            say "llama.cpp --n-cpu-moe $n: peak VRAM in use $(sort -n "$out/vram-$n-$r.txt" | tail -n 1) MiB"
+            TAG="peer-$r" BUDGETS=$b budgets
+        done
+    done
+}
+
 case $which in
     synth) synth ;;
     resident) synth; resident ;;
@@ -156,7 +185,8 @@ case $which in
     cpuprefetch) synth; cpuprefetch ;;
     prefetch) synth; prefetch ;;
     fills) synth; fills ;;
+    peer) synth; peer ;;
     all) synth; budgets; resident ;;
-    *) echo "usage: $0 synth|resident|budgets|hostmoe|hoststore|ab|hostmoe-ab|cpuprefetch|prefetch|fills|all" >&2; exit 2 ;;
+    *) echo "usage: $0 synth|resident|budgets|hostmoe|hoststore|ab|hostmoe-ab|cpuprefetch|prefetch|fills|peer|all" >&2; exit 2 ;;
 esac
 say "done"
