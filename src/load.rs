@@ -100,11 +100,11 @@ pub struct LoadOptions {
     /// and repacks its bytes while it waits for the GPU at the next router;
     /// the slot serves hits from the next token; admission at the second
     /// miss) rather than uploading it on the token's critical path and
-    /// running it on the GPU; `None` = no: on the H200 host the repack
-    /// (~0.18 ms an expert on four threads) outlasted a layer's wait and the
-    /// fills cost more than their hits saved (docs/BENCHMARKS.md); the
-    /// repack now spreads over every thread, to be measured again
-    /// (`scripts/h200-offload.sh fills`). `FNX_EXPERT_FILL=0|1` wins.
+    /// running it on the GPU; `None` = no: measured with real routing on the
+    /// GPU machines' hosts, the hits it buys cost about as much host time
+    /// as they save (the repack, ~0.16 ms an expert even on every thread;
+    /// +3 % at 27 GB, -6 % at 11 GB; docs/BENCHMARKS.md,
+    /// `scripts/h200-offload.sh fills`). `FNX_EXPERT_FILL=0|1` wins.
     pub expert_fill: Option<bool>,
     /// Whether an offloaded decode's spinning threads (`spin_wait`) read the
     /// next layer's predicted misses into the caches while they wait for the

@@ -27,10 +27,12 @@
 //!   it had not copied, and a step copies all its fills before it ends, so
 //!   states sharing the cache never see a half-filled slot). Admission is
 //!   then at the second miss: it brings the hit rate to plain LRU's. Off by
-//!   default because on the H200 host the repack (~0.18 ms an expert, when
-//!   it ran on four threads) was longer than a layer's wait, so the fills
-//!   cost the token more than their hits saved (docs/BENCHMARKS.md); it now
-//!   spreads over every thread and awaits a new measurement.
+//!   default: measured twice on the GPU machines' hosts with real routing,
+//!   the hits it buys (57 -> 70 % at 27 GB, 27 -> 40 % at 11 GB) cost about
+//!   as much host time as they save: an expert's repack into staging runs at
+//!   ~12.5 GB/s even on every thread (0.16 ms an expert, on the host's time
+//!   at the router waits), so 27 GB went 35.5 -> 36.7 tok/s and 11 GB 30.0
+//!   -> 28.1 (docs/BENCHMARKS.md, "Background fills, measured again").
 //! * The placement itself (hits, admission, eviction) is
 //!   [`crate::model::expert_policy`], shared with offline replays.
 //! * **Passes of several tokens** (prompts) run every chosen expert on the
