@@ -16,7 +16,8 @@
 # TAG (a suffix for the budget runs' report names), LLAMA (for `peer`: a
 # directory holding a llama-bench built with llama.cpp's Vulkan backend and
 # any shared libraries it needs), PAIRS (for `peer`: N:MiB pairs, llama.cpp's
-# `--n-cpu-moe N` against flashnext's budget of the VRAM llama.cpp used).
+# `--n-cpu-moe N` against flashnext's budget of the VRAM llama.cpp used),
+# LLAMA_THREADS (llama-bench's -t; default all cores).
 set -u -o pipefail
 
 which=${1:-all}
