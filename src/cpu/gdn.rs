@@ -161,8 +161,9 @@ fn head_qkv<'a>(cfg: &Config, c: &'a [f32], h: usize) -> [&'a [f32]; 3] {
 
 /// One token through one value head's state ([dk][dv], row `i` for key
 /// feature `i`): `to = decay from`, `delta = beta (v - to^T k)`,
-/// `to += k delta^T`, `o += to^T q` (`o` zeroed by the caller). Two passes
-/// over the state, each row's sums in row order; the token-by-token and the
+/// `to += k delta^T`, `o += to^T q` (`o` zeroed by the caller). In runs of
+/// up to 64 value columns, two passes over the run's rows each, its sums
+/// kept in registers and formed in row order; the token-by-token and the
 /// batched delta rule both step through here.
 ///
 /// Each value column is independent of the others, so `from`/`to` may hold
@@ -201,22 +202,58 @@ fn step(from: &[f32], to: &mut [f32], qkv: [&[f32]; 3], decay: f32, beta: f32, d
 fn step_portable(from: &[f32], to: &mut [f32], [q, k, v]: [&[f32]; 3], decay: f32, beta: f32, delta: &mut [f32], o: &mut [f32]) {
     let w = v.len();
     debug_assert!(from.len() == k.len() * w && to.len() == from.len() && delta.len() == w && o.len() == w);
-    delta.fill(0.0);
-    for ((row_in, row), &ki) in from.chunks_exact(w).zip(to.chunks_exact_mut(w)).zip(k) {
-        for ((x, &x_in), dj) in row.iter_mut().zip(row_in).zip(delta.iter_mut()) {
-            *x = x_in * decay;
-            *dj += *x * ki;
+    // Columns in runs whose sums stay in registers through the rows (with
+    // whole rows, `delta` and `o` were loaded and stored at every row); every
+    // column's numbers are formed as when the rows were walked whole.
+    let mut j = 0;
+    while j + 64 <= w {
+        step_columns::<64>(from, to, [q, k, v], decay, beta, delta, o, j);
+        j += 64;
+    }
+    if j + 32 <= w {
+        step_columns::<32>(from, to, [q, k, v], decay, beta, delta, o, j);
+        j += 32;
+    }
+    if j + 16 <= w {
+        step_columns::<16>(from, to, [q, k, v], decay, beta, delta, o, j);
+        j += 16;
+    }
+    if j + 8 <= w {
+        step_columns::<8>(from, to, [q, k, v], decay, beta, delta, o, j);
+        j += 8;
+    }
+    while j < w {
+        step_columns::<1>(from, to, [q, k, v], decay, beta, delta, o, j);
+        j += 1;
+    }
+}
+
+/// [`step`] for value columns `j..j + C` of a state of `v.len()` columns.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn step_columns<const C: usize>(from: &[f32], to: &mut [f32], [q, k, v]: [&[f32]; 3], decay: f32, beta: f32, delta: &mut [f32], o: &mut [f32], j: usize) {
+    let w = v.len();
+    let mut d = [0f32; C];
+    for (i, &ki) in k.iter().enumerate() {
+        let (row_in, row) = (&from[i * w + j..][..C], &mut to[i * w + j..][..C]);
+        for c in 0..C {
+            row[c] = row_in[c] * decay;
+            d[c] += row[c] * ki;
         }
     }
-    for (dj, &vj) in delta.iter_mut().zip(v) {
-        *dj = (vj - *dj) * beta;
+    for c in 0..C {
+        d[c] = (v[j + c] - d[c]) * beta;
     }
-    for ((row, &ki), &qi) in to.chunks_exact_mut(w).zip(k).zip(q) {
-        for ((x, &dj), oj) in row.iter_mut().zip(delta.iter()).zip(o.iter_mut()) {
-            *x += ki * dj;
-            *oj += *x * qi;
+    delta[j..j + C].copy_from_slice(&d);
+    let mut out: [f32; C] = o[j..j + C].try_into().expect("C columns");
+    for (i, (&ki, &qi)) in k.iter().zip(q).enumerate() {
+        let row = &mut to[i * w + j..][..C];
+        for c in 0..C {
+            row[c] += ki * d[c];
+            out[c] += row[c] * qi;
         }
     }
+    o[j..j + C].copy_from_slice(&out);
 }
 
 /// The gated RMSNorm per head of one token's delta-rule output `o` with its
