@@ -198,7 +198,7 @@ fn step(from: &[f32], to: &mut [f32], qkv: [&[f32]; 3], decay: f32, beta: f32, d
 }
 
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, clippy::int_plus_one)]
 fn step_portable(from: &[f32], to: &mut [f32], [q, k, v]: [&[f32]; 3], decay: f32, beta: f32, delta: &mut [f32], o: &mut [f32]) {
     let w = v.len();
     debug_assert!(from.len() == k.len() * w && to.len() == from.len() && delta.len() == w && o.len() == w);
@@ -206,26 +206,15 @@ fn step_portable(from: &[f32], to: &mut [f32], [q, k, v]: [&[f32]; 3], decay: f3
     // whole rows, `delta` and `o` were loaded and stored at every row); every
     // column's numbers are formed as when the rows were walked whole.
     let mut j = 0;
-    while j + 64 <= w {
-        step_columns::<64>(from, to, [q, k, v], decay, beta, delta, o, j);
-        j += 64;
+    macro_rules! runs {
+        ($($c:literal)*) => {$(
+            while j + $c <= w {
+                step_columns::<$c>(from, to, [q, k, v], decay, beta, delta, o, j);
+                j += $c;
+            }
+        )*};
     }
-    if j + 32 <= w {
-        step_columns::<32>(from, to, [q, k, v], decay, beta, delta, o, j);
-        j += 32;
-    }
-    if j + 16 <= w {
-        step_columns::<16>(from, to, [q, k, v], decay, beta, delta, o, j);
-        j += 16;
-    }
-    if j + 8 <= w {
-        step_columns::<8>(from, to, [q, k, v], decay, beta, delta, o, j);
-        j += 8;
-    }
-    while j < w {
-        step_columns::<1>(from, to, [q, k, v], decay, beta, delta, o, j);
-        j += 1;
-    }
+    runs!(64 32 16 8 1);
 }
 
 /// [`step`] for value columns `j..j + C` of a state of `v.len()` columns.
