@@ -155,18 +155,19 @@ fills() { toggle FNX_EXPERT_FILL 1 fill; }
 # llama.cpp used, alternating, ROUNDS times (default 1). Both decode
 # random tokens; llama.cpp's static split does not depend on the routing.
 peer() {
-    local llama=${LLAMA:?set LLAMA to the directory holding llama-bench} pairs r p n b smi
+    local llama=${LLAMA:?set LLAMA to the directory holding llama-bench} pairs r p n b smi threads
     pairs=${PAIRS:-"48:4096 40:11264 32:19456 24:27648"}
+    threads=${LLAMA_THREADS:-$(nproc)}
     chmod +x "$llama"/llama-bench
     for r in $(seq "${ROUNDS:-1}"); do
         for p in $pairs; do
             n=${p%%:*} b=${p#*:}
-            say "llama-bench round $r: -ngl 99 --n-cpu-moe $n -p 0 -n $gen -t ${LLAMA_THREADS:-$(nproc)}"
+            say "llama-bench round $r: -ngl 99 --n-cpu-moe $n -p 0 -n $gen -t $threads"
             # The VRAM it used: the peak of the card's memory in use while it runs.
             nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$out/vram-$n-$r.txt" 2>/dev/null &
             smi=$!
             LD_LIBRARY_PATH=$llama timeout "$step_timeout" "$llama"/llama-bench -m "$model" -ngl 99 --n-cpu-moe "$n" \
-                -p 0 -n "$gen" -t "${LLAMA_THREADS:-$(nproc)}" -r 2 2>&1 | tee -a "$log" | grep -E "ggml_vulkan: 0|tg$gen|error" \
+                -p 0 -n "$gen" -t "$threads" -r 2 2>&1 | tee -a "$log" | grep -E "ggml_vulkan: 0|tg$gen|error" \
                 || say "llama-bench failed"
             kill "$smi" 2>/dev/null
             say "llama.cpp --n-cpu-moe $n: peak VRAM in use $(sort -n "$out/vram-$n-$r.txt" | tail -n 1) MiB"
