@@ -10,60 +10,82 @@
 // this module only with subgroups of 32, four to a workgroup).
 //
 // A workgroup computes a tile of BM = 64 output rows (SwiGLU: 32 gate rows
-// and their 32 up rows) for BN = 32 consecutive entries of the dispatch
-// (workgroup y-index: entries BN y .. BN y + BN - 1). Entries of a tile that
-// read different weights (the (token, expert) pairs of a pass, grouped by
-// expert) run one after the other: each run of entries with the same slot
-// sweeps the rows once. Each step of BK = 128 columns decodes the tile's
-// weights into shared memory as f16 (weights.glsl's levels and scales, the
-// exact dequantized value rounded once), copies the run's activations there
-// as f16, and each subgroup multiplies its 16 rows with the 16 or 32
-// entries; the sums (f32) go through shared memory to the epilogue.
+// and their 32 up rows) for BN consecutive entries of the dispatch
+// (workgroup y-index: entries BN y .. BN y + BN - 1): 64 for a plain matrix
+// (the tokens of a pass: each decoded weight serves up to 64 of them), 32
+// for the routed experts (src/vulkan/pipelines.rs: mm_entries). Entries of
+// a tile that read different weights (the (token, expert) pairs of a pass,
+// grouped by expert) run one after the other: each run of entries with the
+// same slot sweeps the rows once. Each step of BK = 128 columns decodes the
+// tile's weights into shared memory as f16 (weights.glsl's levels and
+// scales, the exact dequantized value rounded once), copies the run's
+// activations there as f16, and each subgroup multiplies its 16 rows with
+// the run's 16-entry blocks; the sums (f32) go through shared memory to the
+// epilogue.
 //
 // Not the exact path: each weight and each activation is rounded to f16
 // (relative 2^-11 each; magnitudes past 65504 are clamped), the products
 // summed in f32 in the tensor cores' order. src/vulkan/twins.rs states and
 // tests the bound. The host takes it for the quantized types with rows of
 // a multiple of 128 values, only with the fast kernels (FNX_GPU_KERNELS),
-// and only when asked for (FNX_VK_COOPMAT=1, LoadOptions::gpu_coopmat).
+// where the device has cooperative matrices (FNX_VK_COOPMAT=0,
+// LoadOptions::gpu_coopmat = Some(false) turn it off).
 #define WG 128
 #include "common.glsl"
 #include "matvec_push.glsl"
 #include "weights.glsl"
 
 #define BM 64u
+#ifdef ARENA
 #define BN 32u
+#else
+#define BN 64u
+#endif
 #define BK 128u
+// 16-entry blocks of a tile (one accumulator each per subgroup).
+#define NB (BN / 16u)
+// Invocations per entry when copying a step's activations.
+#define TPE (WG / BN)
 // Shared rows padded by 8 halves (16 bytes) against bank conflicts.
 #define LDW (BK + 8u)
 #define LDC (BN + 4u)
 
-shared float16_t wsh[BM * LDW];
-shared float16_t xsh[BN * LDW];
-shared float csh[BM * LDC];
+// One shared region: the weight tile (BM rows of LDW halves) and the
+// activation tile (BN rows) while the steps run, then the sums (BM rows of
+// LDC floats) over both for the epilogue. Four halves per element (lowest
+// first), so that four decoded values are one 8-byte store (four 2-byte
+// stores each cost a shared-memory cycle, and rows 16 halves apart in bank
+// order made them conflict); the cooperative loads and stores count offsets
+// and strides in these elements (uvec2: the element types glslang's
+// coopMatLoadNV takes are scalars and unsigned vectors). One region keeps a
+// tile of 64 entries under the 48 KB a workgroup may have.
+#define W_AT 0u
+#define X_AT (BM * LDW / 4u)
+#define TILES_END (X_AT + BN * LDW / 4u)
+#define SUMS_END (BM * LDC / 2u)
+shared uvec2 sm[TILES_END > SUMS_END ? TILES_END : SUMS_END];
 
-// Four values into a shared tile (f16, clamped to its range).
-void put_w(uint at, vec4 v) {
-    f16vec4 h = f16vec4(clamp(v, vec4(-65504.0), vec4(65504.0)));
-    wsh[at] = h.x;
-    wsh[at + 1u] = h.y;
-    wsh[at + 2u] = h.z;
-    wsh[at + 3u] = h.w;
+// Sum (tile row i, entry j) of the epilogue.
+float sum_at(uint i, uint j) {
+    uint f = i * LDC + j;
+    return uintBitsToFloat(sm[f >> 1][f & 1u]);
 }
 
-void put_x(uint at, vec4 v) {
+uvec2 half4(vec4 v) {
     f16vec4 h = f16vec4(clamp(v, vec4(-65504.0), vec4(65504.0)));
-    xsh[at] = h.x;
-    xsh[at + 1u] = h.y;
-    xsh[at + 2u] = h.z;
-    xsh[at + 3u] = h.w;
+    return uvec2(packFloat2x16(h.xy), packFloat2x16(h.zw));
 }
+
+// Four values into a shared tile at half `at` (a multiple of 4), as f16
+// clamped to its range.
+void put_w(uint at, vec4 v) { sm[W_AT + (at >> 2)] = half4(v); }
+void put_x(uint at, vec4 v) { sm[X_AT + (at >> 2)] = half4(v); }
 
 // Items of a row per step of BK columns.
 #define IPS (BK * IPB / QK)
 
 // Item j of the step at column s0 of the row at byte `row` (field index g0
-// of its first block), dequantized into wsh from `at` (the tile row's start).
+// of its first block), dequantized into the weight tile from `at` (the tile row's start).
 void put_item(uint row, uint g0, uint s0, uint j, uint at) {
 #if defined(WEIGHT_Q4_0) || defined(WEIGHT_Q4_1) || defined(WEIGHT_Q5_0) || defined(WEIGHT_Q5_1)
 #if defined(WEIGHT_Q4_0)
@@ -141,8 +163,8 @@ void main() {
     uint up_row = pc.rows * pc.row_bytes, up_blk = pc.rows * nb;
     uint k0 = gl_WorkGroupID.y * BN;
     uint end = min(k0 + BN, pc.ntok);
-    // This invocation's share of the activations: entry t / 4, a quarter of each step.
-    uint xj = t >> 2, xq = t & 3u;
+    // This invocation's share of the activations: entry t / TPE, a 1 / TPE of each step.
+    uint xj = t / TPE, xq = t % TPE;
     [[dont_unroll]] for (uint e = k0; e < end;) {
         // The run: this entry and those after it that read the same weights.
         Entry first = entry(e);
@@ -160,9 +182,10 @@ void main() {
             Entry en = entry(e + xj);
             x = pc.x_off + en.tok + en.k * pc.x_stride;
         }
-        bool two = n > 16u;
-        fcoopmatNV<32, gl_ScopeSubgroup, 16, 16> acc0 = fcoopmatNV<32, gl_ScopeSubgroup, 16, 16>(0.0);
-        fcoopmatNV<32, gl_ScopeSubgroup, 16, 16> acc1 = fcoopmatNV<32, gl_ScopeSubgroup, 16, 16>(0.0);
+        // The 16-entry blocks the run fills.
+        uint blocks = (n + 15u) / 16u;
+        fcoopmatNV<32, gl_ScopeSubgroup, 16, 16> acc[NB];
+        [[unroll]] for (uint c = 0u; c < NB; c++) acc[c] = fcoopmatNV<32, gl_ScopeSubgroup, 16, 16>(0.0);
         for (uint s0 = 0u; s0 < pc.cols; s0 += BK) {
             // The step before (or the run before's epilogue) is done with the tiles.
             barrier();
@@ -174,30 +197,34 @@ void main() {
                 put_item(base + r * pc.row_bytes + (up ? up_row : 0u), r * nb + (up ? up_blk : 0u), s0, j, lr * LDW);
             }
             if (xj < n) {
-                [[unroll]] for (uint i = 0u; i < 8u; i++) put_x(xj * LDW + 32u * xq + 4u * i, xv(x + s0 + 32u * xq + 4u * i));
+                const uint per = BK / TPE;
+                [[unroll]] for (uint i = 0u; i < per / 4u; i++) put_x(xj * LDW + per * xq + 4u * i, xv(x + s0 + per * xq + 4u * i));
             }
             barrier();
             [[unroll]] for (uint kk = 0u; kk < BK; kk += 16u) {
                 fcoopmatNV<16, gl_ScopeSubgroup, 16, 16> a, b;
-                coopMatLoadNV(a, wsh, sg * 16u * LDW + kk, LDW, false);
-                coopMatLoadNV(b, xsh, kk, LDW, true);
-                acc0 = coopMatMulAddNV(a, b, acc0);
-                if (two) {
-                    coopMatLoadNV(b, xsh, 16u * LDW + kk, LDW, true);
-                    acc1 = coopMatMulAddNV(a, b, acc1);
+                coopMatLoadNV(a, sm, W_AT + (sg * 16u * LDW + kk) / 4u, LDW / 4u, false);
+                [[unroll]] for (uint c = 0u; c < NB; c++) {
+                    if (c < blocks) {
+                        coopMatLoadNV(b, sm, X_AT + (16u * c * LDW + kk) / 4u, LDW / 4u, true);
+                        acc[c] = coopMatMulAddNV(a, b, acc[c]);
+                    }
                 }
             }
         }
-        // Sums of tile row i, entry j at csh[i * LDC + j].
-        coopMatStoreNV(acc0, csh, sg * 16u * LDC, LDC, false);
-        if (two) coopMatStoreNV(acc1, csh, sg * 16u * LDC + 16u, LDC, false);
+        // Sums of tile row i, entry j at float i * LDC + j, over the tiles
+        // (once every subgroup is done with them).
+        barrier();
+        [[unroll]] for (uint c = 0u; c < NB; c++) {
+            if (c < blocks) coopMatStoreNV(acc[c], sm, (sg * 16u * LDC + 16u * c) / 2u, LDC / 2u, false);
+        }
         barrier();
         for (uint q = t; q < tile_rows * n; q += WG) {
             uint i = q % tile_rows, j = q / tile_rows;
             uint r = r0 + i;
             if (r >= pc.rows) continue;
             Entry en = entry(e + j);
-            float v = csh[i * LDC + j];
+            float v = sum_at(i, j);
             uint y = pc.y_off + en.tok + en.k * pc.y_stride + pc.row_base + r;
             if (pc.mode == 3u) {
                 // Residual write-back: stream c gets its token's weight times the row.
@@ -207,7 +234,7 @@ void main() {
             } else if (pc.mode == 1u) {
                 s[y] = pc.row_base + r < pc.split_row ? silu(v * pc.scale) : 2.0 * sigmoid(v * pc.scale);
             } else {
-                s[y] = silu(v) * csh[(i + BM / 2u) * LDC + j];
+                s[y] = silu(v) * sum_at(i + BM / 2u, j);
             }
         }
         e += n;

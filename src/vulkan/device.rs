@@ -182,6 +182,12 @@ pub(crate) struct Context {
     /// f16 x f16 + f32 subgroup shape, f16 arithmetic, the Vulkan memory
     /// model (with device scope) and subgroups of 32.
     pub coopmat: bool,
+    /// `FNX_VK_PIPELINE_STATS` names pipelines (a substring of their
+    /// names; `1` for all) whose compiler statistics (registers, shared
+    /// memory, spills: `VK_KHR_pipeline_executable_properties`, where the
+    /// driver has it) are printed to stderr as they are created: what
+    /// bounds a kernel's occupancy, without a profiler.
+    pub pipeline_stats: Option<String>,
 }
 
 /// What a device offers for 8-bit integer dot products
@@ -316,11 +322,12 @@ impl Context {
                 None
             };
             match Self::open_device(instance.clone(), choice) {
-                Ok(((limits, subgroup_size, device_local_bytes, on_cpu, int_dot, coopmat), name, device, queue_family, queue, allocator)) => Ok(Context {
+                Ok(((limits, subgroup_size, device_local_bytes, on_cpu, int_dot, coopmat, pipeline_stats), name, device, queue_family, queue, allocator)) => Ok(Context {
                     device_local_bytes,
                     on_cpu,
                     int_dot,
                     coopmat,
+                    pipeline_stats,
                     instance,
                     debug,
                     limits,
@@ -348,7 +355,7 @@ impl Context {
     unsafe fn open_device(
         instance: ash::Instance,
         choice: &DeviceChoice,
-    ) -> Result<((vk::PhysicalDeviceLimits, u32, u64, bool, IntDot, bool), String, ash::Device, u32, vk::Queue, Allocator)> {
+    ) -> Result<((vk::PhysicalDeviceLimits, u32, u64, bool, IntDot, bool, Option<String>), String, ash::Device, u32, vk::Queue, Allocator)> {
         // SAFETY (whole body): valid instance; create infos outlive the calls.
         let devices = unsafe { instance.enumerate_physical_devices() }.map_err(err("listing devices"))?;
         if devices.is_empty() {
@@ -389,8 +396,19 @@ impl Context {
         let mut half = vk::PhysicalDeviceShaderFloat16Int8Features::default().shader_float16(true);
         // Device scope too: with the memory model on, the other shaders' buffer barriers need it.
         let mut model = vk::PhysicalDeviceVulkanMemoryModelFeatures::default().vulkan_memory_model(true).vulkan_memory_model_device_scope(true);
+        let stats_name = ash::khr::pipeline_executable_properties::NAME;
+        let pipeline_stats = std::env::var("FNX_VK_PIPELINE_STATS").ok().filter(|v| !v.is_empty() && v != "0").filter(|_| {
+            // SAFETY: valid handles.
+            let listed = unsafe { instance.enumerate_device_extension_properties(physical) }.unwrap_or_default();
+            listed.iter().any(|e| e.extension_name_as_c_str() == Ok(stats_name))
+        });
+        let mut stats_features = vk::PhysicalDevicePipelineExecutablePropertiesFeaturesKHR::default().pipeline_executable_info(true);
         let mut extensions = Vec::new();
         let mut info = vk::DeviceCreateInfo::default().queue_create_infos(&queues).enabled_features(&enabled);
+        if pipeline_stats.is_some() {
+            extensions.push(stats_name.as_ptr());
+            info = info.push_next(&mut stats_features);
+        }
         if int_dot.supported {
             extensions.extend(dot_ext);
             info = info.push_next(&mut dot_features);
@@ -422,7 +440,7 @@ impl Context {
             .max()
             .unwrap_or(0);
         let on_cpu = props.device_type == vk::PhysicalDeviceType::CPU;
-        Ok(((props.limits, subgroup.subgroup_size, heap, on_cpu, int_dot, coopmat), name, device, queue_family, queue, allocator))
+        Ok(((props.limits, subgroup.subgroup_size, heap, on_cpu, int_dot, coopmat, pipeline_stats), name, device, queue_family, queue, allocator))
     }
 
     /// The VRAM budget in bytes (0: none).

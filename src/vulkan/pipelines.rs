@@ -62,7 +62,7 @@
 //! least `FNX_VK_MM_MIN` entries (default 8; [`Pipelines::mm`]): the
 //! matrix-matrix modules `mm_<t>` and
 //! `mm_expert_<t>` (shaders/mm.comp), workgroups of tiles of [`MM_ROWS`]
-//! rows by [`MM_ENTRIES`] entries on the tensor cores, f16 inputs.
+//! rows by [`mm_entries`] entries on the tensor cores, f16 inputs.
 //!
 //! The quantized types have a second family of pipelines, the fast kernels
 //! (`matvec_<t>_fast`, `expert_<t>_fast`: 8-bit activations, integer dot
@@ -632,8 +632,17 @@ pub(crate) const BATCH_ROWS: u32 = 2;
 /// Output rows of a workgroup's tile in shaders/mm.comp (`BM`; SwiGLU: half
 /// gate rows, half up rows).
 pub(crate) const MM_ROWS: usize = 64;
-/// Entries of a workgroup's tile in shaders/mm.comp (`BN`).
-pub(crate) const MM_ENTRIES: u32 = 32;
+/// Entries of a workgroup's tile in shaders/mm.comp (`BN`): 64 tokens of a
+/// plain matrix (each decoded weight serves them all), 32 (token, expert)
+/// pairs of the routed experts (`arena`; a pass has a few pairs per
+/// expert, which a tile runs one expert after another).
+pub(crate) const fn mm_entries(arena: bool) -> u32 {
+    if arena {
+        32
+    } else {
+        64
+    }
+}
 /// Columns of one step of shaders/mm.comp (`BK`): its rows must be a multiple.
 pub(crate) const MM_COLS: usize = 128;
 
@@ -851,13 +860,51 @@ impl Pipelines {
                 .module(module)
                 .name(c"main")
                 .specialization_info(&special);
-            let info = [vk::ComputePipelineCreateInfo::default().stage(stage).layout(layout)];
+            let stats = self.ctx.pipeline_stats.as_deref().is_some_and(|f| f == "1" || spec.name.contains(f));
+            let flags = if stats { vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR } else { vk::PipelineCreateFlags::empty() };
+            let info = [vk::ComputePipelineCreateInfo::default().flags(flags).stage(stage).layout(layout)];
             let made = d.create_compute_pipelines(vk::PipelineCache::null(), &info, None);
             d.destroy_shader_module(module, None);
-            self.pipelines.push(made.map_err(|(_, e)| err(spec.name)(e))?[0]);
+            let pipeline = made.map_err(|(_, e)| err(spec.name)(e))?[0];
+            self.pipelines.push(pipeline);
+            if stats {
+                eprintln!("pipeline {}: {}", spec.name, pipeline_statistics(&self.ctx, pipeline));
+            }
         }
         Ok(())
     }
+}
+
+/// The compiler's statistics of `pipeline` (created with
+/// `CAPTURE_STATISTICS_KHR` on a device with
+/// `VK_KHR_pipeline_executable_properties`) as `name value` pairs, for
+/// `FNX_VK_PIPELINE_STATS` ([`Context::pipeline_stats`]).
+fn pipeline_statistics(ctx: &Context, pipeline: vk::Pipeline) -> String {
+    let fns = ash::khr::pipeline_executable_properties::Device::new(&ctx.instance, &ctx.device);
+    let info = vk::PipelineInfoKHR::default().pipeline(pipeline);
+    // SAFETY: a live pipeline of this device, created capturing statistics; the
+    // output arrays are sized by the count queries (ash does both calls).
+    let executables = unsafe { fns.get_pipeline_executable_properties(&info) }.unwrap_or_default();
+    (0..executables.len() as u32)
+        .flat_map(|i| {
+            let exe = vk::PipelineExecutableInfoKHR::default().pipeline(pipeline).executable_index(i);
+            unsafe { fns.get_pipeline_executable_statistics(&exe) }.unwrap_or_default()
+        })
+        .map(|st| {
+            let name = st.name_as_c_str().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            // SAFETY: the union member the statistic's format names.
+            let value = unsafe {
+                match st.format {
+                    vk::PipelineExecutableStatisticFormatKHR::BOOL32 => st.value.b32.to_string(),
+                    vk::PipelineExecutableStatisticFormatKHR::INT64 => st.value.i64.to_string(),
+                    vk::PipelineExecutableStatisticFormatKHR::UINT64 => st.value.u64.to_string(),
+                    _ => format!("{:.1}", st.value.f64),
+                }
+            };
+            format!("{name} {value}")
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 impl Drop for Pipelines {

@@ -13,7 +13,7 @@
 use super::device::{err, Context};
 use super::layout::PartLayout;
 use super::matrix::GpuMatrix;
-use super::pipelines::{ActInt8Push, MatvecPush, MatvecTuning, Pipe, Pipelines, Push, Sets, FAST_MAX_COLS, MM_COLS, MM_ENTRIES, MM_ROWS};
+use super::pipelines::{ActInt8Push, MatvecPush, MatvecTuning, Pipe, Pipelines, Push, Sets, FAST_MAX_COLS, MM_COLS, MM_ROWS, mm_entries};
 use crate::error::Result;
 use crate::gguf::GgmlType;
 use ash::vk;
@@ -201,10 +201,11 @@ impl<'a> Recorder<'a> {
         let arena = pipe.spec().sets == Sets::StateArena;
         if let Some(mm) = part.ty.and_then(|ty| self.mm(ty, arena, part.cols, entries as usize, push.total_rows as usize)).filter(|_| tiled) {
             // shaders/mm.comp: tiles of MM_ROWS rows (SwiGLU: half of them gate
-            // rows, half up rows) by MM_ENTRIES entries.
+            // rows, half up rows) by mm_entries entries.
             let tile_rows = if push.mode == 4 { MM_ROWS / 2 } else { MM_ROWS };
-            (push.tpr_shift, push.tile, push.ntok) = (0, MM_ENTRIES, entries);
-            return (mm, grid(self.ctx, (push.rows as usize).div_ceil(tile_rows), entries.div_ceil(MM_ENTRIES)));
+            let tile = mm_entries(arena);
+            (push.tpr_shift, push.tile, push.ntok) = (0, tile, entries);
+            return (mm, grid(self.ctx, (push.rows as usize).div_ceil(tile_rows), entries.div_ceil(tile)));
         }
         let tile = if tiled { self.pipes.tuning[pipe as usize].tile.min(entries) } else { 1 };
         // The batch modules read the activations act_int8 rounded (push.xq_off).

@@ -810,13 +810,12 @@ fn cpu_f16(w: &Tensor, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
 
 /// The matrix-matrix modules (cooperative matrices: f16 weights and
 /// activations, f32 sums) of every quantized type for a pass of 45 tokens
-/// (a full tile of 32 entries and a partial one of 13, whose second 16
-/// entries are skipped) and 300 rows (a partial tile of 64) of 512 values
-/// (4 steps of 128), every epilogue (store, hyper-connection gates, residual
-/// write-back into two streams, SwiGLU), and the routed experts' pairs
-/// grouped by expert (tiles that span several experts run each one's rows
-/// in turn), against the CPU's exact product per token within
-/// [`cpu_f16`]'s bound. Where the device has no cooperative matrices
+/// (a partial tile of 64 entries, whose fourth block of 16 is skipped) and
+/// 300 rows (a partial tile of 64) of 512 values (4 steps of 128), every
+/// epilogue (store, hyper-connection gates, residual write-back into two
+/// streams, SwiGLU), and the routed experts' 135 pairs grouped by expert
+/// (tiles of 32 that span several experts run each one's rows in turn),
+/// against the CPU's exact product per token within [`cpu_f16`]'s bound. Where the device has no cooperative matrices
 /// (lavapipe) it says so and checks nothing.
 #[test]
 fn mm_within_the_f16_bound() {
