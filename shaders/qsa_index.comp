@@ -1,25 +1,29 @@
 #version 450
-// QSA indexer at position `pos`, one workgroup: caches the raw indexer key;
-// when `block` completes a block (block != ~0) pools, norms and rotates its
-// key; norms and rotates the indexer query heads in place. Dims up to WG.
+// QSA indexer for a run of tokens, one workgroup per token (y): caches its
+// raw indexer key; when it completes a block, pools, norms and rotates the
+// block's key; norms and rotates its indexer query heads in place (once a
+// block is complete). The offsets are the run's first token's, the others
+// `tok_stride` floats apart; a block's keys from the run are read where the
+// run's tokens hold them (the scratch), so no workgroup waits on another.
+// Dims up to WG.
 #define WG 128
 #include "common.glsl"
 
 layout(push_constant) uniform Push {
-    uint key_off;     // [id] raw key of this token
+    uint key_off;     // [id] raw key
     uint query_off;   // [ih*id]
     uint q_norm;
     uint k_norm;
-    uint rope;        // cos/sin table at pos
-    uint block_rope;  // cos/sin table at the completed block's first position
+    uint rope;        // cos/sin table at the token's position
+    uint block_rope;  // cos/sin table at the first position of the block it completes
     uint half_dims;
     uint id;
     uint heads;
     uint ratio;
     uint raw_keys;    // layer-state offset: [ctx][id]
     uint block_keys;  // layer-state offset: [ctx/ratio][id]
-    uint pos;
-    uint block;
+    uint pos;         // the run's first position
+    uint tok_stride;
     float eps;
 } pc;
 
@@ -35,23 +39,28 @@ void norm_into_shared(float x, uint i, uint gamma) {
 
 void main() {
     uint i = gl_LocalInvocationIndex, id = pc.id;
+    uint tok = gl_WorkGroupID.y * pc.tok_stride, pos = pc.pos + gl_WorkGroupID.y;
     bool on = i < id;
-    if (on) st[pc.raw_keys + pc.pos * id + i] = s[pc.key_off + i];
-    if (pc.block != 0xffffffffu) {
+    if (on) st[pc.raw_keys + pos * id + i] = s[pc.key_off + tok + i];
+    if ((pos + 1u) % pc.ratio == 0u) {
+        uint block = (pos + 1u) / pc.ratio - 1u;
         float pooled = 0.0;
         if (on) {
-            for (uint t = pc.block * pc.ratio; t < (pc.block + 1u) * pc.ratio; t++) pooled += st[pc.raw_keys + t * id + i];
+            for (uint p = block * pc.ratio; p <= pos; p++)
+                pooled += p >= pc.pos ? s[pc.key_off + (p - pc.pos) * pc.tok_stride + i] : st[pc.raw_keys + p * id + i];
             pooled /= float(pc.ratio);
         }
         norm_into_shared(pooled, i, pc.k_norm);
-        float y = on ? rope_at(i, pc.block_rope, pc.half_dims) : 0.0;
+        float y = on ? rope_at(i, pc.block_rope + tok, pc.half_dims) : 0.0;
         barrier();
-        if (on) st[pc.block_keys + pc.block * id + i] = y;
+        if (on) st[pc.block_keys + block * id + i] = y;
     }
-    for (uint hq = 0u; hq < pc.heads; hq++) {
-        norm_into_shared(on ? s[pc.query_off + hq * id + i] : 0.0, i, pc.q_norm);
-        float y = on ? rope_at(i, pc.rope, pc.half_dims) : 0.0;
+    // Query heads once a block is complete.
+    uint heads = pos + 1u >= pc.ratio ? pc.heads : 0u;
+    for (uint hq = 0u; hq < heads; hq++) {
+        norm_into_shared(on ? s[pc.query_off + tok + hq * id + i] : 0.0, i, pc.q_norm);
+        float y = on ? rope_at(i, pc.rope + tok, pc.half_dims) : 0.0;
         barrier();
-        if (on) s[pc.query_off + hq * id + i] = y;
+        if (on) s[pc.query_off + tok + hq * id + i] = y;
     }
 }

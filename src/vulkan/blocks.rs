@@ -999,32 +999,28 @@ impl Blocks for VkPass<'_, '_> {
         };
         self.rec.dispatch(Pipe::AttnPrep, &[set], &prep, [nh + nkv, self.n as u32, 1]);
         let qsa = w.indexer.as_ref().zip(cfg.qsa.as_ref());
-        // The indexer, token after token: each appends its raw key and
-        // completes a block key the later ones read.
+        // The indexer, one workgroup per token: each appends its raw key and
+        // completes its block's key (from the pass's raw keys in the scratch,
+        // as the later scores read them), then rotates its queries.
         if let Some((ix, q)) = qsa {
-            for t in 0..self.n {
-                let (l, pos) = (self.state.layout.at(t), self.pos + t);
-                let n_tokens = pos + 1;
-                let n_complete = n_tokens / ratio;
-                let index = QsaIndexPush {
-                    key_off: l.ik,
-                    query_off: l.iq,
-                    q_norm: ix.q_norm,
-                    k_norm: ix.k_norm,
-                    rope: l.rope,
-                    block_rope: l.block_rope + (self.attn_index[layer] * cfg.rope_dims) as u32,
-                    half_dims: (cfg.rope_dims / 2) as u32,
-                    id: q.head_dim as u32,
-                    heads: if n_complete > 0 { q.n_heads as u32 } else { 0 },
-                    ratio: *ratio as u32,
-                    raw_keys: a.raw_keys,
-                    block_keys: a.block_keys,
-                    pos: pos as u32,
-                    block: if n_tokens.is_multiple_of(*ratio) { (n_complete - 1) as u32 } else { u32::MAX },
-                    eps: cfg.eps,
-                };
-                self.rec.dispatch(Pipe::QsaIndex, &[set], &index, [1, 1, 1]);
-            }
+            let index = QsaIndexPush {
+                key_off: l0.ik,
+                query_off: l0.iq,
+                q_norm: ix.q_norm,
+                k_norm: ix.k_norm,
+                rope: l0.rope,
+                block_rope: l0.block_rope + (self.attn_index[layer] * cfg.rope_dims) as u32,
+                half_dims: (cfg.rope_dims / 2) as u32,
+                id: q.head_dim as u32,
+                heads: q.n_heads as u32,
+                ratio: *ratio as u32,
+                raw_keys: a.raw_keys,
+                block_keys: a.block_keys,
+                pos: self.pos as u32,
+                tok_stride: l0.tok,
+                eps: cfg.eps,
+            };
+            self.rec.dispatch(Pipe::QsaIndex, &[set], &index, [1, self.n as u32, 1]);
         }
         // Runs of tokens whose block scores and selections fit the scratch:
         // each token's scores and its top-k in one dispatch each for the

@@ -167,7 +167,7 @@ AttnPrepPush { qg_off: u32, k_off: u32, v_off: u32, q_off: u32, q_norm: u32, k_n
     hd: u32, nh: u32, nkv: u32, keys_off: u32, values_off: u32, pos: u32, eps: f32, tok_stride: u32 });
 push_block!(/// shaders/qsa_index.comp
 QsaIndexPush { key_off: u32, query_off: u32, q_norm: u32, k_norm: u32, rope: u32, block_rope: u32, half_dims: u32,
-    id: u32, heads: u32, ratio: u32, raw_keys: u32, block_keys: u32, pos: u32, block: u32, eps: f32 });
+    id: u32, heads: u32, ratio: u32, raw_keys: u32, block_keys: u32, pos: u32, tok_stride: u32, eps: f32 });
 push_block!(/// shaders/qsa_score.comp
 QsaScorePush { query_off: u32, block_keys: u32, score_off: u32, n_blocks: u32, heads: u32, id: u32, scale: f32, ratio: u32,
     phase: u32, tok_stride: u32, score_stride: u32 });

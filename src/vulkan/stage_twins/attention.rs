@@ -182,12 +182,12 @@ fn qsa_index() {
             block_rope,
             half_dims: (c.cfg.rope_dims / 2) as u32,
             id: ID as u32,
-            heads: if n_complete > 0 { IH as u32 } else { 0 },
+            heads: IH as u32,
             ratio: ratio as u32,
             raw_keys,
             block_keys,
             pos: t as u32,
-            block: if completes { (n_complete - 1) as u32 } else { u32::MAX },
+            tok_stride: 0,
             eps: EPS,
         };
         let raw_at = raw_keys + (t * ID) as u32;
