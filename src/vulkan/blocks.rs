@@ -880,27 +880,36 @@ impl Blocks for VkPass<'_, '_> {
         let (key, value) = (self.batched(l.ple_rows, l.ple_key, 0), self.batched(l.ple_rows, l.ple_value, 0));
         self.rec.matvec_n(&p.key, set, key, self.n);
         self.rec.matvec_n(&p.value, set, value, self.n);
-        // Token after token: each writes its row of the conv history the next reads.
-        for t in 0..self.n {
-            let l = self.state.layout.at(t);
-            let push = PleMixPush {
-                key_off: l.ple_key,
-                value_off: l.ple_value,
-                res_off: l.residual,
-                tmp_off: l.ple_tmp,
-                norm_key: p.norm_key,
-                norm_query: p.norm_query,
-                norm_conv: p.norm_conv,
-                conv: p.conv,
-                h: cfg.hidden as u32,
-                streams: cfg.hc as u32,
-                kernel: pc.conv_kernel as u32,
-                dilation: pc.ngram as u32,
-                rows: crate::cpu::ple::conv_rows(pc, self.state.caches.window) as u32,
-                pos: (self.pos + t) as u32,
-                eps: cfg.eps,
-            };
-            self.rec.dispatch(Pipe::PleMix, &[ple_set], &push, [cfg.hc as u32, 1, 1]);
+        // One dispatch for one token; for a run, the gated values and norms,
+        // then the convs (their taps from the run's norms), then the ring rows.
+        let rows = crate::cpu::ple::conv_rows(pc, self.state.caches.window) as u32;
+        let push = PleMixPush {
+            key_off: l.ple_key,
+            value_off: l.ple_value,
+            res_off: l.residual,
+            tmp_off: l.ple_tmp,
+            norm_key: p.norm_key,
+            norm_query: p.norm_query,
+            norm_conv: p.norm_conv,
+            conv: p.conv,
+            h: cfg.hidden as u32,
+            streams: cfg.hc as u32,
+            kernel: pc.conv_kernel as u32,
+            dilation: pc.ngram as u32,
+            rows,
+            pos: self.pos as u32,
+            eps: cfg.eps,
+            phase: 3,
+            n: self.n as u32,
+            tok_stride: l.tok,
+        };
+        let (hc, n) = (cfg.hc as u32, self.n as u32);
+        if n == 1 {
+            self.rec.dispatch(Pipe::PleMix, &[ple_set], &push, [hc, 1, 1]);
+        } else {
+            for (phase, tokens) in [(0, n), (1, n), (2, n.min(rows))] {
+                self.rec.dispatch(Pipe::PleMix, &[ple_set], &PleMixPush { phase, ..push }, [hc, tokens, 1]);
+            }
         }
         Ok(())
     }

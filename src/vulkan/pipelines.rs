@@ -155,7 +155,7 @@ push_block!(/// shaders/hc_combine.comp
 HcCombinePush { mix_off: u32, xn_off: u32, y_off: u32, n: u32, streams: u32, tok_stride: u32 });
 push_block!(/// shaders/ple_mix.comp
 PleMixPush { key_off: u32, value_off: u32, res_off: u32, tmp_off: u32, norm_key: u32, norm_query: u32, norm_conv: u32,
-    conv: u32, h: u32, streams: u32, kernel: u32, dilation: u32, rows: u32, pos: u32, eps: f32 });
+    conv: u32, h: u32, streams: u32, kernel: u32, dilation: u32, rows: u32, pos: u32, eps: f32, phase: u32, n: u32, tok_stride: u32 });
 push_block!(/// shaders/gdn_conv.comp
 GdnConvPush { x_off: u32, y_off: u32, taps: u32, dc: u32, kc: u32, rows: u32, pos: u32, n: u32, tok_stride: u32 });
 push_block!(/// shaders/gdn_recurrent.comp

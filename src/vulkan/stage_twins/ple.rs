@@ -76,12 +76,17 @@ fn ple_mix() {
             rows: rows as u32,
             pos: pos as u32,
             eps: EPS,
+            phase: 3,
+            n: 1,
+            tok_stride: 0,
         };
         let row = hist + ((pos % rows) * ch) as u32;
-        let out = g.run(Pipe::PleMix, &push, Groups::Fixed([c as u32, 1, 1]), &b, &[(res_off, ch), (tmp_off, ch)], &[(row, ch)]);
+        // (The key region holds the norms after: the ring row's values.)
+        let out = g.run(Pipe::PleMix, &push, Groups::Fixed([c as u32, 1, 1]), &b, &[(res_off, ch), (tmp_off, ch), (key_off, ch)], &[(row, ch)]);
         let what = format!("ple_mix C={c} H={h} ring {rows} pos {pos}");
         check(&format!("{what} residual"), out.s(res_off, ch), &want, 2e-5);
         let at = (pos % rows) * ch;
         check(&format!("{what} new ring row"), out.st(row, ch), &after[at..at + ch], 2e-5);
+        check_exact(&format!("{what} norms in the key region"), out.s(key_off, ch), out.st(row, ch));
     }
 }
