@@ -44,8 +44,12 @@
 #define BK 128u
 // 16-entry blocks of a tile (one accumulator each per subgroup).
 #define NB (BN / 16u)
-// Invocations per entry when copying a step's activations.
-#define TPE (WG / BN)
+// Cache warm-up loads per invocation and step (BM rows of up to 8 sectors:
+// 128 columns of 2 bytes or less per value).
+#define PF (BM * 8u / WG)
+// Subgroups of a workgroup (of 32 invocations: one step's BK activations of
+// an entry are one 16-byte load per invocation).
+#define SUBGROUPS (WG / 32u)
 // Shared rows padded by 8 halves (16 bytes) against bank conflicts.
 #define LDW (BK + 8u)
 #define LDC (BN + 4u)
@@ -64,6 +68,8 @@
 #define TILES_END (X_AT + BN * LDW / 4u)
 #define SUMS_END (BM * LDC / 2u)
 shared uvec2 sm[TILES_END > SUMS_END ? TILES_END : SUMS_END];
+// Where the run's entries' activations start (their x offsets).
+shared uint xat[BN];
 
 // Sum (tile row i, entry j) of the epilogue.
 float sum_at(uint i, uint j) {
@@ -163,8 +169,11 @@ void main() {
     uint up_row = pc.rows * pc.row_bytes, up_blk = pc.rows * nb;
     uint k0 = gl_WorkGroupID.y * BN;
     uint end = min(k0 + BN, pc.ntok);
-    // This invocation's share of the activations: entry t / TPE, a 1 / TPE of each step.
-    uint xj = t / TPE, xq = t % TPE;
+    uint lane = t % 32u;
+    // Payload bytes of a block, and 32-byte sectors of a tile row's step.
+    uint block_bytes = pc.row_bytes / nb, sectors = max(BK * block_bytes / QK / 32u, 1u);
+    uint ahead[PF], warm = 0u;
+    [[unroll]] for (uint i = 0u; i < PF; i++) ahead[i] = 0u;
     [[dont_unroll]] for (uint e = k0; e < end;) {
         // The run: this entry and those after it that read the same weights.
         Entry first = entry(e);
@@ -177,10 +186,10 @@ void main() {
 #endif
         F0 = base + pc.fld0;
         F1 = base + pc.fld1;
-        uint x = 0u;
-        if (xj < n) {
-            Entry en = entry(e + xj);
-            x = pc.x_off + en.tok + en.k * pc.x_stride;
+        // (Read after the first step's barrier; the run before is done with them.)
+        if (t < n) {
+            Entry en = entry(e + t);
+            xat[t] = pc.x_off + en.tok + en.k * pc.x_stride;
         }
         // The 16-entry blocks the run fills.
         uint blocks = (n + 15u) / 16u;
@@ -196,9 +205,27 @@ void main() {
                 uint r = min(r0 + (up ? lr - BM / 2u : lr), pc.rows - 1u);
                 put_item(base + r * pc.row_bytes + (up ? up_row : 0u), r * nb + (up ? up_blk : 0u), s0, j, lr * LDW);
             }
-            if (xj < n) {
-                const uint per = BK / TPE;
-                [[unroll]] for (uint i = 0u; i < per / 4u; i++) put_x(xj * LDW + per * xq + 4u * i, xv(x + s0 + per * xq + 4u * i));
+            // Subgroup sg copies entries sg, sg + SUBGROUPS, ...: a row of the
+            // tile per load, each invocation four values (the loads coalesced,
+            // the stores in consecutive banks; unrolled, so that the loads are
+            // all in flight before the first store).
+            [[unroll]] for (uint i = 0u; i < BN / SUBGROUPS; i++) {
+                uint j = sg + SUBGROUPS * i;
+                if (j < n) put_x(j * LDW + 4u * lane, xv(xat[j] + s0 + 4u * lane));
+            }
+            // The next step's weight bytes into the cache while this step's
+            // products run: one 4-byte load per 32-byte sector of each tile
+            // row's next BK columns, kept in registers and folded into `warm`
+            // a step later, so that nothing waits on them.
+            [[unroll]] for (uint i = 0u; i < PF; i++) warm ^= ahead[i];
+            if (s0 + BK < pc.cols) {
+                uint from = (s0 + BK) / QK * block_bytes + (s0 + BK) % QK * block_bytes / QK;
+                [[unroll]] for (uint i = 0u; i < PF; i++) {
+                    uint q = t + WG * i, lr = q / sectors;
+                    bool up = swiglu && lr >= BM / 2u;
+                    uint r = min(r0 + (up ? lr - BM / 2u : lr), pc.rows - 1u);
+                    ahead[i] = lr < BM ? W(base + r * pc.row_bytes + (up ? up_row : 0u) + from + 32u * (q % sectors)) : 0u;
+                }
             }
             barrier();
             [[unroll]] for (uint kk = 0u; kk < BK; kk += 16u) {
@@ -239,4 +266,7 @@ void main() {
         }
         e += n;
     }
+    // Never true (a workgroup of a dispatch without rows returned above):
+    // keeps the warm-up loads, which nothing else reads.
+    if (warm == 0x9e3779b9u && pc.rows == 0u) s[pc.y_off] = 0.0;
 }

@@ -65,6 +65,10 @@ pub struct BenchArgs {
     /// Tokens per prefill pass (0 = the default, 512; 1 = token by token).
     #[arg(long, default_value_t = 0)]
     micro_batch: usize,
+    /// Tokens of the profiled prefill pass (GPU time by kind of work; 0 =
+    /// 128), at most a pass.
+    #[arg(long, default_value_t = 0)]
+    profile_tokens: usize,
 }
 
 pub fn parse_backend(s: &str) -> flashnext::Result<Backend> {
@@ -99,6 +103,7 @@ pub fn run(a: BenchArgs) -> flashnext::Result<()> {
         prompt_tokens: a.prompt_tokens,
         prompt_repeats: a.prompt_repeats,
         micro_batch: a.micro_batch,
+        profile_tokens: a.profile_tokens,
         heap: Some(crate::heap::probe()),
     };
     let report = bench::run(&opts)?;

@@ -79,6 +79,9 @@ pub struct BenchOptions {
     pub prompt_repeats: usize,
     /// `LoadOptions::micro_batch` (0 = the default; 1 = token by token).
     pub micro_batch: usize,
+    /// Tokens of the profiled prefill pass (GPU time by kind of work; 0 =
+    /// [`PREFILL_PROFILED_TOKENS`]), at most a pass.
+    pub profile_tokens: usize,
     /// Reads the process's heap, where the program has a counting allocator:
     /// the prefill's peak scratch is then reported.
     pub heap: Option<HeapProbe>,
@@ -130,6 +133,7 @@ impl BenchOptions {
             prompt_tokens: 0,
             prompt_repeats: 0,
             micro_batch: 0,
+            profile_tokens: 0,
             heap: None,
         }
     }
@@ -359,15 +363,17 @@ fn work_per_token(work: Vec<crate::model::backend::DispatchTime>, tokens: usize)
     work
 }
 
-/// Tokens of the profiled prefill pass (its dispatches fit the timestamp pool).
+/// Tokens of the profiled prefill pass by default (a pass of 512 tokens
+/// fits the timestamp pool too: `BenchOptions::profile_tokens`).
 const PREFILL_PROFILED_TOKENS: usize = 128;
 
 /// Device time per token of one prefill pass from position 0, by kind of
-/// work (up to [`PREFILL_PROFILED_TOKENS`] tokens, one pass); `None` where
-/// the backend cannot time its stages or takes one token per pass.
-fn gpu_prefill_times(model: &Arc<Model>) -> Result<Option<(usize, Vec<WorkTime>)>> {
+/// work (`tokens` tokens, or [`PREFILL_PROFILED_TOKENS`] for 0; at most one
+/// pass); `None` where the backend cannot time its stages or takes one token
+/// per pass.
+fn gpu_prefill_times(model: &Arc<Model>, tokens: usize) -> Result<Option<(usize, Vec<WorkTime>)>> {
     let mut state = State::new(model.clone())?;
-    let n = state.pass_size().min(PREFILL_PROFILED_TOKENS);
+    let n = state.pass_size().min(if tokens == 0 { PREFILL_PROFILED_TOKENS } else { tokens });
     if n < 2 || state.pass_stats().is_none() || state.enable_profiling().is_err() {
         return Ok(None);
     }
@@ -514,7 +520,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
     let backend = backend_stats(&model, &state, opts);
     // One state at a time: a VRAM budget keeps room for one.
     drop(state);
-    let prefill_work = if opts.prompt_tokens > 1 { gpu_prefill_times(&model)? } else { None };
+    let prefill_work = if opts.prompt_tokens > 1 { gpu_prefill_times(&model, opts.profile_tokens)? } else { None };
     // Before the bandwidth measurement, whose buffer would dominate it.
     let peak_rss = peak_rss_bytes();
     let stats = BackendStats { stage_ms, work, prefill_work, prefill_stages, expert_cache: cache_stats, ..backend };
