@@ -15,7 +15,9 @@
 // 16 with 8). The state is read from the plane of position `pos` and the
 // state after each of the last `planes` tokens written to its position's
 // plane (one per position of the rewind window; see src/model/backend.rs):
-// the earlier ones would be overwritten by later tokens of the pass.
+// the earlier ones would be overwritten by later tokens of the pass. A token
+// waits at three barriers (its norms' sums, its q and k shared, its
+// output's sum) and its inputs were loaded while the token before ran.
 #define WG 512
 #include "common.glsl"
 layout(local_size_x_id = 6) in;
@@ -43,8 +45,34 @@ layout(push_constant) uniform Push {
     float eps;
 } pc;
 
-shared float qs[128];
-shared float ks[128];
+// The scaled, normed q and k of a token, two buffers by token parity: a
+// token writes one while the invocations still behind read the other's.
+shared float qs[2][128];
+shared float ks[2][128];
+// Slots of the two reductions per token that need no second barrier (each
+// slot is rewritten only after barriers that every reader of it passes
+// first).
+shared vec2 red_qk[WG / 4];
+shared float red_o[WG / 4];
+
+// A token's inputs, loaded a token ahead: q, k and v of this column, the
+// decay and beta logits of the head, the gate's input.
+struct Inputs { float q, k, v, a, b, z; };
+
+Inputs load(uint t, uint h, uint kh, uint j, bool on, bool first) {
+    Inputs x = Inputs(0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    if (t >= pc.n) return x;
+    uint a = t * pc.tok_stride, c = pc.conv_off + a, d = pc.d;
+    if (on) {
+        x.q = s[c + kh * d + j];
+        x.k = s[c + pc.nk * d + kh * d + j];
+        x.v = s[c + 2u * pc.nk * d + h * d + j];
+        if (first) x.z = s[pc.z_off + a + h * d + j];
+    }
+    x.a = s[pc.a_off + a + h];
+    x.b = s[pc.b_off + a + h];
+    return x;
+}
 
 void main() {
     uint h = gl_WorkGroupID.x, lid = gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID, d = pc.d;
@@ -56,31 +84,34 @@ void main() {
     float S[64];  // PER of them used (LANES >= 2)
     uint from = pc.planes_off + (pc.pos % pc.planes) * plane + col;
     [[unroll]] for (uint i = 0u; i < PER; i++) S[i] = on && i0 + i < d ? st[from + (i0 + i) * d] : 0.0;
+    Inputs x = load(0u, h, kh, j, on, first);
     for (uint t = 0u; t < pc.n; t++) {
-        uint a = t * pc.tok_stride;
-        uint c = pc.conv_off + a;
-        float q = on ? s[c + kh * d + j] : 0.0;
-        float k = on ? s[c + pc.nk * d + kh * d + j] : 0.0;
-        float v = on ? s[c + 2u * pc.nk * d + h * d + j] : 0.0;
+        Inputs next = load(t + 1u, h, kh, j, on, first);
+        uint a = t * pc.tok_stride, buf = t & 1u;
         // Each column's values count once in the norms.
-        float rq = 1.0 / sqrt(wg_sum(first ? q * q : 0.0) + 1e-6);
-        float rk = 1.0 / sqrt(wg_sum(first ? k * k : 0.0) + 1e-6);
+        vec2 sq = subgroupAdd(first ? vec2(x.q * x.q, x.k * x.k) : vec2(0.0));
+        if (subgroupElect()) red_qk[gl_SubgroupID] = sq;
+        barrier();
+        vec2 sums = vec2(0.0);
+        for (uint i = 0u; i < gl_NumSubgroups; i++) sums += red_qk[i];
+        float rq = 1.0 / sqrt(sums.x + 1e-6);
+        float rk = 1.0 / sqrt(sums.y + 1e-6);
         if (first) {
-            qs[j] = q * rq * (1.0 / sqrt(float(d)));
-            ks[j] = k * rk;
+            qs[buf][j] = x.q * rq * (1.0 / sqrt(float(d)));
+            ks[buf][j] = x.k * rk;
         }
         barrier();
-        float decay = exp(prm[pc.decay_a + h] * softplus(s[pc.a_off + a + h] + prm[pc.dt_bias + h]));
-        float beta = sigmoid(s[pc.b_off + a + h]);
+        float decay = exp(prm[pc.decay_a + h] * softplus(x.a + prm[pc.dt_bias + h]));
+        float beta = sigmoid(x.b);
         float mem = 0.0;
-        [[unroll]] for (uint i = 0u; i < PER; i++) if (i0 + i < d) mem += (S[i] * decay) * ks[i0 + i];
+        [[unroll]] for (uint i = 0u; i < PER; i++) if (i0 + i < d) mem += (S[i] * decay) * ks[buf][i0 + i];
         [[unroll]] for (uint o = 1u; o < LANES; o <<= 1) mem += subgroupShuffleXor(mem, o);
-        float delta = (v - mem) * beta;
+        float delta = (x.v - mem) * beta;
         float o = 0.0;
         [[unroll]] for (uint i = 0u; i < PER; i++) {
             if (i0 + i < d) {
-                S[i] = S[i] * decay + ks[i0 + i] * delta;
-                o += S[i] * qs[i0 + i];
+                S[i] = S[i] * decay + ks[buf][i0 + i] * delta;
+                o += S[i] * qs[buf][i0 + i];
             }
         }
         [[unroll]] for (uint m = 1u; m < LANES; m <<= 1) o += subgroupShuffleXor(o, m);
@@ -88,13 +119,16 @@ void main() {
             uint to = pc.planes_off + ((pc.pos + t + 1u) % pc.planes) * plane + col;
             [[unroll]] for (uint i = 0u; i < PER; i++) if (i0 + i < d) st[to + (i0 + i) * d] = S[i];
         }
-        float r = rms_scale(wg_sum(first ? o * o : 0.0), d, pc.eps);
+        float so = subgroupAdd(first ? o * o : 0.0);
+        if (subgroupElect()) red_o[gl_SubgroupID] = so;
+        barrier();
+        float sum_o = 0.0;
+        for (uint i = 0u; i < gl_NumSubgroups; i++) sum_o += red_o[i];
+        float r = rms_scale(sum_o, d, pc.eps);
         if (on && first) {
-            float z = s[pc.z_off + a + h * d + j];
-            float g = pc.gate_silu == 1u ? silu(z) : sigmoid(z);
+            float g = pc.gate_silu == 1u ? silu(x.z) : sigmoid(x.z);
             s[pc.y_off + a + h * d + j] = o * r * prm[pc.norm + j] * g;
         }
-        // qs and ks are rewritten by the next token.
-        barrier();
+        x = next;
     }
 }
