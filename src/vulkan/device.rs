@@ -398,9 +398,12 @@ impl Context {
         let mut model = vk::PhysicalDeviceVulkanMemoryModelFeatures::default().vulkan_memory_model(true).vulkan_memory_model_device_scope(true);
         let stats_name = ash::khr::pipeline_executable_properties::NAME;
         let pipeline_stats = std::env::var("FNX_VK_PIPELINE_STATS").ok().filter(|v| !v.is_empty() && v != "0").filter(|_| {
-            // SAFETY: valid handles.
+            // SAFETY: valid handles; the chained struct outlives the call.
             let listed = unsafe { instance.enumerate_device_extension_properties(physical) }.unwrap_or_default();
-            listed.iter().any(|e| e.extension_name_as_c_str() == Ok(stats_name))
+            let mut feature = vk::PhysicalDevicePipelineExecutablePropertiesFeaturesKHR::default();
+            let mut f2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut feature);
+            unsafe { instance.get_physical_device_features2(physical, &mut f2) };
+            listed.iter().any(|e| e.extension_name_as_c_str() == Ok(stats_name)) && feature.pipeline_executable_info == vk::TRUE
         });
         let mut stats_features = vk::PhysicalDevicePipelineExecutablePropertiesFeaturesKHR::default().pipeline_executable_info(true);
         let mut extensions = Vec::new();
