@@ -56,20 +56,43 @@ pub fn load_gpu_with(path: &Path, opts: LoadOptions) -> Option<Arc<Model>> {
 }
 
 /// `fixture` converted to `ty`, once per test process (tests running in
-/// parallel share the file).
+/// parallel share the file). The files stay for the process's life (the
+/// harness never drops statics); the first call removes those of test
+/// processes that have ended (`remove_ended`), so runs do not pile up.
 pub fn converted(fixture: &str, ty: OutType) -> PathBuf {
     static DONE: std::sync::Mutex<Vec<(String, PathBuf)>> = std::sync::Mutex::new(Vec::new());
+    static SWEPT: std::sync::Once = std::sync::Once::new();
+    SWEPT.call_once(remove_ended);
     let key = format!("{fixture}-{ty:?}");
     let mut done = DONE.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, p)) = done.iter().find(|(k, _)| *k == key) {
         return p.clone();
     }
-    let dir = std::env::temp_dir().join(format!("flashnext-vk-{}-{key}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("{CONVERTED}{}-{key}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let gguf = dir.join("model.gguf");
     convert(&fixture_dir(fixture).join("hf"), &gguf, &ConvertOptions { out_type: ty, ..Default::default() }).unwrap();
     done.push((key, gguf.clone()));
     gguf
+}
+
+/// Prefix of [`converted`]'s directories (then the process id and the key).
+const CONVERTED: &str = "flashnext-vk-";
+
+/// Removes [`converted`]'s directories of processes that no longer run
+/// (Linux: no `/proc/<pid>`; elsewhere it keeps them, not knowing).
+fn remove_ended() {
+    if !cfg!(target_os = "linux") {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name.strip_prefix(CONVERTED).and_then(|rest| rest.split('-').next()).and_then(|p| p.parse::<u32>().ok()) else { continue };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            std::fs::remove_dir_all(entry.path()).ok();
+        }
+    }
 }
 
 
