@@ -86,9 +86,7 @@ fn in_child(job: &str, run: impl FnOnce()) -> bool {
 }
 
 fn scratch_dir() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("flashnext-hardening-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    process_dir("flashnext-hardening")
 }
 
 /// The generated tiny model with a NaN in the output row of token 0: the

@@ -22,11 +22,7 @@ const SEQ: [u32; 20] = [
 /// `fixture` (a directory under tests/fixtures) converted to `ty`, once per test binary.
 fn converted(fixture: &str, ty: OutType) -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    let dir = DIR.get_or_init(|| {
-        let d = std::env::temp_dir().join(format!("flashnext-snapshot-{}", std::process::id()));
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    });
+    let dir = DIR.get_or_init(|| process_dir("flashnext-snapshot"));
     let out = dir.join(format!("{fixture}-{ty:?}.gguf"));
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _g = LOCK.lock().unwrap();

@@ -2,11 +2,16 @@
 //! test binary, and small wrappers over the raw C calls.
 #![allow(dead_code)]
 
+#[path = "../process_dir/mod.rs"]
+mod process_dir;
+
 use flashnext::capi::*;
 use flashnext::convert::{convert, ConvertOptions, OutType};
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
+
+pub use process_dir::process_dir;
 
 pub fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
@@ -22,9 +27,7 @@ pub fn fixture_gguf() -> &'static Path {
             .filter(|p| p.join("hf/config.json").exists())
             .collect();
         names.sort();
-        let dir = std::env::temp_dir().join(format!("flashnext-capi-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let out = dir.join("model.gguf");
+        let out = process_dir("flashnext-capi").join("model.gguf");
         convert(&names[0].join("hf"), &out, &ConvertOptions { out_type: OutType::F32, ..Default::default() })
             .expect("fixture converts");
         out

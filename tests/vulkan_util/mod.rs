@@ -4,10 +4,15 @@
 
 #![allow(dead_code)]
 
+#[path = "../process_dir/mod.rs"]
+mod process_dir;
+
 use flashnext::convert::{convert, ConvertOptions, OutType};
 use flashnext::{Backend, LoadOptions, Model};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+pub use process_dir::process_dir;
 
 /// `FNX_REPO_DIR` lets a test binary built elsewhere find the fixtures (scripts/h200-vulkan.sh).
 pub fn fixture_dir(name: &str) -> PathBuf {
@@ -56,45 +61,21 @@ pub fn load_gpu_with(path: &Path, opts: LoadOptions) -> Option<Arc<Model>> {
 }
 
 /// `fixture` converted to `ty`, once per test process (tests running in
-/// parallel share the file). The files stay for the process's life (the
-/// harness never drops statics); the first call removes those of test
-/// processes that have ended (`remove_ended`), so runs do not pile up.
+/// parallel share the file), in the process's directory ([`process_dir`]).
 pub fn converted(fixture: &str, ty: OutType) -> PathBuf {
     static DONE: std::sync::Mutex<Vec<(String, PathBuf)>> = std::sync::Mutex::new(Vec::new());
-    static SWEPT: std::sync::Once = std::sync::Once::new();
-    SWEPT.call_once(remove_ended);
     let key = format!("{fixture}-{ty:?}");
     let mut done = DONE.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, p)) = done.iter().find(|(k, _)| *k == key) {
         return p.clone();
     }
-    let dir = std::env::temp_dir().join(format!("{CONVERTED}{}-{key}", std::process::id()));
+    let dir = process_dir("flashnext-vk").join(&key);
     std::fs::create_dir_all(&dir).unwrap();
     let gguf = dir.join("model.gguf");
     convert(&fixture_dir(fixture).join("hf"), &gguf, &ConvertOptions { out_type: ty, ..Default::default() }).unwrap();
     done.push((key, gguf.clone()));
     gguf
 }
-
-/// Prefix of [`converted`]'s directories (then the process id and the key).
-const CONVERTED: &str = "flashnext-vk-";
-
-/// Removes [`converted`]'s directories of processes that no longer run
-/// (Linux: no `/proc/<pid>`; elsewhere it keeps them, not knowing).
-fn remove_ended() {
-    if !cfg!(target_os = "linux") {
-        return;
-    }
-    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name.strip_prefix(CONVERTED).and_then(|rest| rest.split('-').next()).and_then(|p| p.parse::<u32>().ok()) else { continue };
-        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
-            std::fs::remove_dir_all(entry.path()).ok();
-        }
-    }
-}
-
 
 /// Load options of the GPU's CPU twin: the CPU backend with the exact
 /// kernels (the shaders multiply the dequantized weights with f32
