@@ -67,7 +67,7 @@ void main() {
             gss += g * g;
         }
         float rg = rms_scale(wg_sum(gss), h, pc.eps);
-        // (wg_sum's barriers: every invocation has read the key.)
+        // (Each invocation overwrites only the key elements it read above.)
         for (uint i = gl_LocalInvocationIndex; i < h; i += WG) {
             uint e = b + i;
             s[pc.key_off + tok + e] = s[pc.tmp_off + tok + e] * rg * prm[pc.norm_conv + e];
