@@ -247,7 +247,7 @@ fn step_columns<const C: usize>(from: &[f32], to: &mut [f32], [q, k, v]: [&[f32]
 
 /// The gated RMSNorm per head of one token's delta-rule output `o` with its
 /// gate projection `z`: [nv*d].
-fn gated_norm(w: &Gdn, cfg: &Config, o: &[f32], z: &[f32]) -> Vec<f32> {
+pub(crate) fn gated_norm(w: &Gdn, cfg: &Config, o: &[f32], z: &[f32]) -> Vec<f32> {
     let d = cfg.ssm_head_dim;
     let mut normed = vec![0f32; o.len()];
     for ((oh, zh), nh) in o.chunks(d).zip(z.chunks(d)).zip(normed.chunks_mut(d)) {
@@ -268,6 +268,14 @@ fn gated_norm(w: &Gdn, cfg: &Config, o: &[f32], z: &[f32]) -> Vec<f32> {
 /// gate, beta and decay projections.
 #[allow(clippy::too_many_arguments)]
 pub fn delta_rule(w: &Gdn, cfg: &Config, planes: &mut [f32], pos: usize, c: &mut [f32], z: &[f32], b: &[f32], a: &[f32]) -> Vec<f32> {
+    let o = delta_rule_unnormed(w, cfg, planes, pos, c, b, a);
+    gated_norm(w, cfg, &o, z)
+}
+
+/// [`delta_rule`]'s output before its gated RMSNorm ([`gated_norm`]): the
+/// GPU runs the two as separate stages (shaders/gdn_recurrent.comp,
+/// shaders/gdn_norm.comp), which its twins check one by one.
+pub(crate) fn delta_rule_unnormed(w: &Gdn, cfg: &Config, planes: &mut [f32], pos: usize, c: &mut [f32], b: &[f32], a: &[f32]) -> Vec<f32> {
     let (nv, d) = (cfg.ssm_v_heads, cfg.ssm_head_dim);
     let (decay, beta) = prepare(w, cfg, c, b, a);
     let c = &*c;
@@ -296,7 +304,7 @@ pub fn delta_rule(w: &Gdn, cfg: &Config, planes: &mut [f32], pos: usize, c: &mut
     } else {
         heads.enumerate().for_each(head);
     }
-    gated_norm(w, cfg, &o, z)
+    o
 }
 
 /// [`delta_rule`] for the `T` tokens at `pos, pos + 1, ..` (conv outputs

@@ -950,15 +950,18 @@ impl Blocks for VkPass<'_, '_> {
         };
         let groups = self.rec.threads(Pipe::GdnConv, dc);
         self.rec.dispatch(Pipe::GdnConv, &[set], &conv, groups);
+        // The delta rule (a workgroup per 128 / lanes columns of a head,
+        // vec4 reads of q and k), then its gated RMSNorm over the pass.
+        let d = cfg.ssm_head_dim as u32;
+        assert!(l.conv_out.is_multiple_of(4) && tok.is_multiple_of(4) && d.is_multiple_of(4) && d <= 128, "gdn_recurrent's q and k are read as vec4s");
         let push = GdnRecurrentPush {
             conv_off: l.conv_out,
-            z_off: l.z,
             b_off: l.beta,
             a_off: l.alpha,
             y_off: l.gdn_out,
             nk: cfg.ssm_k_heads as u32,
             nv: cfg.ssm_v_heads as u32,
-            d: cfg.ssm_head_dim as u32,
+            d,
             planes_off: g.planes,
             planes: g.n_planes as u32,
             pos: self.pos as u32,
@@ -966,11 +969,19 @@ impl Blocks for VkPass<'_, '_> {
             tok_stride: tok,
             decay_a: w.decay_a,
             dt_bias: w.dt_bias,
+        };
+        let col_groups = (d * self.gpu.pipes.gdn_lanes).div_ceil(128);
+        self.rec.dispatch(Pipe::GdnRecurrent, &[set], &push, [cfg.ssm_v_heads as u32, col_groups, 1]);
+        let norm = GdnNormPush {
+            y_off: l.gdn_out,
+            z_off: l.z,
+            d,
             norm: w.norm,
             gate_silu: (cfg.ssm_gate == GateActivation::Silu) as u32,
             eps: cfg.eps,
+            tok_stride: tok,
         };
-        self.rec.dispatch(Pipe::GdnRecurrent, &[set], &push, [cfg.ssm_v_heads as u32, 1, 1]);
+        self.rec.dispatch(Pipe::GdnNorm, &[set], &norm, [cfg.ssm_v_heads as u32, n, 1]);
         let post = self.post(self.state.layout.gdn_out);
         self.rec.matvec_n(&w.out, set, post, self.n);
         Ok(())

@@ -21,7 +21,7 @@
 //! | 2 `ROWS` | output rows per row set | 2 | `FNX_VK_MATVEC_ROWS` |
 //! | 3 `UNROLL` | work items an invocation loads per pass | 1 (the H200 sweep: 2 was 5-15% slower at every real shape) | `FNX_VK_MATVEC_UNROLL` |
 //! | 4 `SHARE` | entries of a tile that share each weight decode (batch modules, at most 8; 1: passes run the plain fast modules) | 8; `expert_q2_k_fast`, `expert_q4_0_fast` 1 | `FNX_VK_MATVEC_SHARE` |
-//! | 5 `LANES`, 6 its workgroup | gdn_recurrent only: invocations per column of a head's state, 128 per lane ([`gdn_lanes`]) | 4 (2 on CPU devices and where workgroups of 512 are not allowed) | `FNX_VK_GDN_LANES` |
+//! | 5 `LANES` | gdn_recurrent only: invocations per column of a head's state ([`gdn_lanes`]) | 4 (2 on CPU devices and where subgroups are narrower) | `FNX_VK_GDN_LANES` |
 //!
 //! and per dispatch the recorder picks `TPR`, the invocations per row set
 //! (push constant `tpr_shift`): the largest power of two, at most `WG`,
@@ -159,9 +159,10 @@ PleMixPush { key_off: u32, value_off: u32, res_off: u32, tmp_off: u32, norm_key:
 push_block!(/// shaders/gdn_conv.comp
 GdnConvPush { x_off: u32, y_off: u32, taps: u32, dc: u32, kc: u32, rows: u32, pos: u32, n: u32, tok_stride: u32 });
 push_block!(/// shaders/gdn_recurrent.comp
-GdnRecurrentPush { conv_off: u32, z_off: u32, b_off: u32, a_off: u32, y_off: u32, nk: u32, nv: u32, d: u32,
-    planes_off: u32, planes: u32, pos: u32, n: u32, tok_stride: u32, decay_a: u32, dt_bias: u32, norm: u32, gate_silu: u32,
-    eps: f32 });
+GdnRecurrentPush { conv_off: u32, b_off: u32, a_off: u32, y_off: u32, nk: u32, nv: u32, d: u32,
+    planes_off: u32, planes: u32, pos: u32, n: u32, tok_stride: u32, decay_a: u32, dt_bias: u32 });
+push_block!(/// shaders/gdn_norm.comp
+GdnNormPush { y_off: u32, z_off: u32, d: u32, norm: u32, gate_silu: u32, eps: f32, tok_stride: u32 });
 push_block!(/// shaders/attn_prep.comp
 AttnPrepPush { qg_off: u32, k_off: u32, v_off: u32, q_off: u32, q_norm: u32, k_norm: u32, rope: u32, half_dims: u32,
     hd: u32, nh: u32, nkv: u32, keys_off: u32, values_off: u32, pos: u32, eps: f32, tok_stride: u32 });
@@ -329,7 +330,8 @@ pipes! {
     HcCombine = "hc_combine", State, HcCombinePush, 64;
     PleMix = "ple_mix", State, PleMixPush, 256;
     GdnConv = "gdn_conv", State, GdnConvPush, 64;
-    GdnRecurrent = "gdn_recurrent", State, GdnRecurrentPush, 512;
+    GdnRecurrent = "gdn_recurrent", State, GdnRecurrentPush, 128;
+    GdnNorm = "gdn_norm", State, GdnNormPush, 128;
     AttnPrep = "attn_prep", State, AttnPrepPush, 256;
     QsaIndex = "qsa_index", State, QsaIndexPush, 128;
     QsaScore = "qsa_score", State, QsaScorePush, 64;
@@ -631,7 +633,7 @@ pub(crate) const BATCH_ROWS: u32 = 2;
 
 /// Output rows of a workgroup's tile in shaders/mm.comp (`BM`; SwiGLU: half
 /// gate rows, half up rows).
-pub(crate) const MM_ROWS: usize = 64;
+pub(crate) const MM_ROWS: usize = 128;
 /// Entries of a workgroup's tile in shaders/mm.comp (`BN`): 64 tokens of a
 /// plain matrix (each decoded weight serves them all), 32 (token, expert)
 /// pairs of the routed experts (`arena`; a pass has a few pairs per
@@ -643,8 +645,18 @@ pub(crate) const fn mm_entries(arena: bool) -> u32 {
         64
     }
 }
+/// Which routed-expert matrices of a pass run on the matrix-matrix modules
+/// ([`Pipelines::mm_experts`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum MmExperts {
+    None,
+    /// The gate/up projections (SwiGLU dispatches).
+    GateUp,
+    All,
+}
+
 /// Columns of one step of shaders/mm.comp (`BK`): its rows must be a multiple.
-pub(crate) const MM_COLS: usize = 128;
+pub(crate) const MM_COLS: usize = 64;
 
 /// Longest rows the fast kernels take (`FAST_MAX_COLS` in
 /// shaders/weights_int.glsl); longer rows use the exact pipelines.
@@ -679,16 +691,18 @@ pub(crate) struct Pipelines {
     /// matvecs. `FNX_VK_MM_MIN`, default 8.
     pub mm_min: usize,
     /// Fewest rows a plain matrix must have to run on the matrix-matrix
-    /// modules (`FNX_VK_MM_MIN_ROWS`, default 1024): a workgroup takes 64
-    /// rows, and fewer than 16 row tiles leave most of the card idle (the
+    /// modules (`FNX_VK_MM_MIN_ROWS`, default 1024: eight tiles of 128
+    /// rows); fewer row tiles leave most of the card idle (the
     /// hyper-connection projections of 320 and 4 rows ran 3x slower there
     /// than on the batch modules).
     pub mm_rows: usize,
-    /// Whether the routed experts run on the matrix-matrix modules too
-    /// (`FNX_VK_MM_EXPERTS=1`; off by default: on the H200 their pairs, a
-    /// few per expert and tile, ran 2-4x slower there than on the batch
-    /// modules; see docs/BENCHMARKS.md, "Tensor cores").
-    pub mm_experts: bool,
+    /// Which of the routed experts' matrices run on the matrix-matrix
+    /// modules (`FNX_VK_MM_EXPERTS=0` none, `1` all; by default the gate/up
+    /// projections, whose SwiGLU tiles of 64 rows read 2560 columns: on an
+    /// H100 at 512 tokens a pass 0.156 against 0.206 ms per token on the
+    /// batch modules, while the down projections, 640 columns, ran 0.088
+    /// against 0.079; see docs/BENCHMARKS.md).
+    pub mm_experts: MmExperts,
     /// Rows at least this long (`FNX_VK_ROUND_ONCE_COLS`, default 0: none)
     /// are rounded to 8 bits once for one token's fast matvec (act_int8,
     /// one more dispatch) and copied by its workgroups, as a pass's are,
@@ -731,18 +745,16 @@ fn set_layout(ctx: &Context, counts: &[u32]) -> Result<vk::DescriptorSetLayout> 
 }
 
 /// Invocations per column of a GDN head's state in shaders/gdn_recurrent.comp
-/// (its workgroup: 128 per lane): 4 on a GPU that allows workgroups of 512
-/// (measured on an H100: 14-15 us per layer against 20-23 with 2 and 16 with
-/// 8), else 2, and 2 on a CPU device, whose invocations are SIMD lanes of a
-/// few threads, so twice as many repeat the per-token scalar work twice as
-/// often (lavapipe: tests/prefill.rs's Vulkan golden test 97 s with 2, 131
-/// with 4); `FNX_VK_GDN_LANES` (2, 4 or 8) within the device's limit.
+/// (adjacent lanes of a subgroup; a workgroup of 128 takes 128 / lanes
+/// columns): 4 on a GPU, 2 on a CPU device, whose invocations are SIMD
+/// lanes of a few threads, so twice as many repeat the per-token scalar
+/// work twice as often (lavapipe: tests/prefill.rs's Vulkan golden test 97 s
+/// with 2, 131 with 4, measured on the shader's first form);
+/// `FNX_VK_GDN_LANES` (2, 4 or 8) within the subgroup size.
 fn gdn_lanes(ctx: &Context) -> u32 {
-    let l = &ctx.limits;
-    let max = l.max_compute_work_group_size[0].min(l.max_compute_work_group_invocations) / 128;
     let want = std::env::var("FNX_VK_GDN_LANES").ok().and_then(|v| v.parse::<u32>().ok()).filter(|v| [2, 4, 8].contains(v));
     let mut lanes = want.unwrap_or(if ctx.on_cpu { 2 } else { 4 });
-    while lanes > 2 && lanes > max {
+    while lanes > 2 && lanes > ctx.subgroup_size {
         lanes /= 2;
     }
     lanes
@@ -795,7 +807,11 @@ impl Pipelines {
             mm,
             mm_min: std::env::var("FNX_VK_MM_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(8).max(2),
             mm_rows: std::env::var("FNX_VK_MM_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(1024),
-            mm_experts: std::env::var("FNX_VK_MM_EXPERTS").is_ok_and(|v| v == "1"),
+            mm_experts: match std::env::var("FNX_VK_MM_EXPERTS").as_deref() {
+                Ok("0") => MmExperts::None,
+                Ok("1") => MmExperts::All,
+                _ => MmExperts::GateUp,
+            },
             round_once_cols: std::env::var("FNX_VK_ROUND_ONCE_COLS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             hc_round: std::env::var("FNX_VK_HC_ROUND").map_or(true, |v| v != "0"),
             hc_fuse: std::env::var("FNX_VK_HC_FUSE").map_or(true, |v| v != "0"),
@@ -846,10 +862,9 @@ impl Pipelines {
             self.layouts.push(layout);
             let module = d.create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&words), None).map_err(err(spec.name))?;
             // Constants 0 (MAX_SLABS), 1 (workgroup size), 2 (ROWS), 3 (UNROLL), 4 (SHARE),
-            // 5 and 6 (gdn_recurrent's LANES and workgroup size); a module ignores
-            // those it lacks (the other state shaders have none).
-            let (lanes, wg) = (self.gdn_lanes, 128 * self.gdn_lanes);
-            let constants = [self.max_slabs, tuning.wg, tuning.rows, tuning.unroll, tuning.share, lanes, wg];
+            // 5 (gdn_recurrent's LANES); a module ignores those it lacks (the
+            // other state shaders have none).
+            let constants = [self.max_slabs, tuning.wg, tuning.rows, tuning.unroll, tuning.share, self.gdn_lanes];
             let data: Vec<u8> = constants.iter().flat_map(|v| v.to_le_bytes()).collect();
             let entries: Vec<_> = (0..constants.len() as u32)
                 .map(|i| vk::SpecializationMapEntry { constant_id: i, offset: 4 * i, size: 4 })

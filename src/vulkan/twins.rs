@@ -36,7 +36,7 @@ use super::buffer::{Buffer, Commands, Stream};
 use super::device::{validation_errors, Context, DeviceChoice};
 use super::layout::PartLayout;
 use super::matrix::GpuMatrix;
-use super::pipelines::{HcCombinePush, MatvecPush, MatvecTuning, MoeGroupPush, Pipe, Pipelines, XQ_FLOATS};
+use super::pipelines::{HcCombinePush, MatvecPush, MatvecTuning, MmExperts, MoeGroupPush, Pipe, Pipelines, XQ_FLOATS};
 use super::record::{DescriptorPool, Recorder};
 use crate::gguf::{GgmlType, TensorInfo};
 use crate::tensor::Tensor;
@@ -826,7 +826,7 @@ fn mm_within_the_f16_bound() {
     }
     let mut pipes = Pipelines::with_mm(&ctx, true, true, |name| MatvecTuning::for_pipeline(name, false)).unwrap();
     // Every matrix on the modules, whatever the default selection by size.
-    (pipes.mm_rows, pipes.mm_experts) = (0, true);
+    (pipes.mm_rows, pipes.mm_experts) = (0, MmExperts::All);
     let params = Buffer::new(&ctx, "twin params", 16, MemoryLocation::GpuOnly).unwrap();
     const T: usize = 45;
     let (rows, cols, split) = (300, 512, 100);

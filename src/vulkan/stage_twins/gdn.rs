@@ -1,9 +1,9 @@
-//! `gdn_conv` and `gdn_recurrent`: the Gated DeltaNet after its input projections.
+//! `gdn_conv`, `gdn_recurrent` and `gdn_norm`: the Gated DeltaNet after its input projections.
 
 use super::*;
 use crate::cpu::gdn::{self, GdnState};
 use crate::model::weights::Gdn;
-use crate::vulkan::pipelines::{GdnConvPush, GdnRecurrentPush};
+use crate::vulkan::pipelines::{GdnConvPush, GdnNormPush, GdnRecurrentPush};
 
 /// One GDN token at position `pos` on the CPU, stage by stage.
 struct Case {
@@ -16,7 +16,9 @@ struct Case {
     p: gdn::Projections,
     /// `gdn::conv`'s output, which the delta rule reads.
     conv_out: Vec<f32>,
-    /// `gdn::delta_rule`'s output (before the out projection).
+    /// `gdn::delta_rule`'s output before its gated norm (gdn_recurrent's).
+    o: Vec<f32>,
+    /// `gdn::delta_rule`'s output (before the out projection; gdn_norm's).
     y: Vec<f32>,
 }
 
@@ -44,25 +46,25 @@ fn case(nk: usize, nv: usize, d: usize, kc: usize, window: usize, pos: usize, ga
     let mut after = before.clone();
     let conv_out = gdn::conv(&w.conv, kc, &mut after.conv, pos, &p.qkv);
     let mut c = conv_out.clone();
-    let y = gdn::delta_rule(&w, &cfg, &mut after.planes, pos, &mut c, &p.z, &p.beta, &p.alpha);
+    let o = gdn::delta_rule_unnormed(&w, &cfg, &mut after.planes, pos, &mut c, &p.beta, &p.alpha);
+    let y = gdn::gated_norm(&w, &cfg, &o, &p.z);
     // The whole layer is these stages and the out projection.
     let mut whole = before.clone();
     let mut projected = vec![0f32; hidden];
     w.out.matvec(&y, &mut projected);
     assert_eq!(gdn::forward(&w, &cfg, &mut whole, pos, &x), projected);
-    Case { cfg, w, before, after, p, conv_out, y }
+    Case { cfg, w, before, after, p, conv_out, o, y }
 }
 
 /// The delta rule's push for `c` from position `pos`: the activations at
-/// `offs` (conv output, z, beta, alpha, output; token 0's), `n` tokens `tok`
+/// `offs` (conv output, beta, alpha, output; token 0's), `n` tokens `tok`
 /// floats apart, the planes at `planes`, the parameters put into `b`.
-fn recurrent_push(b: &mut Bufs, c: &Case, planes: u32, pos: usize, offs: [u32; 5], n: usize, tok: usize) -> GdnRecurrentPush {
+fn recurrent_push(b: &mut Bufs, c: &Case, planes: u32, pos: usize, offs: [u32; 4], n: usize, tok: usize) -> GdnRecurrentPush {
     let (cfg, w) = (&c.cfg, &c.w);
-    let [conv_off, z_off, b_off, a_off, y_off] = offs;
+    let [conv_off, b_off, a_off, y_off] = offs;
     let (nv, d) = (cfg.ssm_v_heads, cfg.ssm_head_dim);
     GdnRecurrentPush {
         conv_off,
-        z_off,
         b_off,
         a_off,
         y_off,
@@ -76,10 +78,21 @@ fn recurrent_push(b: &mut Bufs, c: &Case, planes: u32, pos: usize, offs: [u32; 5
         tok_stride: tok as u32,
         decay_a: b.prm.put(&w.a),
         dt_bias: b.prm.put(&w.dt_bias),
-        norm: b.prm.put(&w.norm),
-        gate_silu: (cfg.ssm_gate == GateActivation::Silu) as u32,
-        eps: EPS,
     }
+}
+
+/// The gated norm's push for `c`: the delta rule's output at `y_off` and
+/// the gates at `z_off` (token 0's, `tok` floats apart), the parameters put
+/// into `b`.
+fn norm_push(b: &mut Bufs, c: &Case, y_off: u32, z_off: u32, tok: usize) -> GdnNormPush {
+    let gate_silu = (c.cfg.ssm_gate == GateActivation::Silu) as u32;
+    GdnNormPush { y_off, z_off, d: c.cfg.ssm_head_dim as u32, norm: b.prm.put(&c.w.norm), gate_silu, eps: EPS, tok_stride: tok as u32 }
+}
+
+/// gdn_recurrent's workgroups for `c` with `lanes` invocations per column.
+fn recurrent_groups(c: &Case, lanes: u32) -> Groups {
+    let d = c.cfg.ssm_head_dim as u32;
+    Groups::Fixed([c.cfg.ssm_v_heads as u32, (d * lanes).div_ceil(128), 1])
 }
 
 /// The layer state as the decode lays it out: the conv ring at 0, then (after
@@ -121,7 +134,7 @@ fn gdn_recurrent() {
     recurrent_cases(g);
     for lanes in [2, 4, 8].into_iter().filter(|&l| l != g.pipes.gdn_lanes) {
         let pipes = Pipelines::with_gdn_lanes(&g.ctx, lanes).unwrap();
-        assert_eq!(pipes.gdn_lanes, lanes, "the device allows workgroups of {}", 128 * lanes);
+        assert_eq!(pipes.gdn_lanes, lanes, "the device's subgroups hold {lanes} lanes");
         recurrent_cases(&Gpu { ctx: g.ctx.clone(), pipes });
     }
 }
@@ -141,18 +154,33 @@ fn recurrent_cases(g: &Gpu) {
         let mut b = Bufs::default();
         let planes = state(&mut b, &c);
         let conv_off = b.s.put(&c.conv_out);
-        let z_off = b.s.put(&c.p.z);
         let b_off = b.s.put(&c.p.beta);
         let a_off = b.s.put(&c.p.alpha);
         let y_off = b.s.out(nv * d);
         let plane = nv * d * d;
         let at = |n: usize| planes + ((n % (window + 1)) * plane) as u32;
-        let push = recurrent_push(&mut b, &c, planes, pos, [conv_off, z_off, b_off, a_off, y_off], 1, 0);
-        let out = g.run(Pipe::GdnRecurrent, &push, Groups::Fixed([nv as u32, 1, 1]), &b, &[(y_off, nv * d)], &[(at(pos + 1), plane)]);
+        let push = recurrent_push(&mut b, &c, planes, pos, [conv_off, b_off, a_off, y_off], 1, 0);
+        let groups = recurrent_groups(&c, g.pipes.gdn_lanes);
+        let out = g.run(Pipe::GdnRecurrent, &push, groups, &b, &[(y_off, nv * d)], &[(at(pos + 1), plane)]);
         let what = format!("gdn_recurrent lanes {} nk={nk} nv={nv} d={d} window {window} pos {pos} {gate:?}", g.pipes.gdn_lanes);
         let all = out.st(planes, c.after.planes.len());
         check(&format!("{what} state"), all, &c.after.planes, 2e-5);
-        check(&format!("{what} output"), out.s(y_off, nv * d), &c.y, 2e-5);
+        check(&format!("{what} output"), out.s(y_off, nv * d), &c.o, 2e-5);
+    }
+}
+
+#[test]
+fn gdn_norm() {
+    let Some(g) = gpu() else { return };
+    // (nv, d, gate): the real 48 heads of 128, a head dim of 48 (invocations idle), SiLU gates.
+    for (nv, d, gate) in [(48, 128, GateActivation::Sigmoid), (6, 48, GateActivation::Silu), (4, 32, GateActivation::Sigmoid)] {
+        let c = case(2, nv, d, 4, 1, 3, gate);
+        let mut b = Bufs::default();
+        let y_off = b.s.put(&c.o);
+        let z_off = b.s.put(&c.p.z);
+        let push = norm_push(&mut b, &c, y_off, z_off, 0);
+        let out = g.run(Pipe::GdnNorm, &push, Groups::Fixed([nv as u32, 1, 1]), &b, &[(y_off, nv * d)], &[]);
+        check(&format!("gdn_norm nv={nv} d={d} {gate:?}"), out.s(y_off, nv * d), &c.y, 4e-6);
     }
 }
 
@@ -174,10 +202,13 @@ fn gdn_over_a_pass_of_tokens() {
         let ps: Vec<gdn::Projections> = xs.iter().map(|x| gdn::project(w, cfg, x)).collect();
         let mut after = c.before.clone();
         let (mut conv_outs, mut ys) = (Vec::new(), Vec::new());
+        let mut os = Vec::new();
         for (t, p) in ps.iter().enumerate() {
             let conv_out = gdn::conv(&w.conv, kc, &mut after.conv, pos + t, &p.qkv);
             let mut cv = conv_out.clone();
-            ys.push(gdn::delta_rule(w, cfg, &mut after.planes, pos + t, &mut cv, &p.z, &p.beta, &p.alpha));
+            let o = gdn::delta_rule_unnormed(w, cfg, &mut after.planes, pos + t, &mut cv, &p.beta, &p.alpha);
+            ys.push(gdn::gated_norm(w, cfg, &o, &p.z));
+            os.push(o);
             conv_outs.push(conv_out);
         }
         // Token block: [qkv | z | beta | alpha | conv out | y (Dc: the conv's outputs too)], 64-float aligned.
@@ -212,14 +243,26 @@ fn gdn_over_a_pass_of_tokens() {
         let mut b = Bufs::default();
         let planes = state(&mut b, &c);
         let at = b.s.put(&block);
-        let offs = [conv, z, beta, alpha, y].map(|o| at + o as u32);
+        let offs = [conv, beta, alpha, y].map(|o| at + o as u32);
         let push = recurrent_push(&mut b, &c, planes, pos, offs, n, tok);
         let outs: Vec<(u32, usize)> = (0..n).map(|t| (at + (t * tok + y) as u32, dv)).collect();
         let all = c.after.planes.len();
-        let out = g.run(Pipe::GdnRecurrent, &push, Groups::Fixed([nv as u32, 1, 1]), &b, &outs, &[(planes, all)]);
-        for (t, want) in ys.iter().enumerate() {
+        let out = g.run(Pipe::GdnRecurrent, &push, recurrent_groups(&c, g.pipes.gdn_lanes), &b, &outs, &[(planes, all)]);
+        for (t, want) in os.iter().enumerate() {
             check(&format!("{what} output token {t}"), out.s(at + (t * tok + y) as u32, dv), want, 2e-5);
         }
         check(&format!("{what} planes"), out.st(planes, all), &after.planes, 2e-5);
+        // The gated norm over the pass, on the CPU's delta-rule outputs.
+        for (t, o) in os.iter().enumerate() {
+            block[t * tok + y..t * tok + y + dv].copy_from_slice(o);
+        }
+        let mut b = Bufs::default();
+        let at = b.s.put(&block);
+        let push = norm_push(&mut b, &c, at + y as u32, at + z as u32, tok);
+        let outs: Vec<(u32, usize)> = (0..n).map(|t| (at + (t * tok + y) as u32, dv)).collect();
+        let out = g.run(Pipe::GdnNorm, &push, Groups::Fixed([nv as u32, n as u32, 1]), &b, &outs, &[]);
+        for (t, want) in ys.iter().enumerate() {
+            check(&format!("{what} normed token {t}"), out.s(at + (t * tok + y) as u32, dv), want, 4e-6);
+        }
     }
 }
