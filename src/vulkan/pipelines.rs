@@ -699,9 +699,11 @@ pub(crate) struct Pipelines {
     /// Which of the routed experts' matrices run on the matrix-matrix
     /// modules (`FNX_VK_MM_EXPERTS=0` none, `1` all; by default the gate/up
     /// projections, whose SwiGLU tiles of 64 rows read 2560 columns: on an
-    /// H100 at 512 tokens a pass 0.156 against 0.206 ms per token on the
-    /// batch modules, while the down projections, 640 columns, ran 0.088
-    /// against 0.079; see docs/BENCHMARKS.md).
+    /// H100 at 512 tokens a pass the Q4_K ones took 0.156 against 0.206 ms
+    /// per token on the batch modules, while the Q5_0 down projections, 640
+    /// columns, ran 0.088 against 0.079; see docs/BENCHMARKS.md). Q2_K and
+    /// Q3_K experts stay off them by default: the earlier tiles ran them 4x
+    /// slower than their plain fast modules, and these have not been timed.
     pub mm_experts: MmExperts,
     /// Rows at least this long (`FNX_VK_ROUND_ONCE_COLS`, default 0: none)
     /// are rounded to 8 bits once for one token's fast matvec (act_int8,

@@ -255,7 +255,9 @@ impl<'a> Recorder<'a> {
         let worth = match (arena, p.mm_experts) {
             (false, _) => rows >= p.mm_rows,
             (true, MmExperts::All) => true,
-            (true, MmExperts::GateUp) => swiglu,
+            // Not the 2- and 3-bit K-quants, unmeasured here (their experts
+            // run the plain fast modules: see Pipelines::mm_experts).
+            (true, MmExperts::GateUp) => swiglu && !matches!(ty, GgmlType::Q2K | GgmlType::Q3K),
             (true, MmExperts::None) => false,
         };
         let fits = p.mm && worth && entries >= p.mm_min && cols.is_multiple_of(MM_COLS) && cols <= FAST_MAX_COLS;
