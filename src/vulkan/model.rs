@@ -210,6 +210,10 @@ fn check_shapes(cfg: &Config) -> Result<()> {
             return Err(Error::Backend(format!("{what} {have} exceeds the Vulkan shaders' limit {max}")));
         }
     }
+    if !cfg.ssm_head_dim.is_multiple_of(4) {
+        // shaders/gdn_recurrent.comp reads q and k four values at a time.
+        return Err(Error::Backend(format!("GDN head dim {} is not a multiple of 4, as the Vulkan delta rule needs", cfg.ssm_head_dim)));
+    }
     Ok(())
 }
 
@@ -617,5 +621,22 @@ impl BackendModel for VulkanBackend {
 
     fn gpu_coopmat(&self) -> bool {
         self.0.pipes.mm
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_past_the_shaders_are_refused_with_the_reason() {
+        let ok = Config { ssm_head_dim: 128, ..crate::vulkan::stage_twins::config() };
+        assert!(check_shapes(&ok).is_ok());
+        let odd = Config { ssm_head_dim: 30, ..ok.clone() };
+        let e = check_shapes(&odd).unwrap_err().to_string();
+        assert!(e.contains("GDN head dim 30 is not a multiple of 4"), "{e}");
+        let wide = Config { ssm_head_dim: 256, ..ok };
+        let e = check_shapes(&wide).unwrap_err().to_string();
+        assert!(e.contains("GDN head dim 256 exceeds"), "{e}");
     }
 }

@@ -306,7 +306,7 @@ fn identity(n: usize) -> Tensor {
 
 /// The real model's hyper-parameters (`src/synth/flash-next-text-config.json`);
 /// each test overrides what it varies.
-fn config() -> Config {
+pub(super) fn config() -> Config {
     Config {
         n_layers: 1,
         context_length: 1 << 18,
