@@ -650,9 +650,22 @@ pub(crate) const fn mm_entries(arena: bool) -> u32 {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum MmExperts {
     None,
-    /// The gate/up projections (SwiGLU dispatches).
+    /// The gate/up projections (SwiGLU dispatches), but for the 2- and 3-bit
+    /// K-quants, not timed on these tiles (their experts run the plain fast
+    /// modules).
     GateUp,
     All,
+}
+
+impl MmExperts {
+    /// Whether an expert matrix of `ty` (gate/up when `swiglu`) runs on them.
+    pub(crate) fn takes(self, ty: GgmlType, swiglu: bool) -> bool {
+        match self {
+            MmExperts::None => false,
+            MmExperts::GateUp => swiglu && !matches!(ty, GgmlType::Q2K | GgmlType::Q3K),
+            MmExperts::All => true,
+        }
+    }
 }
 
 /// Columns of one step of shaders/mm.comp (`BK`): its rows must be a multiple.
@@ -702,8 +715,8 @@ pub(crate) struct Pipelines {
     /// H100 at 512 tokens a pass the Q4_K ones took 0.156 against 0.206 ms
     /// per token on the batch modules, while the Q5_0 down projections, 640
     /// columns, ran 0.088 against 0.079; see docs/BENCHMARKS.md). Q2_K and
-    /// Q3_K experts stay off them by default: the earlier tiles ran them 4x
-    /// slower than their plain fast modules, and these have not been timed.
+    /// Q3_K experts stay off them by default ([`MmExperts::GateUp`]): the
+    /// earlier tiles ran them 4x slower than their plain fast modules.
     pub mm_experts: MmExperts,
     /// Rows at least this long (`FNX_VK_ROUND_ONCE_COLS`, default 0: none)
     /// are rounded to 8 bits once for one token's fast matvec (act_int8,

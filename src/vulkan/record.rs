@@ -13,7 +13,7 @@
 use super::device::{err, Context};
 use super::layout::PartLayout;
 use super::matrix::GpuMatrix;
-use super::pipelines::{ActInt8Push, MatvecPush, MatvecTuning, MmExperts, Pipe, Pipelines, Push, Sets, FAST_MAX_COLS, MM_COLS, MM_ROWS, mm_entries};
+use super::pipelines::{ActInt8Push, MatvecPush, MatvecTuning, Pipe, Pipelines, Push, Sets, FAST_MAX_COLS, MM_COLS, MM_ROWS, mm_entries};
 use crate::error::Result;
 use crate::gguf::GgmlType;
 use ash::vk;
@@ -203,7 +203,7 @@ impl<'a> Recorder<'a> {
         if let Some(mm) = part.ty.and_then(|ty| self.mm(ty, arena, swiglu, part.cols, entries as usize, push.total_rows as usize)).filter(|_| tiled) {
             // shaders/mm.comp: tiles of MM_ROWS rows (SwiGLU: half of them gate
             // rows, half up rows) by mm_entries entries.
-            let tile_rows = if push.mode == 4 { MM_ROWS / 2 } else { MM_ROWS };
+            let tile_rows = if swiglu { MM_ROWS / 2 } else { MM_ROWS };
             let tile = mm_entries(arena);
             (push.tpr_shift, push.tile, push.ntok) = (0, tile, entries);
             return (mm, grid(self.ctx, (push.rows as usize).div_ceil(tile_rows), entries.div_ceil(tile)));
@@ -252,14 +252,7 @@ impl<'a> Recorder<'a> {
     /// [`Pipelines::mm_experts`]).
     fn mm(&self, ty: GgmlType, arena: bool, swiglu: bool, cols: usize, entries: usize, rows: usize) -> Option<Pipe> {
         let p = &self.pipes;
-        let worth = match (arena, p.mm_experts) {
-            (false, _) => rows >= p.mm_rows,
-            (true, MmExperts::All) => true,
-            // Not the 2- and 3-bit K-quants, unmeasured here (their experts
-            // run the plain fast modules: see Pipelines::mm_experts).
-            (true, MmExperts::GateUp) => swiglu && !matches!(ty, GgmlType::Q2K | GgmlType::Q3K),
-            (true, MmExperts::None) => false,
-        };
+        let worth = if arena { p.mm_experts.takes(ty, swiglu) } else { rows >= p.mm_rows };
         let fits = p.mm && worth && entries >= p.mm_min && cols.is_multiple_of(MM_COLS) && cols <= FAST_MAX_COLS;
         fits.then(|| Pipe::mm(ty, arena)).flatten()
     }
