@@ -315,3 +315,69 @@ fn matvec_sweep() {
     let _ = (&sw.scratch, &sw.params);
     assert_eq!(super::device::validation_errors(), 0, "Vulkan validation errors (printed above)");
 }
+
+/// The matrix-matrix modules (shaders/mm.comp) on the real model's dense
+/// shapes for a pass of 512 tokens, for tuning on a GPU (an ignored test;
+/// it checks nothing):
+///
+/// ```text
+/// cargo test --release --lib mm_sweep -- --ignored --nocapture
+/// ```
+///
+/// Prints the GPU time per dispatch and the TFLOP/s it implies. One copy of
+/// each matrix (as in a pass, where the tiles of tokens share the rows in the
+/// L2 cache). With `FNX_VK_SPIRV_DIR` (src/vulkan/pipelines.rs) it times
+/// variants of the modules without a rebuild; `FNX_VK_SWEEP_REPS` as above.
+#[test]
+#[ignore = "a benchmark for tuning on a GPU: run with --ignored --nocapture"]
+fn mm_sweep() {
+    const N: usize = 512;
+    let ctx = Arc::new(Context::new(&DeviceChoice::default()).expect("a Vulkan device"));
+    if !(ctx.int_dot.supported && ctx.coopmat) {
+        println!("{}: no cooperative matrices or integer dot products, nothing to time", ctx.name);
+        return;
+    }
+    let pipes = Pipelines::with_mm(&ctx, true, true, MatvecTuning::from_env).unwrap();
+    let reps = list("FNX_VK_SWEEP_REPS", "20").first().copied().unwrap_or(20) as usize;
+    let cases = [
+        ("ssm_out", GgmlType::Q8_0, 2560, 6144),
+        ("gdn in", GgmlType::Q8_0, 16480, 2560),
+        ("shared gate/up", GgmlType::Q4K, 10240, 2560),
+        ("lm_head part", GgmlType::Q6K, 16384, 2560),
+    ];
+    let (max_cols, max_rows) = (6144, 16480);
+    let (x, y) = (0usize, N * max_cols);
+    let scratch = Buffer::new(&ctx, "mm sweep scratch", ((y + N * max_rows) * 4) as u64, MemoryLocation::GpuOnly).unwrap();
+    let params = Buffer::new(&ctx, "mm sweep params", 4 * 1024, MemoryLocation::GpuOnly).unwrap();
+    let cmds = Commands::new(&ctx).unwrap();
+    let init: Vec<u8> = (0..y).flat_map(|i| (((i % 13) as f32 - 6.0) / 64.0).to_le_bytes()).collect();
+    cmds.upload(&scratch, 0, &init).unwrap();
+    let pool = DescriptorPool::new(&ctx, 1, 3).unwrap();
+    let set = pool.set(pipes.state_layout, &[&[scratch.info()], &[scratch.info()], &[params.info()]]).unwrap();
+    let ts = Timestamps::new(&ctx).unwrap();
+    println!("device {}, {N} tokens, {reps} dispatches a point", ctx.name);
+    let mut warmed = false;
+    for (name, ty, rows, cols) in cases {
+        let t = random_tensor(ty, rows, cols, 1);
+        let mut stream = Stream::new(&ctx).unwrap();
+        let m = GpuMatrix::upload_split(&ctx, &pipes, &mut stream, &[&t], max_binding_bytes(&ctx)).unwrap();
+        stream.finish().unwrap();
+        let record = |rec: &mut Recorder| {
+            for _ in 0..reps {
+                let push = MatvecPush { x_off: x as u32, x_stride: cols as u32, y_off: y as u32, y_stride: rows as u32, ..Default::default() };
+                rec.matvec_n(&m, set, push, N);
+            }
+        };
+        if !warmed {
+            let t0 = std::time::Instant::now();
+            while t0.elapsed().as_secs_f64() < 1.0 {
+                time(&ctx, &pipes, &cmds, &ts, &record);
+            }
+            warmed = true;
+        }
+        let ms = time(&ctx, &pipes, &cmds, &ts, &record) / reps as f64;
+        let tflops = 2.0 * (rows * cols * N) as f64 / (ms * 1e-3) / 1e12;
+        println!("mm {name:<16} {ty:<5} {rows:>6} x {cols:<5} {:>9.1} us  {tflops:>7.1} TFLOP/s", ms * 1e3);
+    }
+    assert_eq!(super::device::validation_errors(), 0, "Vulkan validation errors (printed above)");
+}

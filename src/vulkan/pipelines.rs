@@ -233,6 +233,20 @@ macro_rules! spirv {
     };
 }
 
+/// A module's SPIR-V from `$FNX_VK_SPIRV_DIR/<name>.spv` when that variable
+/// is set and the file exists, for trying shader variants on a GPU without
+/// rebuilding the library: the module still has to declare this build's push
+/// constants ([`Pipelines::create`] refuses it otherwise).
+fn spirv_override(name: &str) -> Result<Option<Vec<u8>>> {
+    let Some(dir) = std::env::var_os("FNX_VK_SPIRV_DIR").filter(|d| !d.is_empty()) else { return Ok(None) };
+    let path = std::path::Path::new(&dir).join(format!("{name}.spv"));
+    match std::fs::read(&path) {
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(crate::Error::Backend(format!("FNX_VK_SPIRV_DIR: cannot read {}: {e}", path.display()))),
+    }
+}
+
 macro_rules! pipes {
     ($($variant:ident = $name:literal, $sets:ident, $push:ty, $wg:literal;)*) => {
         /// A pipeline of the table.
@@ -854,7 +868,9 @@ impl Pipelines {
     fn create(&mut self, spec: &Spec, tuning: MatvecTuning) -> Result<()> {
         // A shader built from other sources than this build's mirrors would
         // read its push constants wrong: refuse it here, with the difference.
-        let shader = super::reflect::push_constants(spec.spirv).map_err(|e| crate::Error::Backend(format!("{}: {e}", spec.name)))?;
+        let spirv = spirv_override(spec.name)?;
+        let spirv = spirv.as_deref().unwrap_or(spec.spirv);
+        let shader = super::reflect::push_constants(spirv).map_err(|e| crate::Error::Backend(format!("{}: {e}", spec.name)))?;
         if !super::reflect::same(&shader, spec.fields) {
             return Err(crate::Error::Backend(format!(
                 "{}: the shader's push constants {shader:?} differ from this build's {:?}",
@@ -868,7 +884,7 @@ impl Pipelines {
             Sets::StateArena => vec![self.state_layout, self.arena_layout],
         };
         let ranges = [vk::PushConstantRange::default().stage_flags(vk::ShaderStageFlags::COMPUTE).size(spec.push_size as u32)];
-        let words = ash::util::read_spv(&mut std::io::Cursor::new(spec.spirv)).expect("the embedded SPIR-V is well formed");
+        let words = ash::util::read_spv(&mut std::io::Cursor::new(spirv)).map_err(|e| crate::Error::Backend(format!("{}: malformed SPIR-V ({e})", spec.name)))?;
         // SAFETY: valid device, SPIR-V from glslc, create infos outlive the calls.
         unsafe {
             let layout = d
