@@ -170,6 +170,30 @@ void put_item(uint row, uint g0, uint s0, uint j, uint at) {
 #endif
 }
 
+#define ACC fcoopmatNV<32, gl_ScopeSubgroup, 16, 16>
+#define FRAG fcoopmatNV<16, gl_ScopeSubgroup, 16, 16>
+// Plain matrices: four row blocks a subgroup (two for the experts).
+#ifdef ARENA
+#define RB4 0
+#else
+#define RB4 1
+#endif
+
+// Accumulator i (a constant once the epilogue's loops unroll) into the
+// subgroup's staging at `at`, column-major.
+void store_acc(uint i, uint at, ACC c0, ACC c1, ACC c2, ACC c3, ACC c4, ACC c5, ACC c6, ACC c7) {
+    switch (i) {
+    case 0u: coopMatStoreNV(c0, sm, at, 4u, true); break;
+    case 1u: coopMatStoreNV(c1, sm, at, 4u, true); break;
+    case 2u: coopMatStoreNV(c2, sm, at, 4u, true); break;
+    case 3u: coopMatStoreNV(c3, sm, at, 4u, true); break;
+    case 4u: coopMatStoreNV(c4, sm, at, 4u, true); break;
+    case 5u: coopMatStoreNV(c5, sm, at, 4u, true); break;
+    case 6u: coopMatStoreNV(c6, sm, at, 4u, true); break;
+    default: coopMatStoreNV(c7, sm, at, 4u, true); break;
+    }
+}
+
 // Activations per invocation and step: pairs of vec4s (BN entries of BK
 // values, eight values per shared element).
 #define XR (BN * BK / 8u / WG)
@@ -220,8 +244,12 @@ void main() {
             xr[2u * i] = j < n ? xv(xat[j] + at) : vec4(0.0);
             xr[2u * i + 1u] = j < n ? xv(xat[j] + at + 4u) : vec4(0.0);
         }
-        fcoopmatNV<32, gl_ScopeSubgroup, 16, 16> acc[RB * CB];
-        [[unroll]] for (uint c = 0u; c < RB * CB; c++) acc[c] = fcoopmatNV<32, gl_ScopeSubgroup, 16, 16>(0.0);
+        // The accumulators as named variables (block (rb, cb) is c<2 rb + cb>):
+        // an array of them lived in local memory on NVIDIA (its compiler
+        // kept the array's dynamic indexing), every product a round trip.
+        // (The experts' tiles use c0 to c3.)
+        ACC c0 = ACC(0.0), c1 = ACC(0.0), c2 = ACC(0.0), c3 = ACC(0.0);
+        ACC c4 = ACC(0.0), c5 = ACC(0.0), c6 = ACC(0.0), c7 = ACC(0.0);
         for (uint s0 = 0u; s0 < pc.cols; s0 += BK) {
             // The step before is done with the tiles.
             if (s0 > 0u) barrier();
@@ -256,17 +284,31 @@ void main() {
             }
             barrier();
             [[unroll]] for (uint kk = 0u; kk < BK; kk += 16u) {
-                fcoopmatNV<16, gl_ScopeSubgroup, 16, 16> a[RB], bm[CB];
-                [[unroll]] for (uint rb = 0u; rb < RB; rb++) {
-                    coopMatLoadNV(a[rb], sm, A_AT + 16u * (sr + NSR * rb) * LDV + kk / 8u, LDV, false);
+                FRAG a0, a1, b0, b1;
+                coopMatLoadNV(a0, sm, A_AT + 16u * sr * LDV + kk / 8u, LDV, false);
+                coopMatLoadNV(a1, sm, A_AT + 16u * (sr + NSR) * LDV + kk / 8u, LDV, false);
+#if RB4
+                FRAG a2, a3;
+                coopMatLoadNV(a2, sm, A_AT + 16u * (sr + 2u * NSR) * LDV + kk / 8u, LDV, false);
+                coopMatLoadNV(a3, sm, A_AT + 16u * (sr + 3u * NSR) * LDV + kk / 8u, LDV, false);
+#endif
+                if (sc < blocks) {
+                    coopMatLoadNV(b0, sm, B_AT + 16u * sc * LDV + kk / 8u, LDV, true);
+                    c0 = coopMatMulAddNV(a0, b0, c0);
+                    c2 = coopMatMulAddNV(a1, b0, c2);
+#if RB4
+                    c4 = coopMatMulAddNV(a2, b0, c4);
+                    c6 = coopMatMulAddNV(a3, b0, c6);
+#endif
                 }
-                [[unroll]] for (uint cb = 0u; cb < CB; cb++) {
-                    if (sc + NSC * cb < blocks) coopMatLoadNV(bm[cb], sm, B_AT + 16u * (sc + NSC * cb) * LDV + kk / 8u, LDV, true);
-                }
-                [[unroll]] for (uint cb = 0u; cb < CB; cb++) {
-                    if (sc + NSC * cb < blocks) {
-                        [[unroll]] for (uint rb = 0u; rb < RB; rb++) acc[rb * CB + cb] = coopMatMulAddNV(a[rb], bm[cb], acc[rb * CB + cb]);
-                    }
+                if (sc + NSC < blocks) {
+                    coopMatLoadNV(b1, sm, B_AT + 16u * (sc + NSC) * LDV + kk / 8u, LDV, true);
+                    c1 = coopMatMulAddNV(a0, b1, c1);
+                    c3 = coopMatMulAddNV(a1, b1, c3);
+#if RB4
+                    c5 = coopMatMulAddNV(a2, b1, c5);
+                    c7 = coopMatMulAddNV(a3, b1, c7);
+#endif
                 }
             }
         }
@@ -282,8 +324,8 @@ void main() {
             if (c >= blocks) continue;
             [[unroll]] for (uint rb = 0u; rb < RB; rb++) {
                 if (rb >= out_rb) continue;
-                coopMatStoreNV(acc[rb * CB + cb], sm, stage, 4u, true);
-                if (swiglu) coopMatStoreNV(acc[(rb + RB / 2u) * CB + cb], sm, stage + 64u, 4u, true);
+                store_acc(rb * CB + cb, stage, c0, c1, c2, c3, c4, c5, c6, c7);
+                if (swiglu) store_acc((rb + RB / 2u) * CB + cb, stage + 64u, c0, c1, c2, c3, c4, c5, c6, c7);
                 subgroupMemoryBarrierShared();
                 subgroupBarrier();
                 // Lane: row i of the block, entries jj = lane / 16 + 2 u
