@@ -257,8 +257,10 @@ void main() {
                 uint q = t + WG * i;
                 sm[B_AT + (q / (BK / 8u)) * LDV + q % (BK / 8u)] = uvec4(half4(xr[2u * i]), half4(xr[2u * i + 1u]));
             }
-            for (uint q = t; q < BM * IPS; q += WG) {
-                uint lr = q / IPS, j = q % IPS;
+            // A fixed number of items per invocation, unrolled, so that every
+            // item's loads are issued before the first one's stores.
+            [[unroll]] for (uint it = 0u; it < BM * IPS / WG; it++) {
+                uint q = t + WG * it, lr = q / IPS, j = q % IPS;
                 // Tile rows past the end repeat the last row (never stored).
                 bool up = swiglu && lr >= BM / 2u;
                 uint r = min(r0 + (up ? lr - BM / 2u : lr), pc.rows - 1u);
