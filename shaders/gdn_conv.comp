@@ -1,12 +1,19 @@
 #version 450
 // Gated DeltaNet depthwise causal conv + SiLU over the inputs of positions
-// pos-Kc+1..pos, for the `n` tokens of a pass one after another (each
-// invocation owns a channel, so a token reads the ring rows the ones before
-// it wrote without a barrier); the history is a ring of `rows` rows by
-// position (the first rows*Dc floats of the layer state; see
+// pos-Kc+1..pos, for the `n` tokens of a pass. The history is a ring of
+// `rows` rows by position (the first rows*Dc floats of the layer state; see
 // src/model/backend.rs), and a token's input goes to row pos % rows.
+//
+// A workgroup owns 64 channels (x) and spreads the pass's tokens over its
+// eight invocations of a channel (y): a token reads the inputs of the
+// tokens before it in the pass where they are (the pass's inputs) and only
+// the earlier positions from the ring, so the tokens are independent; after
+// a barrier the last `rows` tokens write their inputs into the ring (what
+// token-by-token writes leave there). Each sum runs in token-by-token
+// decoding's order: a pass gives its values bit for bit.
 #define WG 64
 #include "common.glsl"
+layout(local_size_y = 8) in;
 
 layout(push_constant) uniform Push {
     uint x_off;      // [Dc] qkv projection (token 0's; tok_stride apart)
@@ -21,19 +28,25 @@ layout(push_constant) uniform Push {
 } pc;
 
 void main() {
-    uint c = gl_GlobalInvocationID.x;
-    if (c >= pc.dc) return;
+    uint c = gl_GlobalInvocationID.x, lanes = gl_WorkGroupSize.y;
+    bool live = c < pc.dc;
     uint kc = pc.kc, rows = pc.rows;
-    for (uint t = 0u; t < pc.n; t++) {
+    for (uint t = gl_LocalInvocationID.y; live && t < pc.n; t += lanes) {
         uint pos = pc.pos + t;
         float x = s[pc.x_off + t * pc.tok_stride + c];
         float acc = prm[pc.taps + c * kc + kc - 1u] * x;
         // Tap k reads the input kc-1-k positions back (rows before the start hold zeros).
         for (uint k = 0u; k + 1u < kc; k++) {
-            uint row = (pos + rows - (kc - 1u - k)) % rows;
-            acc += prm[pc.taps + c * kc + k] * st[row * pc.dc + c];
+            uint back = kc - 1u - k;
+            float xb = t >= back ? s[pc.x_off + (t - back) * pc.tok_stride + c] : st[((pos + rows - back) % rows) * pc.dc + c];
+            acc += prm[pc.taps + c * kc + k] * xb;
         }
         s[pc.y_off + t * pc.tok_stride + c] = silu(acc);
-        st[(pos % rows) * pc.dc + c] = x;
+    }
+    // Every read of the ring's earlier rows is done before they are overwritten.
+    memoryBarrierBuffer();
+    barrier();
+    for (uint t = gl_LocalInvocationID.y; live && t < pc.n; t += lanes) {
+        if (t + rows >= pc.n) st[((pc.pos + t) % rows) * pc.dc + c] = s[pc.x_off + t * pc.tok_stride + c];
     }
 }

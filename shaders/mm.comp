@@ -7,56 +7,59 @@
 // of matvec.comp for its batches (same push constants, entries and
 // epilogues), where the device has cooperative matrices
 // (VK_NV_cooperative_matrix: 16x16x16, f16 inputs, f32 sums; the host runs
-// this module only with subgroups of 32, four to a workgroup).
+// this module only with subgroups of 32, eight to a workgroup).
 //
 // A workgroup computes a tile of BM = 128 output rows (SwiGLU: 64 gate rows
 // and their 64 up rows) for BN consecutive entries of the dispatch
-// (workgroup y-index: entries BN y .. BN y + BN - 1): 64 for a plain matrix
-// (the tokens of a pass: each decoded weight serves up to 64 of them), 32
-// for the routed experts (src/vulkan/pipelines.rs: mm_entries). Entries of
-// a tile that read different weights (the (token, expert) pairs of a pass,
-// grouped by expert) run one after the other: each run of entries with the
-// same slot sweeps the rows once.
+// (workgroup y-index: entries BN y .. BN y + BN - 1): 128 for a plain
+// matrix (the tokens of a pass: each decoded weight serves up to 128 of
+// them), 32 for the routed experts (src/vulkan/pipelines.rs: mm_entries).
+// Entries of a tile that read different weights (the (token, expert) pairs
+// of a pass, grouped by expert) run one after the other: each run of
+// entries with the same slot sweeps the rows once.
 //
 // Each step of BK = 64 columns decodes the tile's weights into shared
 // memory as f16 (weights.glsl's levels and scales, the exact dequantized
-// value rounded once) and stores the run's activations there as f16, then
-// the four subgroups multiply: with NSR subgroup rows and 4 / NSR subgroup
-// columns, subgroup (sr, sc) owns the 16-row blocks sr, sr + NSR, ... and
-// the 16-entry blocks sc, sc + 4 / NSR, ... of the tile (plain matrices 4 x
-// 2 blocks, experts 2 x 2), so each fragment loaded from shared memory
-// feeds several products, and a SwiGLU tile's gate block b and up block
-// b + 4 belong to the same subgroup. While a step's products run, the next
-// step's activations are already loaded into registers and its weight
-// bytes into the cache. The sums leave through a small staging region per
-// subgroup to the epilogue (matvec.comp's modes 0 to 4).
+// value rounded once; Q8_0 in packed f16 arithmetic, which rounds the same
+// product once) and stores the run's activations there as f16, then the
+// eight subgroups multiply: subgroup (sr, sc) owns the 16-row blocks sr and
+// sr + 4 and the 16-entry blocks sc, sc + 2, ... of the tile (plain
+// matrices 2 x 4 blocks, experts 2 x 1), so a SwiGLU tile's gate block b
+// and its up block b + 4 belong to the same subgroup. While a step's
+// products run, the next step's activations are already loaded into
+// registers and its weight bytes into the cache. The sums leave through a
+// small staging region per subgroup to the epilogue (matvec.comp's modes 0
+// to 4). Eight subgroups rather than four keep twice the loads in flight
+// (docs/BENCHMARKS.md, "Workgroups of eight subgroups").
 //
 // Not the exact path: each weight and each activation is rounded to f16
-// (relative 2^-11 each; magnitudes past 65504 are clamped), the products
-// summed in f32 in the tensor cores' order. src/vulkan/twins.rs states and
-// tests the bound. The host takes it for the quantized types with rows of
-// a multiple of 64 values, only with the fast kernels (FNX_GPU_KERNELS),
-// where the device has cooperative matrices (FNX_VK_COOPMAT=0,
-// LoadOptions::gpu_coopmat = Some(false) turn it off).
-#define WG 128
+// (relative 2^-11 each; magnitudes past 65504 are clamped, Q8_0 scales
+// past 511.75), the products summed in f32 in the tensor cores' order.
+// src/vulkan/twins.rs states and tests the bound. The host takes it for the
+// quantized types with rows of a multiple of 64 values, only with the fast
+// kernels (FNX_GPU_KERNELS), where the device has cooperative matrices
+// (FNX_VK_COOPMAT=0, LoadOptions::gpu_coopmat = Some(false) turn it off).
+#define WG 256
 #include "common.glsl"
 #include "matvec_push.glsl"
 #include "weights.glsl"
 
 #define BM 128u
 #define BK 64u
+// Entry blocks of a subgroup (NCB) and of the tile (BN / 16).
 #ifdef ARENA
-#define BN 32u
-#define NSR 4u
+#define NCB 1
 #else
-#define BN 64u
-#define NSR 2u
+#define NCB 4
 #endif
+#define BN (32u * NCB)
 #define SUBGROUPS (WG / 32u)
-#define NSC (SUBGROUPS / NSR)
-// Row and entry blocks of a subgroup.
-#define RB (BM / 16u / NSR)
-#define CB (BN / 16u / NSC)
+// Subgroup rows and columns: subgroup (sr, sc) owns row blocks sr and sr +
+// NSR and entry blocks sc, sc + NSC, ...
+#define NSR 4u
+#define NSC 2u
+#define RB 2u
+#define CB uint(NCB)
 // Shared rows of BK halves padded by 8 (16 bytes: consecutive rows start 4
 // banks apart, so the fragment loads' eight 16-byte rows hit distinct banks),
 // counted in uvec4 elements of eight halves (one 16-byte store per 8 values;
@@ -82,7 +85,8 @@ uvec2 half4(vec4 v) {
 // clamped to its range.
 void put8(uint at, vec4 a, vec4 b) { sm[at >> 3] = uvec4(half4(a), half4(b)); }
 
-// Work items of a row per step of BK columns (each writes 16 to 64 values).
+// Work items of a row per step of BK columns (each writes 16 or 32 values;
+// at least one per invocation).
 #if defined(WEIGHT_Q4_0) || defined(WEIGHT_Q4_1) || defined(WEIGHT_Q5_0) || defined(WEIGHT_Q5_1)
 #define IPS 2u
 #elif defined(WEIGHT_Q8_0) || defined(WEIGHT_Q6_K)
@@ -90,7 +94,7 @@ void put8(uint at, vec4 a, vec4 b) { sm[at >> 3] = uvec4(half4(a), half4(b)); }
 #elif defined(WEIGHT_Q2_K) || defined(WEIGHT_Q3_K)
 #define IPS 2u
 #elif defined(WEIGHT_Q4_K) || defined(WEIGHT_Q5_K)
-#define IPS 1u
+#define IPS 2u
 #else
 #error "mm.comp takes the quantized types"
 #endif
@@ -119,11 +123,21 @@ void put_item(uint row, uint g0, uint s0, uint j, uint at) {
 #elif defined(WEIGHT_Q8_0)
     // Half kk of block s0 / 32 + j / 2: values 16 j .. 16 j + 15 of the step.
     uint b = s0 / 32u + j / 2u, kk = j & 1u, g = g0 + b;
-    uvec4 q = P4(row + 32u * b + 16u * kk);
-    float d = half_at(F0 + 2u * g);
-    [[unroll]] for (uint i = 0u; i < 4u; i += 2u) {
-        put8(at + 16u * j + 4u * i, f4(q[i] ^ 0x80808080u, 128.0) * d, f4(q[i + 1u] ^ 0x80808080u, 128.0) * d);
+    // In packed f16: (1024 + q + 128) - 1152 is q exactly, times the scale
+    // one rounding (the exact product rounded once, as the other types); a
+    // scale is clamped to 511.75 so that the products stay finite.
+    uvec4 q = P4(row + 32u * b + 16u * kk) ^ 0x80808080u;
+    f16vec2 d = f16vec2(float16_t(clamp(half_at(F0 + 2u * g), -511.75, 511.75)));
+    uvec4 o[2];
+    [[unroll]] for (uint i = 0u; i < 4u; i++) {
+        // 1024 + byte as f16 (0x6400 | byte), bytes 0, 2 and 1, 3 of word i.
+        f16vec2 e = (unpackFloat2x16((q[i] & 0x00FF00FFu) | 0x64006400u) - float16_t(1152.0)) * d;
+        f16vec2 u = (unpackFloat2x16(((q[i] >> 8) & 0x00FF00FFu) | 0x64006400u) - float16_t(1152.0)) * d;
+        o[i >> 1][2u * (i & 1u)] = packFloat2x16(f16vec2(e.x, u.x));
+        o[i >> 1][2u * (i & 1u) + 1u] = packFloat2x16(f16vec2(e.y, u.y));
     }
+    sm[(at + 16u * j) >> 3] = o[0];
+    sm[(at + 16u * j + 8u) >> 3] = o[1];
 #elif defined(WEIGHT_Q2_K) || defined(WEIGHT_Q3_K)
     // Half n of block b holds groups jj of 32 values at 128 n + 32 jj, item
     // 2 n + kk the 16 at 16 kk of each; the step is groups 2 m and 2 m + 1.
@@ -145,16 +159,15 @@ void put_item(uint row, uint g0, uint s0, uint j, uint at) {
 #endif
     }
 #elif defined(WEIGHT_Q4_K) || defined(WEIGHT_Q5_K)
-    // Group c of 64 values: the whole step.
+    // Half j of group c of 64 values (the whole step): values 16 j .. 16 j +
+    // 15 (low nibbles) and 32 further (high nibbles).
     uint b = s0 / 256u, c = (s0 / 64u) & 3u, g = g0 + b;
-    uvec4 lo[2], hi[2];
-    vec4 f;
-    levels_k45(row, g, b, c, lo, hi, f);
-    [[unroll]] for (uint h = 0u; h < 2u; h++) {
-        [[unroll]] for (uint i = 0u; i < 4u; i += 2u) {
-            put8(at + 16u * h + 4u * i, f4(lo[h][i], 0.0) * f.x - f.z, f4(lo[h][i + 1u], 0.0) * f.x - f.z);
-            put8(at + 32u + 16u * h + 4u * i, f4(hi[h][i], 0.0) * f.y - f.w, f4(hi[h][i + 1u], 0.0) * f.y - f.w);
-        }
+    uvec4 lo, hi;
+    levels_k45_half(row, b, c, j, lo, hi);
+    vec4 f = scales_k45(g, c);
+    [[unroll]] for (uint i = 0u; i < 4u; i += 2u) {
+        put8(at + 16u * j + 4u * i, f4(lo[i], 0.0) * f.x - f.z, f4(lo[i + 1u], 0.0) * f.x - f.z);
+        put8(at + 32u + 16u * j + 4u * i, f4(hi[i], 0.0) * f.y - f.w, f4(hi[i + 1u], 0.0) * f.y - f.w);
     }
 #elif defined(WEIGHT_Q6_K)
     // Half hh of block b: items 4 hh + j hold values 128 hh + 32 p + l0 + l
@@ -172,12 +185,15 @@ void put_item(uint row, uint g0, uint s0, uint j, uint at) {
 
 #define ACC fcoopmatNV<32, gl_ScopeSubgroup, 16, 16>
 #define FRAG fcoopmatNV<16, gl_ScopeSubgroup, 16, 16>
-// Plain matrices: four row blocks a subgroup (two for the experts).
-#ifdef ARENA
-#define RB4 0
-#else
-#define RB4 1
-#endif
+// Entry block sc + NSC cb of the tile times row blocks sr and sr + NSR
+// (fragments a0, a1) into accumulators C0 and C1, when the run fills it.
+#define PRODUCTS(cb, C0, C1) \
+    if (sc + NSC * cb < blocks) { \
+        FRAG bb; \
+        coopMatLoadNV(bb, sm, B_AT + 16u * (sc + NSC * cb) * LDV + kk / 8u, LDV, true); \
+        C0 = coopMatMulAddNV(a0, bb, C0); \
+        C1 = coopMatMulAddNV(a1, bb, C1); \
+    }
 
 // Accumulator i (a constant once the epilogue's loops unroll) into the
 // subgroup's staging at `at`, column-major.
@@ -286,32 +302,18 @@ void main() {
             }
             barrier();
             [[unroll]] for (uint kk = 0u; kk < BK; kk += 16u) {
-                FRAG a0, a1, b0, b1;
+                FRAG a0, a1;
                 coopMatLoadNV(a0, sm, A_AT + 16u * sr * LDV + kk / 8u, LDV, false);
                 coopMatLoadNV(a1, sm, A_AT + 16u * (sr + NSR) * LDV + kk / 8u, LDV, false);
-#if RB4
-                FRAG a2, a3;
-                coopMatLoadNV(a2, sm, A_AT + 16u * (sr + 2u * NSR) * LDV + kk / 8u, LDV, false);
-                coopMatLoadNV(a3, sm, A_AT + 16u * (sr + 3u * NSR) * LDV + kk / 8u, LDV, false);
+                // Block (rb, cb) is accumulator c<CB rb + cb>.
+#if NCB == 1
+                PRODUCTS(0u, c0, c1)
+#else
+                PRODUCTS(0u, c0, c4)
+                PRODUCTS(1u, c1, c5)
+                PRODUCTS(2u, c2, c6)
+                PRODUCTS(3u, c3, c7)
 #endif
-                if (sc < blocks) {
-                    coopMatLoadNV(b0, sm, B_AT + 16u * sc * LDV + kk / 8u, LDV, true);
-                    c0 = coopMatMulAddNV(a0, b0, c0);
-                    c2 = coopMatMulAddNV(a1, b0, c2);
-#if RB4
-                    c4 = coopMatMulAddNV(a2, b0, c4);
-                    c6 = coopMatMulAddNV(a3, b0, c6);
-#endif
-                }
-                if (sc + NSC < blocks) {
-                    coopMatLoadNV(b1, sm, B_AT + 16u * (sc + NSC) * LDV + kk / 8u, LDV, true);
-                    c1 = coopMatMulAddNV(a0, b1, c1);
-                    c3 = coopMatMulAddNV(a1, b1, c3);
-#if RB4
-                    c5 = coopMatMulAddNV(a2, b1, c5);
-                    c7 = coopMatMulAddNV(a3, b1, c7);
-#endif
-                }
             }
         }
         // Every subgroup is done with the tiles; each stages its blocks in

@@ -168,30 +168,36 @@ vec2 dm_k23(uint g) {
 // qs bytes 32c; byte l holds value 64c + l (low nibble, scale 2c) and
 // 64c + 32 + l (high nibble, scale 2c + 1). Q5_K: bits 2c and 2c + 1 of qh
 // byte l are their fifth bits. Field 0 is the 16-byte header (d, dmin, 12
-// bytes of six-bit scales and minima), decoded once per item. Levels of
-// values 64c + 16h.. in lo[h], 32 further in hi[h]; f = (d sc_2c,
-// d sc_2c+1, dmin m_2c, dmin m_2c+1).
-void levels_k45(uint row, uint g, uint b, uint c, out uvec4 lo[2], out uvec4 hi[2], out vec4 f) {
+// bytes of six-bit scales and minima), decoded once per item.
+
+// Half h of item c: levels of values 64c + 16h.. (lo) and 32 further (hi).
+void levels_k45_half(uint row, uint b, uint c, uint h, out uvec4 lo, out uvec4 hi) {
 #ifdef WEIGHT_Q4_K
-    uint at = row + 128u * b + 32u * c;
+    uvec4 q = P4(row + 128u * b + 32u * c + 16u * h);
+    lo = q & 0x0F0F0F0Fu;
+    hi = (q >> 4) & 0x0F0F0F0Fu;
 #else
     uint blk = row + 160u * b;
-    uint at = blk + 32u + 32u * c;
-    uvec4 qh[2] = uvec4[2](P4(blk), P4(blk + 16u));
+    uvec4 qh = P4(blk + 16u * h);
+    uvec4 q = P4(blk + 32u + 32u * c + 16u * h);
+    lo = (q & 0x0F0F0F0Fu) | (((qh >> (2u * c)) & 0x01010101u) << 4);
+    hi = ((q >> 4) & 0x0F0F0F0Fu) | (((qh >> (2u * c + 1u)) & 0x01010101u) << 4);
 #endif
-    [[unroll]] for (uint h = 0u; h < 2u; h++) {
-        uvec4 q = P4(at + 16u * h);
-        lo[h] = q & 0x0F0F0F0Fu;
-        hi[h] = (q >> 4) & 0x0F0F0F0Fu;
-#ifdef WEIGHT_Q5_K
-        lo[h] |= ((qh[h] >> (2u * c)) & 0x01010101u) << 4;
-        hi[h] |= ((qh[h] >> (2u * c + 1u)) & 0x01010101u) << 4;
-#endif
-    }
+}
+
+// Item c's scales from block g's header: (d sc_2c, d sc_2c+1, dmin m_2c, dmin m_2c+1).
+vec4 scales_k45(uint g, uint c) {
     uvec4 hd = P4(F0 + 16u * g);
     vec2 dm = unpackHalf2x16(hd.x);
     vec2 sm1 = scale_min(hd.yzw, 2u * c), sm2 = scale_min(hd.yzw, 2u * c + 1u);
-    f = vec4(dm.x * sm1.x, dm.x * sm2.x, dm.y * sm1.y, dm.y * sm2.y);
+    return vec4(dm.x * sm1.x, dm.x * sm2.x, dm.y * sm1.y, dm.y * sm2.y);
+}
+
+// Item c: levels of values 64c + 16h.. in lo[h], 32 further in hi[h], and
+// its scales f (scales_k45).
+void levels_k45(uint row, uint g, uint b, uint c, out uvec4 lo[2], out uvec4 hi[2], out vec4 f) {
+    [[unroll]] for (uint h = 0u; h < 2u; h++) levels_k45_half(row, b, c, h, lo[h], hi[h]);
+    f = scales_k45(g, c);
 }
 
 #elif defined(WEIGHT_Q6_K)

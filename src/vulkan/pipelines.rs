@@ -320,26 +320,26 @@ pipes! {
     ExpertQ2KBatch = "expert_q2_k_fast_batch", StateArena, MatvecPush, 128;
     ExpertQ4KBatch = "expert_q4_k_fast_batch", StateArena, MatvecPush, 128;
     ExpertQ6KBatch = "expert_q6_k_fast_batch", StateArena, MatvecPush, 128;
-    MmQ4_0 = "mm_q4_0", StateWeight, MatvecPush, 128;
-    MmQ4_1 = "mm_q4_1", StateWeight, MatvecPush, 128;
-    MmQ5_0 = "mm_q5_0", StateWeight, MatvecPush, 128;
-    MmQ5_1 = "mm_q5_1", StateWeight, MatvecPush, 128;
-    MmQ8_0 = "mm_q8_0", StateWeight, MatvecPush, 128;
-    MmQ2K = "mm_q2_k", StateWeight, MatvecPush, 128;
-    MmQ3K = "mm_q3_k", StateWeight, MatvecPush, 128;
-    MmQ4K = "mm_q4_k", StateWeight, MatvecPush, 128;
-    MmQ5K = "mm_q5_k", StateWeight, MatvecPush, 128;
-    MmQ6K = "mm_q6_k", StateWeight, MatvecPush, 128;
-    MmExpertQ4_0 = "mm_expert_q4_0", StateArena, MatvecPush, 128;
-    MmExpertQ4_1 = "mm_expert_q4_1", StateArena, MatvecPush, 128;
-    MmExpertQ5_0 = "mm_expert_q5_0", StateArena, MatvecPush, 128;
-    MmExpertQ5_1 = "mm_expert_q5_1", StateArena, MatvecPush, 128;
-    MmExpertQ8_0 = "mm_expert_q8_0", StateArena, MatvecPush, 128;
-    MmExpertQ2K = "mm_expert_q2_k", StateArena, MatvecPush, 128;
-    MmExpertQ3K = "mm_expert_q3_k", StateArena, MatvecPush, 128;
-    MmExpertQ4K = "mm_expert_q4_k", StateArena, MatvecPush, 128;
-    MmExpertQ5K = "mm_expert_q5_k", StateArena, MatvecPush, 128;
-    MmExpertQ6K = "mm_expert_q6_k", StateArena, MatvecPush, 128;
+    MmQ4_0 = "mm_q4_0", StateWeight, MatvecPush, 256;
+    MmQ4_1 = "mm_q4_1", StateWeight, MatvecPush, 256;
+    MmQ5_0 = "mm_q5_0", StateWeight, MatvecPush, 256;
+    MmQ5_1 = "mm_q5_1", StateWeight, MatvecPush, 256;
+    MmQ8_0 = "mm_q8_0", StateWeight, MatvecPush, 256;
+    MmQ2K = "mm_q2_k", StateWeight, MatvecPush, 256;
+    MmQ3K = "mm_q3_k", StateWeight, MatvecPush, 256;
+    MmQ4K = "mm_q4_k", StateWeight, MatvecPush, 256;
+    MmQ5K = "mm_q5_k", StateWeight, MatvecPush, 256;
+    MmQ6K = "mm_q6_k", StateWeight, MatvecPush, 256;
+    MmExpertQ4_0 = "mm_expert_q4_0", StateArena, MatvecPush, 256;
+    MmExpertQ4_1 = "mm_expert_q4_1", StateArena, MatvecPush, 256;
+    MmExpertQ5_0 = "mm_expert_q5_0", StateArena, MatvecPush, 256;
+    MmExpertQ5_1 = "mm_expert_q5_1", StateArena, MatvecPush, 256;
+    MmExpertQ8_0 = "mm_expert_q8_0", StateArena, MatvecPush, 256;
+    MmExpertQ2K = "mm_expert_q2_k", StateArena, MatvecPush, 256;
+    MmExpertQ3K = "mm_expert_q3_k", StateArena, MatvecPush, 256;
+    MmExpertQ4K = "mm_expert_q4_k", StateArena, MatvecPush, 256;
+    MmExpertQ5K = "mm_expert_q5_k", StateArena, MatvecPush, 256;
+    MmExpertQ6K = "mm_expert_q6_k", StateArena, MatvecPush, 256;
     HcNorm = "hc_norm", State, HcNormPush, 256;
     HcCombine = "hc_combine", State, HcCombinePush, 64;
     PleMix = "ple_mix", State, PleMixPush, 256;
@@ -648,7 +648,7 @@ pub(crate) const BATCH_ROWS: u32 = 2;
 /// Output rows of a workgroup's tile in shaders/mm.comp (`BM`; SwiGLU: half
 /// gate rows, half up rows).
 pub(crate) const MM_ROWS: usize = 128;
-/// Entries of a workgroup's tile in shaders/mm.comp (`BN`): 64 tokens of a
+/// Entries of a workgroup's tile in shaders/mm.comp (`BN`): 128 tokens of a
 /// plain matrix (each decoded weight serves them all), 32 (token, expert)
 /// pairs of the routed experts (`arena`; a pass has a few pairs per
 /// expert, which a tile runs one expert after another).
@@ -656,7 +656,7 @@ pub(crate) const fn mm_entries(arena: bool) -> u32 {
     if arena {
         32
     } else {
-        64
+        128
     }
 }
 /// Which routed-expert matrices of a pass run on the matrix-matrix modules
@@ -664,19 +664,18 @@ pub(crate) const fn mm_entries(arena: bool) -> u32 {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum MmExperts {
     None,
-    /// The gate/up projections (SwiGLU dispatches), but for the 2- and 3-bit
-    /// K-quants, not timed on these tiles (their experts run the plain fast
-    /// modules).
-    GateUp,
+    /// Every expert matrix but the 2- and 3-bit K-quants', not timed on
+    /// these tiles (their experts run the plain fast modules).
+    Timed,
     All,
 }
 
 impl MmExperts {
-    /// Whether an expert matrix of `ty` (gate/up when `swiglu`) runs on them.
-    pub(crate) fn takes(self, ty: GgmlType, swiglu: bool) -> bool {
+    /// Whether an expert matrix of `ty` runs on them.
+    pub(crate) fn takes(self, ty: GgmlType) -> bool {
         match self {
             MmExperts::None => false,
-            MmExperts::GateUp => swiglu && !matches!(ty, GgmlType::Q2K | GgmlType::Q3K),
+            MmExperts::Timed => !matches!(ty, GgmlType::Q2K | GgmlType::Q3K),
             MmExperts::All => true,
         }
     }
@@ -724,13 +723,13 @@ pub(crate) struct Pipelines {
     /// than on the batch modules).
     pub mm_rows: usize,
     /// Which of the routed experts' matrices run on the matrix-matrix
-    /// modules (`FNX_VK_MM_EXPERTS=0` none, `1` all; by default the gate/up
-    /// projections, whose SwiGLU tiles of 64 rows read 2560 columns: on an
-    /// H100 at 512 tokens a pass the Q4_K ones took 0.156 against 0.206 ms
-    /// per token on the batch modules, while the Q5_0 down projections, 640
-    /// columns, ran 0.088 against 0.079; see docs/BENCHMARKS.md). Q2_K and
-    /// Q3_K experts stay off them by default ([`MmExperts::GateUp`]): the
-    /// earlier tiles ran them 4x slower than their plain fast modules.
+    /// modules (`FNX_VK_MM_EXPERTS=0` none, `1` all; by default
+    /// [`MmExperts::Timed`]: on an H100 at 512 tokens a pass the Q4_K
+    /// gate/up projections took 0.117 against 0.206 ms per token on the
+    /// batch modules, the Q5_0 down projections 0.064 against 0.078; see
+    /// docs/BENCHMARKS.md). Q2_K and Q3_K experts stay off them by default:
+    /// earlier tiles ran them 4x slower than their plain fast modules, and
+    /// these have not been timed on them.
     pub mm_experts: MmExperts,
     /// Rows at least this long (`FNX_VK_ROUND_ONCE_COLS`, default 0: none)
     /// are rounded to 8 bits once for one token's fast matvec (act_int8,
@@ -839,7 +838,7 @@ impl Pipelines {
             mm_experts: match std::env::var("FNX_VK_MM_EXPERTS").as_deref() {
                 Ok("0") => MmExperts::None,
                 Ok("1") => MmExperts::All,
-                _ => MmExperts::GateUp,
+                _ => MmExperts::Timed,
             },
             round_once_cols: std::env::var("FNX_VK_ROUND_ONCE_COLS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             hc_round: std::env::var("FNX_VK_HC_ROUND").map_or(true, |v| v != "0"),

@@ -200,7 +200,7 @@ impl<'a> Recorder<'a> {
         push.fld1 = part.fields[1] as u32;
         let arena = pipe.spec().sets == Sets::StateArena;
         let swiglu = push.mode == 4;
-        if let Some(mm) = part.ty.and_then(|ty| self.mm(ty, arena, swiglu, part.cols, entries as usize, push.total_rows as usize)).filter(|_| tiled) {
+        if let Some(mm) = part.ty.and_then(|ty| self.mm(ty, arena, part.cols, entries as usize, push.total_rows as usize)).filter(|_| tiled) {
             // shaders/mm.comp: tiles of MM_ROWS rows (SwiGLU: half of them gate
             // rows, half up rows) by mm_entries entries.
             let tile_rows = if swiglu { MM_ROWS / 2 } else { MM_ROWS };
@@ -250,9 +250,9 @@ impl<'a> Recorder<'a> {
     /// large enough ([`Pipelines::mm_min`]) and the matrix is one the
     /// modules run faster than the batch modules ([`Pipelines::mm_rows`],
     /// [`Pipelines::mm_experts`]).
-    fn mm(&self, ty: GgmlType, arena: bool, swiglu: bool, cols: usize, entries: usize, rows: usize) -> Option<Pipe> {
+    fn mm(&self, ty: GgmlType, arena: bool, cols: usize, entries: usize, rows: usize) -> Option<Pipe> {
         let p = &self.pipes;
-        let worth = if arena { p.mm_experts.takes(ty, swiglu) } else { rows >= p.mm_rows };
+        let worth = if arena { p.mm_experts.takes(ty) } else { rows >= p.mm_rows };
         let fits = p.mm && worth && entries >= p.mm_min && cols.is_multiple_of(MM_COLS) && cols <= FAST_MAX_COLS;
         fits.then(|| Pipe::mm(ty, arena)).flatten()
     }
@@ -273,7 +273,7 @@ impl<'a> Recorder<'a> {
             return;
         }
         // The matrix-matrix modules read the activations as they are (experts: grouped pairs).
-        if self.mm(ty, arena, push.mode == 4, cols, n, rows).is_some() && (!arena || push.order_off != 0) {
+        if self.mm(ty, arena, cols, n, rows).is_some() && (!arena || push.order_off != 0) {
             return;
         }
         let p = ActInt8Push { x_off: push.x_off, x_stride: push.x_stride, tok_stride, cols: cols as u32, count: count as u32, q_off };

@@ -810,7 +810,7 @@ fn cpu_f16(w: &Tensor, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
 
 /// The matrix-matrix modules (cooperative matrices: f16 weights and
 /// activations, f32 sums) of every quantized type for a pass of 45 tokens
-/// (a partial tile of 64 entries, whose fourth block of 16 is skipped) and
+/// (a partial tile of 128 entries, whose blocks of 16 past the third are skipped) and
 /// 300 rows (a partial tile of 64) of 512 values (4 steps of 128), every
 /// epilogue (store, hyper-connection gates, residual write-back into two
 /// streams, SwiGLU), and the routed experts' 135 pairs grouped by expert
