@@ -34,6 +34,7 @@ layout(push_constant) uniform Push {
     uint order_off;   // ARENA with kdiv: the pairs grouped by expert (moe_group.comp); 0: in order
     uint xq_off;      // FAST: token 0's activations rounded by act_int8.comp; 0: round them here
     uint order_base;  // ARENA with order_off: the dispatch's entry k is entry order_base + k of the order
+    uint tiles_off;   // mm.comp, ARENA with order_off: moe_group.comp's tiles of one expert each (0: tiles of BN entries)
 } pc;
 
 // Entry k of the dispatch: its index among its token's vectors (k itself

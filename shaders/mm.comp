@@ -16,7 +16,10 @@
 // them), 32 for the routed experts (src/vulkan/pipelines.rs: mm_entries).
 // Entries of a tile that read different weights (the (token, expert) pairs
 // of a pass, grouped by expert) run one after the other: each run of
-// entries with the same slot sweeps the rows once.
+// entries with the same slot sweeps the rows once. With moe_group.comp's
+// tile table (tiles_off) a tile is instead one expert's pairs (up to BN):
+// each expert's weights are decoded once for all its pairs, where tiles of
+// BN consecutive pairs split an expert's run between two tiles.
 //
 // Each step of BK = 64 columns decodes the tile's weights into shared
 // memory as f16 (weights.glsl's levels and scales, the exact dequantized
@@ -226,6 +229,15 @@ void main() {
     uint up_row = pc.rows * pc.row_bytes, up_blk = pc.rows * nb;
     uint k0 = gl_WorkGroupID.y * BN;
     uint end = min(k0 + BN, pc.ntok);
+#ifdef ARENA
+    if (pc.tiles_off != 0u) {
+        // moe_group.comp's tile y: one expert's pairs (the grid has room for the most tiles a pass can have).
+        uint y = gl_WorkGroupID.y;
+        if (y >= floatBitsToUint(s[pc.tiles_off])) return;
+        k0 = floatBitsToUint(s[pc.tiles_off + 1u + 2u * y]);
+        end = k0 + floatBitsToUint(s[pc.tiles_off + 2u + 2u * y]);
+    }
+#endif
     // Payload bytes of a block, and 32-byte sectors of a tile row's step.
     uint block_bytes = pc.row_bytes / nb, sectors = max(BK * block_bytes / QK / 32u, 1u);
     // Cache warm-up loads per invocation and step (BM rows of up to 4 sectors).

@@ -346,13 +346,18 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
                     k: experts as u32,
                     n: self.n as u32,
                     n_ids: (cfg.n_experts + ar.shared_in_arena as usize) as u32,
+                    tiles_off: l.tiles,
+                    tile: mm_entries(true),
                 };
                 self.rec.dispatch(Pipe::MoeGroup, &[set], &group, [1, 1, 1]);
             }
-            let (gate_up, down) = self.expert_pushes(layer, experts, if grouped { l.order } else { 0 }, w.slot_table);
+            let (mut gate_up, mut down) = self.expert_pushes(layer, experts, if grouped { l.order } else { 0 }, w.slot_table);
+            // The tensor-core tiles take one expert's pairs each (moe_group's table).
+            let (tiles_off, max_tiles) = if grouped { (l.tiles, l.max_tiles) } else { (0, 0) };
+            (gate_up.tiles_off, down.tiles_off) = (tiles_off, tiles_off);
             let sets = [set, ar.set];
-            self.rec.expert_matvec(part.gate_ty, sets, gate_up, &part.gate, self.n * experts);
-            self.rec.expert_matvec(part.down_ty, sets, down, &part.down, self.n * experts);
+            self.rec.expert_matvec_tiled(part.gate_ty, sets, gate_up, &part.gate, self.n * experts, max_tiles);
+            self.rec.expert_matvec_tiled(part.down_ty, sets, down, &part.down, self.n * experts, max_tiles);
         }
         if let Some(sh) = w.shared.as_ref().filter(|_| shared) {
             let (gate_up, down) = (self.batched(l.input, l.sh_h, 4), self.batched(l.sh_h, l.sh_y, 0));

@@ -148,7 +148,7 @@ push_block!(/// shaders/matvec.comp
 MatvecPush { rows: u32, cols: u32, row_bytes: u32, row_base: u32, x_off: u32, y_off: u32, mode: u32, scale: f32,
     aux_off: u32, aux_n: u32, total_rows: u32, expert_off: u32, x_stride: u32, y_stride: u32, slot_table: u32,
     slots_per_slab: u32, slot_bytes: u32, part_off: u32, split_row: u32, tpr_shift: u32, fld0: u32, fld1: u32, kdiv: u32, tok_stride: u32,
-    tile: u32, ntok: u32, order_off: u32, xq_off: u32, order_base: u32 });
+    tile: u32, ntok: u32, order_off: u32, xq_off: u32, order_base: u32, tiles_off: u32 });
 push_block!(/// shaders/hc_norm.comp
 HcNormPush { x_off: u32, gamma: u32, y_off: u32, n: u32, eps: f32, tok_stride: u32, q_off: u32 });
 push_block!(/// shaders/hc_combine.comp
@@ -186,7 +186,7 @@ push_block!(/// shaders/moe_combine.comp
 MoeCombinePush { y_off: u32, w_off: u32, shared_off: u32, x_off: u32, shared_gate: u32, res_off: u32, inject_off: u32,
     h: u32, k: u32, streams: u32, shared_separate: u32, partial_off: u32, tok_stride: u32 });
 push_block!(/// shaders/moe_group.comp
-MoeGroupPush { ids_off: u32, order_off: u32, tok_stride: u32, k: u32, n: u32, n_ids: u32 });
+MoeGroupPush { ids_off: u32, order_off: u32, tok_stride: u32, k: u32, n: u32, n_ids: u32, tiles_off: u32, tile: u32 });
 push_block!(/// shaders/act_int8.comp
 ActInt8Push { x_off: u32, x_stride: u32, tok_stride: u32, cols: u32, count: u32, q_off: u32 });
 

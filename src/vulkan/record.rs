@@ -363,7 +363,18 @@ impl<'a> Recorder<'a> {
     /// `push.kdiv`, (token, expert) pairs, taken in the order at
     /// `push.order_off` when set, in tiles as a plain matrix's tokens);
     /// `push.rows` is the part's output rows (its gate rows with SwiGLU).
-    pub fn expert_matvec(&mut self, ty: GgmlType, sets: [vk::DescriptorSet; 2], mut push: MatvecPush, part: &PartLayout, experts: usize) {
+    #[cfg(test)]
+    pub fn expert_matvec(&mut self, ty: GgmlType, sets: [vk::DescriptorSet; 2], push: MatvecPush, part: &PartLayout, experts: usize) {
+        assert_eq!(push.tiles_off, 0, "a tile table needs its bound: expert_matvec_tiled");
+        self.expert_matvec_tiled(ty, sets, push, part, experts, 0);
+    }
+
+    /// [`Recorder::expert_matvec`] of a pass's pairs grouped by expert
+    /// whose tiles of one expert each moe_group wrote at `push.tiles_off`
+    /// (at most `max_tiles`): the matrix-matrix modules run them (a row of
+    /// `max_tiles` workgroups, those past the table's tiles return at once);
+    /// the batch modules ignore the table.
+    pub fn expert_matvec_tiled(&mut self, ty: GgmlType, sets: [vk::DescriptorSet; 2], mut push: MatvecPush, part: &PartLayout, experts: usize, max_tiles: u32) {
         let pipe = Pipe::matvec(ty, true, self.fast(part.cols));
         push.total_rows = push.rows;
         let per_token = if push.kdiv > 0 { push.kdiv as usize } else { experts };
@@ -374,7 +385,11 @@ impl<'a> Recorder<'a> {
             self.round_once(sets[0], ty, true, &mut push, shape, count, experts / per_token, tok);
         }
         let grouped = push.order_off != 0;
-        let (pipe, g) = self.matvec_split(pipe, part, &mut push, per_token as u32, (experts / per_token) as u32, grouped);
+        let (pipe, mut g) = self.matvec_split(pipe, part, &mut push, per_token as u32, (experts / per_token) as u32, grouped);
+        if pipe.is_mm() && push.tiles_off != 0 {
+            assert!(grouped && max_tiles > 0, "a tile table of pairs grouped by expert");
+            g[1] = max_tiles;
+        }
         let what = if push.mode == 4 { "experts gate/up" } else { "experts down" };
         self.label_next(|| what.to_string(), (experts * part.bytes) as u64);
         self.dispatch(pipe, &sets, &push, g);

@@ -11,7 +11,7 @@
 //! the attention probabilities of up to `att_rows` tokens attended in one
 //! dispatch (`n_heads * n_ctx` floats apart).
 
-use super::pipelines::XQ_FLOATS;
+use super::pipelines::{mm_entries, XQ_FLOATS};
 use crate::error::{Error, Result};
 use crate::model::{Config, LayerKind};
 
@@ -66,6 +66,11 @@ pub(crate) struct ScratchLayout {
     pub ids: u32,
     /// A pass's (token, expert) pairs grouped by expert, k per token (moe_group).
     pub order: u32,
+    /// The order's tiles of one expert each for the matrix-matrix modules
+    /// (moe_group): their number, then (first entry, entries) per tile.
+    pub tiles: u32,
+    /// Tiles the region holds: the most a pass can have.
+    pub max_tiles: u32,
     /// A matvec input rounded to 8 bits once for a pass's fast kernels (act_int8).
     pub xq: u32,
     pub weights: u32,
@@ -151,6 +156,9 @@ impl ScratchLayout {
             at += n.div_ceil(4) * 4;
             o as u32
         };
+        // Every id's pairs split into tiles of mm_entries: at most one partial tile an id.
+        l.max_tiles = ((l.batch as usize * k).div_ceil(mm_entries(true) as usize) + cfg.n_experts + 1) as u32;
+        l.tiles = next(1 + 2 * l.max_tiles as usize);
         l.logit_rows = logit_rows.clamp(1, batch.max(1)) as u32;
         l.logits = next(l.logit_rows as usize * cfg.vocab);
         // Last: the regions that scale with the capacity.

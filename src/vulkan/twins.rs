@@ -36,7 +36,7 @@ use super::buffer::{Buffer, Commands, Stream};
 use super::device::{validation_errors, Context, DeviceChoice};
 use super::layout::PartLayout;
 use super::matrix::GpuMatrix;
-use super::pipelines::{HcCombinePush, MatvecPush, MatvecTuning, MmExperts, MoeGroupPush, Pipe, Pipelines, XQ_FLOATS};
+use super::pipelines::{mm_entries, HcCombinePush, MatvecPush, MatvecTuning, MmExperts, MoeGroupPush, Pipe, Pipelines, XQ_FLOATS};
 use super::record::{DescriptorPool, Recorder};
 use crate::gguf::{GgmlType, TensorInfo};
 use crate::tensor::Tensor;
@@ -735,7 +735,10 @@ fn batched_matvecs_equal_single_tokens() {
         let order_off = y_off + k * h;
         let xq = (order_off + k).div_ceil(4) * 4;
         let tok = (xq + XQ_FLOATS).div_ceil(64) * 64;
-        let scratch = expert_scratch(&ids, tok, x_off, h, 60);
+        let mut scratch = expert_scratch(&ids, tok, x_off, h, 60);
+        // moe_group's tile table after the token blocks (tiles of up to 4 pairs).
+        let (tiles_off, tile) = (scratch.len(), 4usize);
+        scratch.resize(tiles_off + (1 + 2 * ((TE * k).div_ceil(tile) + per_layer)).div_ceil(tok) * tok, 0.0);
         let base = MatvecPush { slot_table: 0, slots_per_slab: arena.slots_per_slab as u32, slot_bytes: arena.slot_bytes as u32, scale: 1.0, ..Default::default() };
         // Token by token (kdiv 0), a batch of pairs in order, or grouped by expert first.
         let record = |rec: &mut Recorder, set: vk::DescriptorSet, t: usize, n: usize, kdiv: u32, grouped: bool| {
@@ -743,7 +746,8 @@ fn batched_matvecs_equal_single_tokens() {
             let b = (t * tok) as u32;
             let order = if grouped { b + order_off as u32 } else { 0 };
             if grouped {
-                let group = MoeGroupPush { ids_off: b, order_off: order, tok_stride: tok as u32, k: kdiv, n: n as u32, n_ids: per_layer as u32 };
+                let (ids_off, tok_stride, k, n, n_ids) = (b, tok as u32, kdiv, n as u32, per_layer as u32);
+                let group = MoeGroupPush { ids_off, order_off: order, tok_stride, k, n, n_ids, tiles_off: tiles_off as u32, tile: tile as u32 };
                 rec.dispatch(Pipe::MoeGroup, &[set], &group, [1, 1, 1]);
             }
             let base = MatvecPush { expert_off: b, kdiv, tok_stride: tok as u32, order_off: order, ..base };
@@ -775,6 +779,17 @@ fn batched_matvecs_equal_single_tokens() {
         assert_eq!(seen, (0..TE * k).collect::<Vec<_>>(), "moe_group: not a permutation of the pairs");
         let experts_in_order: Vec<u32> = order.iter().map(|&p| ids[p / k][p % k]).collect();
         assert!(experts_in_order.is_sorted(), "moe_group: pairs not grouped by expert: {experts_in_order:?}");
+        // The tiles: each expert's run of the order in tiles of `tile`, the experts in order.
+        let mut want = vec![];
+        let mut first = 0;
+        for run in experts_in_order.chunk_by(|a, b| a == b) {
+            want.extend((0..run.len()).step_by(tile).map(|i| (first + i, tile.min(run.len() - i))));
+            first += run.len();
+        }
+        let table = |i: usize| grouped[tiles_off + i].to_bits() as usize;
+        let got: Vec<(usize, usize)> = (0..table(0)).map(|i| (table(1 + 2 * i), table(2 + 2 * i))).collect();
+        assert_eq!(got, want, "moe_group: the tiles of one expert each");
+        grouped[tiles_off..].fill(0.0);
         for t in 0..TE {
             grouped[t * tok + order_off..t * tok + order_off + k].fill(0.0);
         }
@@ -887,36 +902,47 @@ fn mm_within_the_f16_bound() {
         let y_off = h_off + k * f;
         let order_off = y_off + k * h;
         let tok = (order_off + k).div_ceil(64) * 64;
-        let scratch = expert_scratch(&ids, tok, x_off, h, 90);
-        let out = run_scratch(&ctx, &pipes, &scratch, &slots, |rec, set| {
-            let group = MoeGroupPush { ids_off: 0, order_off: order_off as u32, tok_stride: tok as u32, k: k as u32, n: T as u32, n_ids: per_layer as u32 };
-            rec.dispatch(Pipe::MoeGroup, &[set], &group, [1, 1, 1]);
-            let base = MatvecPush {
-                slot_table: 0,
-                slots_per_slab: arena.slots_per_slab as u32,
-                slot_bytes: arena.slot_bytes as u32,
-                scale: 1.0,
-                kdiv: k as u32,
-                tok_stride: tok as u32,
-                order_off: order_off as u32,
-                ..Default::default()
-            };
-            let gate_up = MatvecPush { rows: f as u32, x_off: x_off as u32, y_off: h_off as u32, y_stride: f as u32, mode: 4, ..base };
-            rec.expert_matvec(layer.gate_ty, [set, arena.set], gate_up, &layer.gate, T * k);
-            let down = MatvecPush { rows: h as u32, x_off: h_off as u32, x_stride: f as u32, y_off: y_off as u32, y_stride: h as u32, part_off: layer.gate.bytes as u32, ..base };
-            rec.expert_matvec(layer.down_ty, [set, arena.set], down, &layer.down, T * k);
-            assert_eq!((rec.stats.dispatches, rec.stats.mm), (3, 2), "{ty}: the experts' parts on the matrix-matrix modules");
-        });
-        for (t, chosen) in ids.iter().enumerate() {
-            let b = t * tok;
-            for (j, &e) in chosen.iter().enumerate() {
-                let (g, gb) = cpu_f16(&experts[e as usize].0, &scratch[b + x_off..b + x_off + h]);
-                let (want_h, bound_h) = swiglu_ref(&g, &gb, f);
-                let got_h = &out[b + h_off + j * f..b + h_off + (j + 1) * f];
-                seen = seen.max(worst(&format!("{ty} token {t} expert {e} gate/up"), got_h, &want_h, &bound_h));
-                // The down part on the GPU's own hidden values.
-                let (want, bound) = cpu_f16(&experts[e as usize].1, got_h);
-                seen = seen.max(worst(&format!("{ty} token {t} expert {e} down"), &out[b + y_off + j * h..b + y_off + (j + 1) * h], &want, &bound));
+        let mut scratch = expert_scratch(&ids, tok, x_off, h, 90);
+        // moe_group's tiles of one expert each after the token blocks.
+        let tiles_off = scratch.len();
+        let max_tiles = (T * k).div_ceil(mm_entries(true) as usize) + per_layer;
+        scratch.resize(tiles_off + 1 + 2 * max_tiles, 0.0);
+        // The tiles of mm_entries consecutive pairs (several experts' runs in turn), then one expert's each.
+        for tiled in [false, true] {
+            let out = run_scratch(&ctx, &pipes, &scratch, &slots, |rec, set| {
+                let tiles = if tiled { tiles_off as u32 } else { 0 };
+                let (order, tok_stride, n, n_ids) = (order_off as u32, tok as u32, T as u32, per_layer as u32);
+                let group = MoeGroupPush { ids_off: 0, order_off: order, tok_stride, k: k as u32, n, n_ids, tiles_off: tiles, tile: mm_entries(true) };
+                rec.dispatch(Pipe::MoeGroup, &[set], &group, [1, 1, 1]);
+                let base = MatvecPush {
+                    slot_table: 0,
+                    slots_per_slab: arena.slots_per_slab as u32,
+                    slot_bytes: arena.slot_bytes as u32,
+                    scale: 1.0,
+                    kdiv: k as u32,
+                    tok_stride: tok as u32,
+                    order_off: order_off as u32,
+                    tiles_off: tiles,
+                    ..Default::default()
+                };
+                let gate_up = MatvecPush { rows: f as u32, x_off: x_off as u32, y_off: h_off as u32, y_stride: f as u32, mode: 4, ..base };
+                rec.expert_matvec_tiled(layer.gate_ty, [set, arena.set], gate_up, &layer.gate, T * k, max_tiles as u32);
+                let down = MatvecPush { rows: h as u32, x_off: h_off as u32, x_stride: f as u32, y_off: y_off as u32, y_stride: h as u32, part_off: layer.gate.bytes as u32, ..base };
+                rec.expert_matvec_tiled(layer.down_ty, [set, arena.set], down, &layer.down, T * k, max_tiles as u32);
+                assert_eq!((rec.stats.dispatches, rec.stats.mm), (3, 2), "{ty}: the experts' parts on the matrix-matrix modules");
+            });
+            for (t, chosen) in ids.iter().enumerate() {
+                let b = t * tok;
+                for (j, &e) in chosen.iter().enumerate() {
+                    let (g, gb) = cpu_f16(&experts[e as usize].0, &scratch[b + x_off..b + x_off + h]);
+                    let (want_h, bound_h) = swiglu_ref(&g, &gb, f);
+                    let got_h = &out[b + h_off + j * f..b + h_off + (j + 1) * f];
+                    seen = seen.max(worst(&format!("{ty} token {t} expert {e} gate/up"), got_h, &want_h, &bound_h));
+                    // The down part on the GPU's own hidden values.
+                    let (want, bound) = cpu_f16(&experts[e as usize].1, got_h);
+                    let what = format!("{ty} (tiles of one expert {tiled}) token {t} expert {e} down");
+                    seen = seen.max(worst(&what, &out[b + y_off + j * h..b + y_off + (j + 1) * h], &want, &bound));
+                }
             }
         }
     }
