@@ -22,8 +22,6 @@ pub const FLAGS: &[&str] = &["-fshader-stage=compute", "--target-env=vulkan1.1",
 
 /// (module name, source file, defines)
 const VARIANTS: &[(&str, &str, &[&str])] = &[
-    // The F32 router's batch module (exact: each token's sums as matvec_f32's).
-    ("matvec_f32_batch", "matvec.comp", &["WEIGHT_F32", "BATCH"]),
     ("hc_norm", "hc_norm.comp", &[]),
     ("hc_combine", "hc_combine.comp", &[]),
     ("ple_mix", "ple_mix.comp", &[]),

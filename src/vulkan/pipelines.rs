@@ -263,7 +263,6 @@ macro_rules! pipes {
 
 pipes! {
     MatvecF32 = "matvec_f32", StateWeight, MatvecPush, 128;
-    MatvecF32Batch = "matvec_f32_batch", StateWeight, MatvecPush, 128;
     MatvecF16 = "matvec_f16", StateWeight, MatvecPush, 128;
     MatvecBf16 = "matvec_bf16", StateWeight, MatvecPush, 128;
     MatvecQ4_0 = "matvec_q4_0", StateWeight, MatvecPush, 128;
@@ -448,19 +447,16 @@ impl Pipe {
         self.spec().name.contains("_fast")
     }
 
-    /// Whether this is a batch module (entries of a tile share each weight
-    /// decode; shaders/matvec.comp's BATCH): the fast kernels', and the
-    /// exact F32 one (the router's).
+    /// Whether this is a batch module of the fast kernels (entries of a tile
+    /// share each weight decode; shaders/matvec.comp's BATCH).
     pub fn is_batch(self) -> bool {
-        self.spec().name.ends_with("_batch")
+        self.spec().name.ends_with("_fast_batch")
     }
 
     /// The batch module of a fast-kernel matvec (for the types that have one:
-    /// `BATCH_TYPES` in build/shaders.rs) or of the exact F32 one; any other
-    /// pipeline itself.
+    /// `BATCH_TYPES` in build/shaders.rs); any other pipeline itself.
     pub fn batch(self) -> Pipe {
         match self {
-            Pipe::MatvecF32 => Pipe::MatvecF32Batch,
             Pipe::MatvecQ4_0Fast => Pipe::MatvecQ4_0Batch,
             Pipe::MatvecQ5_0Fast => Pipe::MatvecQ5_0Batch,
             Pipe::MatvecQ8_0Fast => Pipe::MatvecQ8_0Batch,
@@ -580,8 +576,7 @@ impl MatvecTuning {
             min_items: self.min_items.max(1),
             fill: self.fill,
             tile: self.tile.clamp(1, 64),
-            // Entries sharing a decode: the fast kernels', and the pipelines with a batch module.
-            share: if fast || batch || pipe.batch() != pipe { self.share.clamp(1, BATCH_ENTRIES) } else { 1 },
+            share: if fast { self.share.clamp(1, BATCH_ENTRIES) } else { 1 },
         }
     }
 

@@ -209,10 +209,8 @@ impl<'a> Recorder<'a> {
             return (mm, grid(self.ctx, (push.rows as usize).div_ceil(tile_rows), entries.div_ceil(tile)));
         }
         let tile = if tiled { self.pipes.tuning[pipe as usize].tile.min(entries) } else { 1 };
-        // The fast kernels' batch modules read the activations act_int8 rounded
-        // (push.xq_off); the exact F32 one reads them in place.
-        let rounded = push.xq_off != 0 || !pipe.is_fast();
-        let pipe = if tile > 1 && rounded && self.pipes.tuning[pipe as usize].share > 1 { pipe.batch() } else { pipe };
+        // The batch modules read the activations act_int8 rounded (push.xq_off).
+        let pipe = if tile > 1 && push.xq_off != 0 && self.pipes.tuning[pipe as usize].share > 1 { pipe.batch() } else { pipe };
         let (shift, per_group) = self.row_sets(pipe, part.items, push.rows as usize, experts as usize);
         push.tpr_shift = shift;
         if push.mode == 5 {
