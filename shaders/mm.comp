@@ -272,10 +272,10 @@ void main() {
             xr[2u * i] = j < n ? xv(xat[j] + at) : vec4(0.0);
             xr[2u * i + 1u] = j < n ? xv(xat[j] + at + 4u) : vec4(0.0);
         }
-        // The accumulators as named variables (block (rb, cb) is c<2 rb + cb>):
+        // The accumulators as named variables (block (rb, cb) is c<CB rb + cb>):
         // an array of them lived in local memory on NVIDIA (its compiler
         // kept the array's dynamic indexing), every product a round trip.
-        // (The experts' tiles use c0 to c3.)
+        // (The experts' tiles use c0 and c1.)
         ACC c0 = ACC(0.0), c1 = ACC(0.0), c2 = ACC(0.0), c3 = ACC(0.0);
         ACC c4 = ACC(0.0), c5 = ACC(0.0), c6 = ACC(0.0), c7 = ACC(0.0);
         for (uint s0 = 0u; s0 < pc.cols; s0 += BK) {
