@@ -248,6 +248,10 @@ void main() {
         // The run: this entry and those after it that read the same weights.
         Entry first = entry(e);
         uint n = 1u;
+#ifdef ARENA
+        // A tile of moe_group's table is one expert's pairs: one run.
+        if (pc.tiles_off != 0u) n = end - e;
+#endif
         while (e + n < end && entry(e + n).slot == first.slot) n++;
         uint base = 0u;
 #ifdef ARENA

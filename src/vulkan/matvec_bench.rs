@@ -76,6 +76,15 @@ fn time(ctx: &Arc<Context>, pipes: &Pipelines, cmds: &Commands, ts: &Timestamps,
     ts.read(rec.profiled()).unwrap().iter().sum()
 }
 
+/// The GPU idles at low clocks: keeps it busy with `record` for a second
+/// before the first point is timed.
+fn warm_up(ctx: &Arc<Context>, pipes: &Pipelines, cmds: &Commands, ts: &Timestamps, record: &dyn Fn(&mut Recorder)) {
+    let t0 = std::time::Instant::now();
+    while t0.elapsed().as_secs_f64() < 1.0 {
+        time(ctx, pipes, cmds, ts, record);
+    }
+}
+
 struct Point {
     case: String,
     line: String,
@@ -173,11 +182,7 @@ impl Sweep {
                     }
                 };
                 if !self.warmed.get() {
-                    // The GPU idles at low clocks: keep it busy for a second before the first point.
-                    let t0 = std::time::Instant::now();
-                    while t0.elapsed().as_secs_f64() < 1.0 {
-                        time(&self.ctx, pipes, &self.cmds, &self.ts, &record);
-                    }
+                    warm_up(&self.ctx, pipes, &self.cmds, &self.ts, &record);
                     self.warmed.set(true);
                 }
                 let ms = time(&self.ctx, pipes, &self.cmds, &self.ts, &record) / reps as f64;
@@ -369,10 +374,7 @@ fn mm_sweep() {
             }
         };
         if !warmed {
-            let t0 = std::time::Instant::now();
-            while t0.elapsed().as_secs_f64() < 1.0 {
-                time(&ctx, &pipes, &cmds, &ts, &record);
-            }
+            warm_up(&ctx, &pipes, &cmds, &ts, &record);
             warmed = true;
         }
         let ms = time(&ctx, &pipes, &cmds, &ts, &record) / reps as f64;

@@ -659,6 +659,13 @@ pub(crate) const fn mm_entries(arena: bool) -> u32 {
         128
     }
 }
+/// The most tiles moe_group.comp's table can hold for `pairs` (token,
+/// expert) pairs of `ids` distinct ids in tiles of up to `tile` pairs of one
+/// id each: every id's pairs in whole tiles, at most one partial tile an id.
+pub(crate) fn max_expert_tiles(pairs: usize, ids: usize, tile: usize) -> usize {
+    pairs.div_ceil(tile) + ids
+}
+
 /// Which routed-expert matrices of a pass run on the matrix-matrix modules
 /// ([`Pipelines::mm_experts`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -11,7 +11,7 @@
 //! the attention probabilities of up to `att_rows` tokens attended in one
 //! dispatch (`n_heads * n_ctx` floats apart).
 
-use super::pipelines::{mm_entries, XQ_FLOATS};
+use super::pipelines::{max_expert_tiles, mm_entries, XQ_FLOATS};
 use crate::error::{Error, Result};
 use crate::model::{Config, LayerKind};
 
@@ -156,8 +156,8 @@ impl ScratchLayout {
             at += n.div_ceil(4) * 4;
             o as u32
         };
-        // Every id's pairs split into tiles of mm_entries: at most one partial tile an id.
-        l.max_tiles = ((l.batch as usize * k).div_ceil(mm_entries(true) as usize) + cfg.n_experts + 1) as u32;
+        // The routed experts and the shared one when it runs in the arena.
+        l.max_tiles = max_expert_tiles(l.batch as usize * k, cfg.n_experts + 1, mm_entries(true) as usize) as u32;
         l.tiles = next(1 + 2 * l.max_tiles as usize);
         l.logit_rows = logit_rows.clamp(1, batch.max(1)) as u32;
         l.logits = next(l.logit_rows as usize * cfg.vocab);

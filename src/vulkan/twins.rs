@@ -36,7 +36,7 @@ use super::buffer::{Buffer, Commands, Stream};
 use super::device::{validation_errors, Context, DeviceChoice};
 use super::layout::PartLayout;
 use super::matrix::GpuMatrix;
-use super::pipelines::{mm_entries, HcCombinePush, MatvecPush, MatvecTuning, MmExperts, MoeGroupPush, Pipe, Pipelines, XQ_FLOATS};
+use super::pipelines::{max_expert_tiles, mm_entries, HcCombinePush, MatvecPush, MatvecTuning, MmExperts, MoeGroupPush, Pipe, Pipelines, XQ_FLOATS};
 use super::record::{DescriptorPool, Recorder};
 use crate::gguf::{GgmlType, TensorInfo};
 use crate::tensor::Tensor;
@@ -738,7 +738,7 @@ fn batched_matvecs_equal_single_tokens() {
         let mut scratch = expert_scratch(&ids, tok, x_off, h, 60);
         // moe_group's tile table after the token blocks (tiles of up to 4 pairs).
         let (tiles_off, tile) = (scratch.len(), 4usize);
-        scratch.resize(tiles_off + (1 + 2 * ((TE * k).div_ceil(tile) + per_layer)).div_ceil(tok) * tok, 0.0);
+        scratch.resize(tiles_off + (1 + 2 * max_expert_tiles(TE * k, per_layer, tile)).div_ceil(tok) * tok, 0.0);
         let base = MatvecPush { slot_table: 0, slots_per_slab: arena.slots_per_slab as u32, slot_bytes: arena.slot_bytes as u32, scale: 1.0, ..Default::default() };
         // Token by token (kdiv 0), a batch of pairs in order, or grouped by expert first.
         let record = |rec: &mut Recorder, set: vk::DescriptorSet, t: usize, n: usize, kdiv: u32, grouped: bool| {
@@ -905,7 +905,7 @@ fn mm_within_the_f16_bound() {
         let mut scratch = expert_scratch(&ids, tok, x_off, h, 90);
         // moe_group's tiles of one expert each after the token blocks.
         let tiles_off = scratch.len();
-        let max_tiles = (T * k).div_ceil(mm_entries(true) as usize) + per_layer;
+        let max_tiles = max_expert_tiles(T * k, per_layer, mm_entries(true) as usize);
         scratch.resize(tiles_off + 1 + 2 * max_tiles, 0.0);
         // The tiles of mm_entries consecutive pairs (several experts' runs in turn), then one expert's each.
         for tiled in [false, true] {
