@@ -200,6 +200,12 @@ pub struct BackendStats {
     pub dispatches_per_token: Option<f64>,
     /// Pipeline barriers per token (dependent steps; independent dispatches share one).
     pub barriers_per_token: Option<f64>,
+    /// Medians over the timed decode tokens: host milliseconds from a
+    /// step's start to its last submission (recording, the host's inputs),
+    /// and then waited for the device. The rest of a token's time is the
+    /// logits' readback and the caller's own work.
+    pub record_ms: Option<f64>,
+    pub wait_ms: Option<f64>,
     pub peak_vram_bytes: Option<u64>,
     pub expert_cache: Option<ExpertCacheStats>,
     /// Bytes the load streamed to the device, and at what rate (GB/s).
@@ -275,6 +281,10 @@ pub struct BenchReport {
     pub prompt_cpu_seconds: Option<f64>,
     /// The prompt's speed in the repeats after the first (`prompt_repeats`).
     pub prompt_again_tok_s: Vec<f64>,
+    /// The last repeat's (else the prompt's) last pass, where the backend
+    /// times it: host milliseconds from its start to its last submission
+    /// (the host's inputs, recording), then waited for the device.
+    pub prompt_pass_host_ms: Option<(f64, f64)>,
     /// Heap the prefill allocated beyond what was in use before it, at its
     /// peak (activations, MoE gathers, the last pass's logits), where the
     /// program counts its heap; the weights are mapped, not counted.
@@ -467,18 +477,22 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
     let prefill_stages = cpu_stages.then(|| work_per_token(state.dispatch_ms(), prompt.len()));
     // The repeats' routing is not the session's: kept out of the trace.
     model.observe_routing(None);
+    let pass_ms = |state: &State| state.pass_stats().filter(|p| p.record_ns > 0).map(|p| (p.record_ns as f64 / 1e6, p.wait_ns as f64 / 1e6));
+    let mut prompt_pass_host_ms = pass_ms(&state);
     let mut prompt_again_tok_s = Vec::with_capacity(opts.prompt_repeats);
     for _ in 0..opts.prompt_repeats {
         let mut again = State::new(model.clone())?;
         let t = Instant::now();
         crate::generate::decode_tokens(&mut again, &prompt, &mut || false)?;
         prompt_again_tok_s.push(prompt.len() as f64 / t.elapsed().as_secs_f64());
+        prompt_pass_host_ms = pass_ms(&again);
     }
     if let Some(r) = &recorder {
         model.observe_routing(Some(r.observer()));
     }
 
     let mut per_token = Vec::with_capacity(opts.gen);
+    let (mut record_ms, mut wait_ms) = (Vec::new(), Vec::new());
     let mut stream = 0x9e37_79b9_7f4a_7c15u64;
     for i in 0..opts.warmup + opts.gen {
         if i == opts.warmup {
@@ -498,6 +512,10 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
         state.decode(next)?;
         if i >= opts.warmup {
             per_token.push(t.elapsed().as_secs_f64());
+            if let Some(p) = state.pass_stats().filter(|p| p.record_ns > 0) {
+                record_ms.push(p.record_ns as f64 / 1e6);
+                wait_ms.push(p.wait_ns as f64 / 1e6);
+            }
         }
     }
     if let (Some(path), Some(r)) = (&opts.save_trace, &recorder) {
@@ -523,7 +541,16 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
     let prefill_work = if opts.prompt_tokens > 1 { gpu_prefill_times(&model, opts.profile_tokens)? } else { None };
     // Before the bandwidth measurement, whose buffer would dominate it.
     let peak_rss = peak_rss_bytes();
-    let stats = BackendStats { stage_ms, work, prefill_work, prefill_stages, expert_cache: cache_stats, ..backend };
+    let stats = BackendStats {
+        stage_ms,
+        work,
+        prefill_work,
+        prefill_stages,
+        expert_cache: cache_stats,
+        record_ms: median(&mut record_ms),
+        wait_ms: median(&mut wait_ms),
+        ..backend
+    };
     let threads = if opts.threads == 0 {
         rayon::current_num_threads()
     } else {
@@ -571,6 +598,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
         micro_batch: model.micro_batch,
         prompt_cpu_seconds,
         prompt_again_tok_s,
+        prompt_pass_host_ms,
         prefill_peak_scratch_bytes,
         warmup_tokens: opts.warmup,
         decode,
@@ -581,6 +609,12 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
         peak_rss_bytes: peak_rss,
         backend_stats: stats,
     })
+}
+
+/// The median of `v` (none when empty).
+fn median(v: &mut [f64]) -> Option<f64> {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied()
 }
 
 /// `n` tokens of a fixed pseudo-random stream over the vocabulary.
@@ -671,7 +705,7 @@ impl BenchReport {
                 String::new()
             } else {
                 format!("; again: {} tok/s", self.prompt_again_tok_s.iter().map(|v| format!("{v:.2}")).collect::<Vec<_>>().join(", "))
-            },
+            } + &self.prompt_pass_host_ms.map_or(String::new(), |(r, w)| format!("; last pass: host {r:.2} ms to its last submission, then waited {w:.2} ms")),
             format!(
                 "decode: {:.3} tok/s median ({:.1} ms), min {:.3}, max {:.3} over {} tokens after {} warm-up",
                 self.decode.median_tok_s, self.decode.median_ms, self.decode.min_tok_s, self.decode.max_tok_s, self.decode.tokens, self.warmup_tokens
@@ -692,10 +726,12 @@ impl BenchReport {
                 opt(&s.load_upload_gbs.map(|r| format!("{r:.2} GB/s")))
             ),
             format!(
-                "per token: submits {}, dispatches {}, barriers {}; stages: {}; expert cache: {}",
+                "per token: submits {}, dispatches {}, barriers {}; host {} ms to the last submission, then waited {} ms (medians); stages: {}; expert cache: {}",
                 opt(&s.submits_per_token),
                 opt(&s.dispatches_per_token),
                 opt(&s.barriers_per_token),
+                opt(&s.record_ms.map(|v| format!("{v:.3}"))),
+                opt(&s.wait_ms.map(|v| format!("{v:.3}"))),
                 opt(&stages),
                 opt(&cache)
             ),

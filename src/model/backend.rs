@@ -281,6 +281,10 @@ pub struct PassStats {
     pub submits: u32,
     /// Bytes of weights the pass read (each matrix once).
     pub weight_bytes: u64,
+    /// Host nanoseconds from the start of the pass to its last submission
+    /// (recording, and the host's inputs), and then waited for the device.
+    pub record_ns: u64,
+    pub wait_ns: u64,
 }
 
 /// One sequence's state on a backend. Every method leaves the state as it

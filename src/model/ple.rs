@@ -39,14 +39,29 @@ pub fn hash_rows(p: &PleConfig, history: &[u32], token: u32) -> Vec<u64> {
 /// The table rows of every head, concatenated, for each of `tokens`
 /// ([T][H]); `history` holds the tokens before the first (oldest first).
 pub fn gather_rows(table: &Tensor, p: &PleConfig, hidden: usize, history: &[u32], tokens: &[u32]) -> Vec<f32> {
+    use rayon::prelude::*;
+    // The rows of every token first (each hashes the tokens before it), then
+    // the reads, of tokens in parallel for a pass of several.
     let mut context: Vec<u32> = history[history.len() + 1 - p.ngram..].to_vec();
+    let rows: Vec<Vec<u64>> = tokens
+        .iter()
+        .map(|&token| {
+            let rows = hash_rows(p, &context, token);
+            context.remove(0);
+            context.push(token);
+            rows
+        })
+        .collect();
     let mut e = vec![0f32; tokens.len() * hidden];
-    for (&token, out) in tokens.iter().zip(e.chunks_exact_mut(hidden)) {
-        for (row, dst) in hash_rows(p, &context, token).into_iter().zip(out.chunks_mut(p.row_dim)) {
+    let read = |(rows, out): (&Vec<u64>, &mut [f32])| {
+        for (&row, dst) in rows.iter().zip(out.chunks_mut(p.row_dim)) {
             table.dequantize_row(row as usize, dst);
         }
-        context.remove(0);
-        context.push(token);
+    };
+    if tokens.len() > 1 {
+        rows.par_iter().zip(e.par_chunks_exact_mut(hidden)).for_each(read);
+    } else {
+        rows.iter().zip(e.chunks_exact_mut(hidden)).for_each(read);
     }
     e
 }

@@ -150,8 +150,11 @@ pub(crate) struct VkPass<'a, 'scope> {
     attn_index: Vec<usize>,
     /// The expert cache's hold for this step, when the model has one.
     cache: Option<Token<'a>>,
-    /// Segments submitted so far (with the expert cache).
+    /// Segments submitted so far (with the expert cache, or cut from one
+    /// token's recording: [`VkPass::submit_segment`]).
     pub submits: u32,
+    /// When the last segment was submitted.
+    pub submitted: Option<std::time::Instant>,
     /// Whether to measure how well a layer's MoE input predicts the next
     /// layer's experts (`FNX_MEASURE_PREDICTION=1`; costs a router on the host).
     measure_prediction: bool,
@@ -238,33 +241,36 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
         assert!(n <= state.layout.batch as usize && batch.n_logits() <= state.layout.logit_rows as usize, "the scratch fits the pass");
         let l = &state.layout;
         rec.xq = Some((l.xq, l.tok));
-        let (len, tok) = (l.input_len as usize, l.tok as u64);
-        let regions: Vec<_> = (0..n)
-            .map(|t| vk::BufferCopy { src_offset: (t * len * 4) as u64, dst_offset: t as u64 * tok * 4, size: (len * 4) as u64 })
-            .collect();
+        let regions = l.upload_regions(n, cfg.hc, cfg.hidden);
         // SAFETY: recording; every region lies inside both buffers.
         unsafe { gpu.ctx.device.cmd_copy_buffer(rec.cmd, state.upload.raw, state.scratch.raw, &regions) };
         rec.barrier(vk::PipelineStageFlags::TRANSFER, vk::AccessFlags::TRANSFER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
+        // Each token's RoPE tables: its position's, then the block's it
+        // completes in each attention layer (zeros in the others). The
+        // embedding and PLE rows are written by the blocks that take them.
         let rope = Rope::new(cfg.rope_dims, cfg.rope_theta);
-        let (at, dims, block_rope) = (l.rope as usize, cfg.rope_dims, l.block_rope as usize);
-        let mut inputs = vec![0f32; n * len];
+        let (dims, first) = (cfg.rope_dims, l.rope);
+        let mut tables = vec![0f32; (l.input_len - first) as usize];
+        let block_rope = (l.block_rope - first) as usize;
         let mut attn_index = vec![0; cfg.n_layers];
-        for (t, inputs) in inputs.chunks_exact_mut(len).enumerate() {
+        for t in 0..n {
             let pos = pos + t;
-            rope_table(&rope, dims, pos, &mut inputs[at..at + dims]);
+            tables.fill(0.0);
+            rope_table(&rope, dims, pos, &mut tables[..dims]);
             let mut n_attn = 0;
             for (i, kind) in cfg.layers.iter().enumerate() {
                 if let LayerKind::Attention { compress_ratio } = *kind {
                     attn_index[i] = n_attn;
                     if compress_ratio > 0 && (pos + 1).is_multiple_of(compress_ratio) {
                         let at = block_rope + n_attn * dims;
-                        rope_table(&rope, dims, pos + 1 - compress_ratio, &mut inputs[at..at + dims]);
+                        rope_table(&rope, dims, pos + 1 - compress_ratio, &mut tables[at..at + dims]);
                     }
                     n_attn += 1;
                 }
             }
+            let at = state.layout.upload_at(t, first);
+            state.write_upload(at, &tables);
         }
-        state.write_upload(0, &inputs);
         let measure_prediction = cache.is_some() && n == 1 && std::env::var("FNX_MEASURE_PREDICTION").is_ok_and(|v| v == "1");
         let spin_wait = cache.is_some() && gpu.spin_wait;
         let prefetch = spin_wait && n == 1 && gpu.prefetch;
@@ -283,6 +289,7 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
             attn_index,
             cache,
             submits: 0,
+            submitted: None,
             measure_prediction,
             spin_wait,
             prefetch,
@@ -292,10 +299,12 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
         }
     }
 
-    /// The token's counts (segments submitted included) and the pipelines it timed.
-    pub fn finish(self) -> (TokenStats, Vec<super::record::Timed>) {
+    /// The token's counts (segments submitted included; the host's time
+    /// from `started` to the last submission) and the pipelines it timed.
+    pub fn finish(self, started: std::time::Instant) -> (TokenStats, Vec<super::record::Timed>) {
         let mut stats = self.rec.stats;
         stats.submits += self.submits;
+        stats.record_ns = self.submitted.map_or(0, |t| t.duration_since(started).as_nanos() as u64);
         (stats, self.rec.profiled().to_vec())
     }
 
@@ -303,9 +312,15 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
     /// flight, so the next step can begin.
     pub fn abandon(mut self) {
         self.cancel_fills();
-        let d = &self.gpu.ctx.device;
-        // SAFETY: the main command buffer is recording (every segment begins it again).
-        let _ = unsafe { d.end_command_buffer(self.state.cmds.cmd) };
+        if self.state.segments.is_empty() {
+            let d = &self.gpu.ctx.device;
+            // SAFETY: the main command buffer is recording (every segment begins it again).
+            let _ = unsafe { d.end_command_buffer(self.state.cmds.cmd) };
+        } else {
+            // Segments of the recording are in flight: their buffers are free once the queue has run them.
+            let _ = self.state.cmds.drain();
+            self.state.reclaim_segments();
+        }
         if let Some(o) = self.state.offload.as_mut() {
             let _ = o.wait_experts();
             if let Some(st) = o.stream.as_mut() {
@@ -377,6 +392,35 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
     /// resident: its two dispatches join the router's and the top-k's, which
     /// neither read nor write what it does) rather than after the routed
     /// experts (with the expert cache, in the segment of the GPU's experts).
+    /// Whether the recording is cut after layer `layer`'s last dispatch
+    /// (see [`segment_layers`]): one token with every expert resident (a
+    /// pass of several may be aborted between layers, which must leave the
+    /// state as it was, so it submits once), from the layer whose host
+    /// inputs (the PLE rows) are the last the walk writes, every
+    /// `segment_layers` layers, not after the last layer.
+    fn segment_after(&self, layer: usize) -> bool {
+        let every = self.gpu.segment_layers;
+        let first = self.cfg.ple.as_ref().map_or(0, |p| p.layer);
+        every > 0 && self.n == 1 && self.cache.is_none() && layer >= first && (layer - first).is_multiple_of(every) && layer + 1 < self.cfg.n_layers
+    }
+
+    /// Submits what is recorded so far (no fence) and goes on in another
+    /// command buffer, so the GPU runs the first layers while the host
+    /// records the rest.
+    fn submit_segment(&mut self) -> Result<()> {
+        self.state.cmds.submit_segment()?;
+        self.submits += 1;
+        let next = match self.state.spare_cmds.pop() {
+            Some(c) => c,
+            None => super::buffer::Commands::new(&self.gpu.ctx)?,
+        };
+        let submitted = std::mem::replace(&mut self.state.cmds, next);
+        self.state.segments.push(submitted);
+        self.state.cmds.begin()?;
+        self.rec.cmd = self.state.cmds.cmd;
+        Ok(())
+    }
+
     fn shared_beside_router(&self, layer: usize) -> bool {
         self.state.offload.is_none() && self.gpu.layers[layer].moe.shared.is_some()
     }
@@ -661,8 +705,11 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
     fn end_inner(&mut self) -> Result<()> {
         self.land_host_share()?;
         self.state.cmds.submit_async()?;
+        self.submitted = Some(std::time::Instant::now());
         self.stage_fills();
         self.state.cmds.wait()?;
+        self.rec.stats.wait_ns = self.submitted.map_or(0, |t| t.elapsed().as_nanos() as u64);
+        self.state.reclaim_segments();
         if self.staged.is_empty() {
             return Ok(());
         }
@@ -853,12 +900,10 @@ impl Blocks for VkPass<'_, '_> {
     type Experts = Experts;
 
     fn embed(&mut self, rows: &[f32]) -> Result<Streams> {
-        let h = self.cfg.hidden;
-        let (at, len) = (self.state.layout.residual as usize, self.state.layout.input_len as usize);
+        // The pass's first copy writes each row into every stream.
+        let (h, len) = (self.cfg.hidden, self.state.layout.upload_len());
         for (t, row) in rows.chunks_exact(h).take(self.n).enumerate() {
-            for c in 0..self.cfg.hc {
-                self.state.write_upload(t * len + at + c * h, row);
-            }
+            self.state.write_upload(t * len, row);
         }
         Ok(Streams)
     }
@@ -866,16 +911,16 @@ impl Blocks for VkPass<'_, '_> {
     fn ple(&mut self, layer: usize, rows: &[f32], _x: &mut Streams) -> Result<()> {
         let (cfg, gpu) = (self.cfg, self.gpu);
         let (Some(p), Some(pc)) = (&gpu.layers[layer].ple, &cfg.ple) else { return Ok(()) };
-        let (at, len) = (self.state.layout.ple_rows as usize, self.state.layout.input_len as usize);
         for (t, row) in rows.chunks_exact(cfg.hidden).take(self.n).enumerate() {
-            self.state.write_upload(t * len + at, row);
+            let at = self.state.layout.upload_at(t, self.state.layout.ple_rows);
+            self.state.write_upload(at, row);
         }
         let l = &self.state.layout;
         if self.submits > 0 {
             // The pass's first segment, which uploaded its inputs, has run: these rows go up now.
-            let (len, h) = (l.input_len as u64 * 4, cfg.hidden as u64 * 4);
+            let h = cfg.hidden as u64 * 4;
             let regions: Vec<_> = (0..self.n)
-                .map(|t| vk::BufferCopy { src_offset: t as u64 * len + l.ple_rows as u64 * 4, dst_offset: l.at(t).ple_rows as u64 * 4, size: h })
+                .map(|t| vk::BufferCopy { src_offset: l.upload_at(t, l.ple_rows) as u64 * 4, dst_offset: l.at(t).ple_rows as u64 * 4, size: h })
                 .collect();
             // SAFETY: recording; every region lies inside both buffers.
             unsafe { gpu.ctx.device.cmd_copy_buffer(self.rec.cmd, self.state.upload.raw, self.state.scratch.raw, &regions) };
@@ -1312,6 +1357,9 @@ impl Blocks for VkPass<'_, '_> {
         };
         let groups = self.rec.threads_n(Pipe::MoeCombine, cfg.hidden, self.n);
         self.rec.dispatch(Pipe::MoeCombine, &[set], &combine, groups);
+        if self.segment_after(layer) {
+            self.submit_segment()?;
+        }
         Ok(())
     }
 

@@ -134,6 +134,28 @@ impl Commands {
         self.ctx.submit(self.cmd, self.fence)
     }
 
+    /// Ends recording and submits without a fence: a segment of a longer
+    /// recording, whose last submission's fence also covers this one (a
+    /// fence signalled by a submission covers every earlier submission to
+    /// the queue). Work recorded after it in another buffer is ordered after
+    /// it as within one buffer: a pipeline barrier's scopes take in every
+    /// command earlier and later in submission order.
+    pub fn submit_segment(&self) -> Result<()> {
+        // SAFETY: the buffer is recording.
+        unsafe { self.ctx.device.end_command_buffer(self.cmd) }.map_err(err("ending a command buffer"))?;
+        self.ctx.submit(self.cmd, vk::Fence::null())
+    }
+
+    /// Ends the buffer being recorded without submitting it and waits until
+    /// the queue has run everything submitted before (segments of a
+    /// recording that failed part way).
+    pub fn drain(&self) -> Result<()> {
+        // SAFETY: the buffer is recording.
+        unsafe { self.ctx.device.end_command_buffer(self.cmd) }.map_err(err("ending a command buffer"))?;
+        self.ctx.submit_nothing(self.fence)?;
+        self.wait()
+    }
+
     /// Waits for the last submission.
     pub fn wait(&self) -> Result<()> {
         self.ctx.wait(self.fence)

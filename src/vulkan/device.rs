@@ -484,16 +484,31 @@ impl Context {
         self.used.load(Ordering::SeqCst)
     }
 
-    /// Submits `cmd`, to signal `fence` (which is reset first) when done.
+    /// Submits `cmd`, to signal `fence` (which is reset first; none when
+    /// null) when done.
     pub fn submit(&self, cmd: vk::CommandBuffer, fence: vk::Fence) -> Result<()> {
         let cmds = [cmd];
         let submit = [vk::SubmitInfo::default().command_buffers(&cmds)];
         // SAFETY: the command buffer is recorded and the fence is unsignalled after the
         // reset; the queue is externally synchronised by its mutex.
         unsafe {
-            self.device.reset_fences(&[fence]).map_err(err("resetting a fence"))?;
+            if fence != vk::Fence::null() {
+                self.device.reset_fences(&[fence]).map_err(err("resetting a fence"))?;
+            }
             let queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
             self.device.queue_submit(*queue, &submit, fence).map_err(err("submitting"))
+        }
+    }
+
+    /// Submits no work, only `fence` (reset first): signalled once
+    /// everything submitted to the queue before has completed.
+    pub fn submit_nothing(&self, fence: vk::Fence) -> Result<()> {
+        // SAFETY: the fence is unsignalled after the reset; the queue is
+        // externally synchronised by its mutex.
+        unsafe {
+            self.device.reset_fences(&[fence]).map_err(err("resetting a fence"))?;
+            let queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+            self.device.queue_submit(*queue, &[], fence).map_err(err("submitting"))
         }
     }
 

@@ -1,7 +1,11 @@
 //! The Vulkan backend: a whole pass on the GPU (one decoded token, or a
 //! prompt's micro-batch of tokens), from the embedding rows to the logits,
-//! in one command buffer, one submission and one fence wait (with the
-//! expert cache, a segment per layer: [`cache`]). It implements
+//! in one recording and one fence wait (with the expert cache, a segment
+//! per layer: [`cache`]). One token's recording is submitted in segments
+//! of several layers as it goes (`FNX_VK_SEGMENT_LAYERS`, 8 by default),
+//! so the GPU runs its first layers while the host records the rest; a
+//! pass of several tokens, which may be aborted between layers, is
+//! submitted once at its end. It implements
 //! `model::backend` as the CPU backend's sibling: where the CPU computes a
 //! block, [`blocks`] records it (its module docs say how a pass of tokens
 //! is batched).

@@ -129,7 +129,15 @@ pub struct GpuModel {
     /// Whether those threads read the next layer's predicted misses ahead
     /// while they wait (see `ExpertPlacement::prefetch`).
     pub(crate) prefetch: bool,
+    /// A token's recording is submitted in segments of this many layers
+    /// (0: one submission), so the GPU starts while the host records on
+    /// (`FNX_VK_SEGMENT_LAYERS`; see `VkPass::segment_after`).
+    pub(crate) segment_layers: usize,
 }
+
+/// Layers per submitted segment of a token's recording, unless
+/// `FNX_VK_SEGMENT_LAYERS` says otherwise (0: the token in one submission).
+const SEGMENT_LAYERS: usize = 8;
 
 /// What a load measured.
 #[derive(Clone, Debug, Default)]
@@ -333,7 +341,8 @@ impl GpuModel {
         report.upload_seconds = started.elapsed().as_secs_f64();
         let spin_wait = placement.spin_wait.unwrap_or(!ctx.on_cpu);
         let prefetch = placement.prefetch.unwrap_or(false);
-        Ok(GpuModel { layers, output_hc, output, arena, cache, params, pipes, ctx, report, spin_wait, prefetch })
+        let segment_layers = std::env::var("FNX_VK_SEGMENT_LAYERS").ok().and_then(|v| v.parse().ok()).unwrap_or(SEGMENT_LAYERS);
+        Ok(GpuModel { layers, output_hc, output, arena, cache, params, pipes, ctx, report, spin_wait, prefetch, segment_layers })
     }
 
     #[allow(clippy::type_complexity)]

@@ -28,6 +28,10 @@ pub struct TokenStats {
     pub weight_bytes: u64,
     /// Dispatches on the matrix-matrix modules (shaders/mm.comp).
     pub mm: u32,
+    /// Host nanoseconds from the start of the step to its last submission.
+    pub record_ns: u64,
+    /// Nanoseconds then waited for the GPU.
+    pub wait_ns: u64,
 }
 
 pub(crate) struct Recorder<'a> {

@@ -3,8 +3,11 @@
 //! keeps token `t`'s activations in block `t`, `tok` floats after token
 //! `t - 1`'s: [`ScratchLayout::at`] gives token `t`'s offsets, so the same
 //! push constants serve any token, and a batched matvec reads and writes
-//! every token's block at a stride of `tok`. The host uploads the first
-//! `input_len` floats of each block (residual seed, PLE rows, RoPE tables).
+//! every token's block at a stride of `tok`. The first `input_len` floats
+//! of each block come from the host (residual seed, PLE rows, RoPE
+//! tables): its upload holds the embedding row once per token, copied into
+//! every residual stream, then the rest as it lies in the block
+//! ([`ScratchLayout::upload_len`], [`ScratchLayout::upload_at`]).
 //! After the blocks: the logits of the tokens that get them, then the
 //! regions that scale with the context: block scores and selections for a
 //! run of up to `score_rows` tokens at a time (`n_ctx` floats apart), and
@@ -31,8 +34,10 @@ pub(crate) struct ScratchLayout {
     pub rope: u32,
     /// One block-key table per attention layer.
     pub block_rope: u32,
-    /// End of the region the host uploads per token.
+    /// End of the region the host's inputs fill per token.
     pub input_len: u32,
+    /// Floats of the residual seed in the upload (the embedding row once).
+    pub up_row: u32,
     pub xn: u32,
     pub low: u32,
     pub mix: u32,
@@ -111,6 +116,7 @@ impl ScratchLayout {
             ..Default::default()
         };
         l.input_len = next(0);
+        l.up_row = (h.div_ceil(4) * 4) as u32;
         l.xn = next(c * h);
         // Outputs of fused projections are contiguous.
         l.low = next(cfg.hc_rank + c);
@@ -179,6 +185,43 @@ impl ScratchLayout {
 
     /// Token `t`'s offsets: every per-token region moved to block `t` (the
     /// logits and the context-scaled regions stay).
+    /// Floats per token of the host's upload: the embedding row once, then
+    /// the block's inputs after the residual streams (from `ple_rows`).
+    pub fn upload_len(&self) -> usize {
+        (self.up_row + self.input_len - self.ple_rows) as usize
+    }
+
+    /// Where token `t`'s input at block offset `off` (`ple_rows` or later)
+    /// lies in the upload.
+    pub fn upload_at(&self, t: usize, off: u32) -> usize {
+        debug_assert!((self.ple_rows..self.input_len).contains(&off), "an input after the residual streams");
+        t * self.upload_len() + (self.up_row + off - self.ple_rows) as usize
+    }
+
+    /// The copies of a pass's `n` tokens' inputs from the upload into the
+    /// scratch (bytes): the embedding row into each of the `streams`
+    /// residual streams of `h` floats, the rest as one region.
+    pub fn upload_regions(&self, n: usize, streams: usize, h: usize) -> Vec<ash::vk::BufferCopy> {
+        let (up, f) = (self.upload_len() as u64, 4u64);
+        let rest = (self.input_len - self.ple_rows) as u64;
+        (0..n)
+            .flat_map(|t| {
+                let (src, l) = (t as u64 * up, self.at(t));
+                let streams = (0..streams).map(move |c| ash::vk::BufferCopy {
+                    src_offset: src * f,
+                    dst_offset: (l.residual as u64 + (c * h) as u64) * f,
+                    size: h as u64 * f,
+                });
+                let rest = (rest > 0).then(|| ash::vk::BufferCopy {
+                    src_offset: (src + self.up_row as u64) * f,
+                    dst_offset: l.ple_rows as u64 * f,
+                    size: rest * f,
+                });
+                streams.chain(rest)
+            })
+            .collect()
+    }
+
     pub fn at(&self, t: usize) -> ScratchLayout {
         let d = t as u32 * self.tok;
         debug_assert!(t < self.batch as usize, "token {t} of a pass of at most {}", self.batch);

@@ -1,13 +1,16 @@
 //! The decode state of one sequence on the GPU: the scratch buffer
 //! ([`super::scratch`]), the per-layer caches ([`super::caches`]), a small
 //! host-visible buffer the host writes each token's inputs into (embedding
-//! row, PLE rows, RoPE cos/sin tables), and one command buffer.
+//! row, PLE rows, RoPE cos/sin tables), and its command buffers.
 //!
 //! Per pass (one token decoding, up to a micro-batch of a prompt) the walk
-//! (`model::forward`) records the whole network into the command buffer
-//! through [`super::blocks`]; the state submits it once, waits on one
-//! fence, and reads the logits back. A failure before the submission
-//! changes nothing; one after it (a lost device) loses the state. The
+//! (`model::forward`) records the whole network through [`super::blocks`];
+//! one token's recording goes to the GPU in segments of layers as the walk
+//! records on (each segment's command buffer a spare until the last
+//! submission's fence), a pass of several tokens in one submission; the
+//! state waits on one fence and reads the logits back. A failure before
+//! the first submission changes nothing; one after it (a lost device)
+//! loses the state. The
 //! scratch holds one token at first and grows to the largest pass asked of
 //! it (see [`super::scratch`]).
 
@@ -43,6 +46,10 @@ pub struct GpuState {
     readback: Buffer,
     pub(crate) scratch: Buffer,
     pub(crate) cmds: Commands,
+    /// Command buffers of a token's segments submitted before its last
+    /// (`cmds`), until the last one's fence has signalled; then spares.
+    pub(crate) segments: Vec<Commands>,
+    pub(crate) spare_cmds: Vec<Commands>,
     /// With the expert cache: the per-layer exchange with the host.
     pub(crate) offload: Option<Offload>,
 }
@@ -154,7 +161,7 @@ impl GpuState {
         let layout = ScratchLayout::new(cfg, capacity, 1, 1)?;
         let f = |n: usize| (n * 4) as u64;
         let scratch = Buffer::new(ctx, "GPU scratch", f(layout.total as usize), MemoryLocation::GpuOnly)?;
-        let upload = Buffer::new(ctx, "token upload", f(layout.input_len as usize), MemoryLocation::CpuToGpu)?;
+        let upload = Buffer::new(ctx, "token upload", f(layout.upload_len()), MemoryLocation::CpuToGpu)?;
         let readback = Buffer::new(ctx, "logits readback", f(cfg.vocab), MemoryLocation::GpuToCpu)?;
         let caches = Caches::new(gpu, cfg, model.rewind_window, n_ctx, capacity, &scratch)?;
         let cmds = Commands::new(ctx)?;
@@ -192,8 +199,16 @@ impl GpuState {
             readback,
             scratch,
             cmds,
+            segments: Vec::new(),
+            spare_cmds: Vec::new(),
             offload,
         })
+    }
+
+    /// After the fence of a token's last submission (or a drain): the
+    /// segments' command buffers are free again.
+    pub(crate) fn reclaim_segments(&mut self) {
+        self.spare_cmds.append(&mut self.segments);
     }
 
     /// Makes room for `positions` positions: the capacity doubles (at least
@@ -235,7 +250,7 @@ impl GpuState {
         };
         let rest = scratch.and_then(|scratch| {
             let buffers = if grow_batch {
-                let upload = Buffer::new(ctx, "token upload", (layout.input_len * layout.batch) as u64 * 4, MemoryLocation::CpuToGpu)?;
+                let upload = Buffer::new(ctx, "token upload", (layout.upload_len() * layout.batch as usize) as u64 * 4, MemoryLocation::CpuToGpu)?;
                 let bytes = (layout.logit_rows as usize * cfg.vocab * 4) as u64;
                 Some((upload, Buffer::new(ctx, "logits readback", bytes, MemoryLocation::GpuToCpu)?))
             } else {
@@ -305,6 +320,7 @@ impl BackendState for GpuState {
         }
         // The pass's scope on the model's threads: an offloaded MoE's host
         // share computes there while the pass records on.
+        let started = std::time::Instant::now();
         let (mut stats, profiled) = model.in_place_scope(|scope| {
             let mut pass = super::blocks::VkPass::begin(self, &gpu, model, scope, batch, rec, cache);
             let walked = crate::model::forward::forward(model, batch, &mut pass);
@@ -316,7 +332,7 @@ impl BackendState for GpuState {
             }
             // The last segment (and, with an expert cache, the last layer's fills).
             pass.end().map_err(lost("a decode step"))?;
-            Ok(pass.finish())
+            Ok(pass.finish(started))
         })?;
         stats.submits += 1;
         if let Some(o) = self.offload.as_mut() {
@@ -368,7 +384,14 @@ impl BackendState for GpuState {
 
     fn pass_stats(&self) -> Option<PassStats> {
         let s = self.stats;
-        Some(PassStats { dispatches: s.dispatches, barriers: s.barriers, submits: s.submits, weight_bytes: s.weight_bytes })
+        Some(PassStats {
+            dispatches: s.dispatches,
+            barriers: s.barriers,
+            submits: s.submits,
+            weight_bytes: s.weight_bytes,
+            record_ns: s.record_ns,
+            wait_ns: s.wait_ns,
+        })
     }
 
     fn enable_profiling(&mut self) -> Result<()> {
