@@ -34,6 +34,8 @@ const VARIANTS: &[(&str, &str, &[&str])] = &[
     ("qsa_topk", "qsa_topk.comp", &[]),
     ("attention", "attention.comp", &[]),
     ("moe_route", "moe_route.comp", &[]),
+    ("router", "router.comp", &[]),
+    ("router_batch", "router.comp", &["BATCH"]),
     ("moe_combine", "moe_combine.comp", &[]),
     ("moe_group", "moe_group.comp", &[]),
     ("act_int8", "act_int8.comp", &[]),

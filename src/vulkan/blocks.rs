@@ -887,6 +887,12 @@ impl GpuState {
     /// Writes `v` into the upload buffer at float `at`.
     pub(crate) fn write_upload(&mut self, at: usize, v: &[f32]) {
         let bytes = &mut self.upload.mapped()[at * 4..(at + v.len()) * 4];
+        // One copy (wide stores into the write-combined mapping: a pass
+        // writes megabytes here) where the host's floats are the device's bytes.
+        #[cfg(target_endian = "little")]
+        // SAFETY: `v`'s floats are plain bytes (no padding), read as `v.len() * 4` of them.
+        bytes.copy_from_slice(unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) });
+        #[cfg(not(target_endian = "little"))]
         for (b, x) in bytes.chunks_exact_mut(4).zip(v) {
             b.copy_from_slice(&x.to_le_bytes());
         }
@@ -1183,7 +1189,11 @@ impl Blocks for VkPass<'_, '_> {
             self.rec.round_for(set, &sh.gate_up, &mut sh_gate_up, n);
         }
         self.rec.independent(|rec| {
-            rec.matvec_n(&w.router, set, router, n);
+            if rec.routes(&w.router) {
+                rec.router_n(&w.router, set, router.x_off, router.y_off, router.x_stride, n);
+            } else {
+                rec.matvec_n(&w.router, set, router, n);
+            }
             if let Some(sh) = shared {
                 rec.matvec_n(&sh.gate_up, set, sh_gate_up, n);
             }

@@ -182,6 +182,8 @@ AttentionPush { q_off: u32, qg_off: u32, keys_off: u32, values_off: u32, sel_off
 push_block!(/// shaders/moe_route.comp
 MoeRoutePush { logits_off: u32, ids_off: u32, w_off: u32, n_experts: u32, k: u32, shared_in_arena: u32, x_off: u32,
     shared_gate: u32, h: u32, tok_stride: u32 });
+push_block!(/// shaders/router.comp
+RouterPush { rows: u32, cols: u32, row_bytes: u32, x_off: u32, y_off: u32, tok_stride: u32, n: u32 });
 push_block!(/// shaders/moe_combine.comp
 MoeCombinePush { y_off: u32, w_off: u32, shared_off: u32, x_off: u32, shared_gate: u32, res_off: u32, inject_off: u32,
     h: u32, k: u32, streams: u32, shared_separate: u32, partial_off: u32, tok_stride: u32 });
@@ -352,6 +354,8 @@ pipes! {
     QsaTopk = "qsa_topk", State, QsaTopkPush, 256;
     Attention = "attention", State, AttentionPush, 256;
     MoeRoute = "moe_route", State, MoeRoutePush, 256;
+    Router = "router", StateWeight, RouterPush, 64;
+    RouterBatch = "router_batch", StateWeight, RouterPush, 256;
     MoeCombine = "moe_combine", State, MoeCombinePush, 256;
     MoeGroup = "moe_group", State, MoeGroupPush, 256;
     ActInt8 = "act_int8", State, ActInt8Push, 128;
@@ -757,6 +761,10 @@ pub(crate) struct Pipelines {
     /// hc_combine's sums) instead of a separate hc_combine dispatch
     /// (`FNX_VK_HC_FUSE=0` turns it off).
     pub hc_fuse: bool,
+    /// Whether an F32 router's logits run on shaders/router.comp (one order
+    /// of operations for a token and a pass, whose pass tiles tokens by
+    /// experts) instead of the F32 matvec (`FNX_VK_ROUTER=0`).
+    pub router: bool,
     /// shaders/gdn_recurrent.comp's invocations per state column ([`gdn_lanes`]).
     pub gdn_lanes: u32,
     ctx: Arc<Context>,
@@ -850,6 +858,7 @@ impl Pipelines {
             round_once_cols: std::env::var("FNX_VK_ROUND_ONCE_COLS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             hc_round: std::env::var("FNX_VK_HC_ROUND").map_or(true, |v| v != "0"),
             hc_fuse: std::env::var("FNX_VK_HC_FUSE").map_or(true, |v| v != "0"),
+            router: std::env::var("FNX_VK_ROUTER").map_or(true, |v| v != "0"),
             gdn_lanes,
             ctx: ctx.clone(),
         };

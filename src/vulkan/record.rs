@@ -13,7 +13,7 @@
 use super::device::{err, Context};
 use super::layout::PartLayout;
 use super::matrix::GpuMatrix;
-use super::pipelines::{ActInt8Push, MatvecPush, MatvecTuning, Pipe, Pipelines, Push, Sets, FAST_MAX_COLS, MM_COLS, MM_ROWS, mm_entries};
+use super::pipelines::{ActInt8Push, MatvecPush, MatvecTuning, Pipe, Pipelines, Push, RouterPush, Sets, FAST_MAX_COLS, MM_COLS, MM_ROWS, mm_entries};
 use crate::error::Result;
 use crate::gguf::GgmlType;
 use ash::vk;
@@ -340,6 +340,37 @@ impl<'a> Recorder<'a> {
                 rec.dispatch(pipe, &[state_set, c.set], &push, groups);
             }
         });
+        self.stats.weight_bytes += m.device_bytes();
+    }
+
+    /// Whether [`Recorder::router_n`] takes `m`: F32 weights in one chunk
+    /// (and `FNX_VK_ROUTER` not 0).
+    pub fn routes(&self, m: &GpuMatrix) -> bool {
+        self.pipes.router && m.ty == GgmlType::F32 && m.chunks.len() == 1
+    }
+
+    /// The MoE router's logits of `n` tokens (inputs at `x_off`, logits at
+    /// `y_off`, `tok_stride` floats apart per token) from `m`'s F32 weights
+    /// on shaders/router.comp: one token on its plain module, a pass on its
+    /// batch module, each logit summed in the same order by both.
+    pub fn router_n(&mut self, m: &GpuMatrix, state_set: vk::DescriptorSet, x_off: u32, y_off: u32, tok_stride: u32, n: usize) {
+        assert!(self.routes(m), "{}: the router module takes F32 weights in one chunk", m.name);
+        assert!(x_off.is_multiple_of(4) && tok_stride.is_multiple_of(4), "router activations must start at multiples of 4 floats");
+        let c = &m.chunks[0];
+        let push = RouterPush {
+            rows: m.rows as u32,
+            cols: c.layout.cols as u32,
+            row_bytes: c.layout.row_bytes as u32,
+            x_off,
+            y_off,
+            tok_stride,
+            n: n as u32,
+        };
+        // Experts and tokens a workgroup covers (shaders/router.comp: 4 x 1, or 16 x 16).
+        let (pipe, (experts, tokens)) = if n == 1 { (Pipe::Router, (4, 1)) } else { (Pipe::RouterBatch, (16, 16)) };
+        let groups = [m.rows.div_ceil(experts) as u32, n.div_ceil(tokens) as u32, 1];
+        self.label_next(|| role(&m.name), c.layout.bytes as u64);
+        self.dispatch(pipe, &[state_set, c.set], &push, groups);
         self.stats.weight_bytes += m.device_bytes();
     }
 

@@ -949,3 +949,56 @@ fn mm_within_the_f16_bound() {
     println!("matrix-matrix modules: worst error {seen:.3} of the bound");
     assert_eq!(validation_errors(), 0, "Vulkan validation errors (printed above)");
 }
+
+/// shaders/router.comp: a pass's logits (the batch module, tiles of 16
+/// tokens by 16 experts) equal each token's alone (the plain module) bit
+/// for bit, and the CPU's F32 sums within float rounding; shapes whose rows
+/// and tokens do not fill the tiles and whose rows end mid-item, the
+/// activations past the row NaN (read as zero).
+#[test]
+fn router_passes_equal_single_tokens_and_the_cpu() {
+    let Some(ctx) = context() else { return };
+    let pipes = Pipelines::tuned(&ctx, false, |name| MatvecTuning::for_pipeline(name, false)).unwrap();
+    for (rows, cols, n) in [(40, 130, 37), (256, 2560, 19), (5, 3, 1)] {
+        let w = tensor(GgmlType::F32, rows, cols, 11 + rows as u64);
+        let cmds = Commands::new(&ctx).unwrap();
+        let mut stream = Stream::new(&ctx).unwrap();
+        let m = GpuMatrix::upload_split(&ctx, &pipes, &mut stream, &[&w], usize::MAX).unwrap();
+        stream.finish().unwrap();
+        // Token t: its input at t * tok (NaN past `cols`), then its logits
+        // of the pass at y_pass, of its own dispatch at y_alone.
+        let tok = (cols.div_ceil(4) * 4 + 2 * rows.div_ceil(4) * 4 + 8) as u32;
+        let (y_pass, y_alone) = (cols.div_ceil(4) * 4 + 4, cols.div_ceil(4) * 4 + 4 + rows.div_ceil(4) * 4);
+        let x = values(n * cols, cols, 5 + n as u64);
+        let mut scratch = vec![f32::NAN; n * tok as usize];
+        for t in 0..n {
+            scratch[t * tok as usize..][..cols].copy_from_slice(&x[t * cols..(t + 1) * cols]);
+        }
+        let buf = Buffer::new(&ctx, "router twin scratch", (scratch.len() * 4) as u64, MemoryLocation::GpuOnly).unwrap();
+        let dummy = Buffer::new(&ctx, "twin dummy", 16, MemoryLocation::GpuOnly).unwrap();
+        let pool = DescriptorPool::new(&ctx, 1, 3).unwrap();
+        let set = pool.set(pipes.state_layout, &[&[buf.info()], &[dummy.info()], &[dummy.info()]]).unwrap();
+        cmds.upload(&buf, 0, &bytes(&scratch)).unwrap();
+        cmds.begin().unwrap();
+        let mut rec = Recorder::new(&ctx, &pipes, cmds.cmd);
+        assert!(rec.routes(&m));
+        rec.router_n(&m, set, 0, y_pass as u32, tok, n);
+        for t in 0..n as u32 {
+            rec.router_n(&m, set, t * tok, t * tok + y_alone as u32, tok, 1);
+        }
+        rec.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::TRANSFER);
+        cmds.submit().unwrap();
+        let all = f32s(&cmds.download(&buf, 0, scratch.len() * 4).unwrap());
+        let mut worst_err = 0f32;
+        for t in 0..n {
+            let at = t * tok as usize;
+            let (pass, alone) = (&all[at + y_pass..][..rows], &all[at + y_alone..][..rows]);
+            let differ: Vec<_> = (0..rows).filter(|&e| pass[e].to_bits() != alone[e].to_bits()).collect();
+            assert!(differ.is_empty(), "{rows}x{cols}, token {t} of {n}: the pass's logits differ from the token's alone at experts {differ:?}");
+            let (want, abs) = cpu(&w, &x[t * cols..(t + 1) * cols], false);
+            worst_err = worst_err.max(worst(&format!("router {rows}x{cols} token {t}"), alone, &want, &abs));
+        }
+        println!("router {rows}x{cols}, {n} tokens: a pass equals its tokens bit for bit; worst error {worst_err:.3} of the bound");
+    }
+    assert_eq!(validation_errors(), 0, "Vulkan validation errors (printed above)");
+}
