@@ -17,19 +17,22 @@
 // and a workgroup's WG / SEGS slots cover TG token groups by WG / SEGS / TG
 // expert groups. The partial sums meet in shared memory and each output is
 // added up by one invocation. One token (without BATCH): a slot per expert,
-// WG 64 (four experts a workgroup); a pass (BATCH): 4 x 4 per invocation,
-// 16 tokens by 16 experts a workgroup of 256.
+// WG 64 (four experts a workgroup), U = 20 items' loads in flight at once
+// (the real router's segment is 40 items); a pass (BATCH): 4 x 4 per
+// invocation, 16 tokens by 16 experts a workgroup of 256, U = 2.
 #define SEGS 16u
 #ifdef BATCH
 #define WG 256
 #define TT 4u
 #define TE 4u
 #define TG 4u
+#define U 2u
 #else
 #define WG 64
 #define TT 1u
 #define TE 1u
 #define TG 1u
+#define U 20u
 #endif
 #define SLOTS (uint(WG) / SEGS)
 #define EG (SLOTS / TG)
@@ -63,24 +66,35 @@ void main() {
     [[unroll]] for (uint i = 0u; i < TT; i++) xrow[i] = (pc.x_off + min(t0 + i, pc.n - 1u) * pc.tok_stride) >> 2;
     precise float acc[OUTS];
     [[unroll]] for (uint o = 0u; o < OUTS; o++) acc[o] = 0.0;
-    for (uint v = seg; v < items; v += SEGS) {
-        vec4 w[TE];
-        vec4 x[TT];
-        [[unroll]] for (uint j = 0u; j < TE; j++) w[j] = w4[wrow[j] + v];
-        [[unroll]] for (uint i = 0u; i < TT; i++) {
-            x[i] = s4[xrow[i] + v];
-            if (4u * v + 4u > pc.cols) {
-                [[unroll]] for (uint c = 0u; c < 4u; c++) if (4u * v + c >= pc.cols) x[i][c] = 0.0;
+    // U of the segment's items at a time: their loads first (clamped to the
+    // last item), all in flight together, then the chains through those
+    // that exist, in order.
+    for (uint v0 = seg; v0 < items; v0 += SEGS * U) {
+        vec4 w[U * TE];
+        vec4 x[U * TT];
+        [[unroll]] for (uint u = 0u; u < U; u++) {
+            uint v = min(v0 + SEGS * u, items - 1u);
+            [[unroll]] for (uint j = 0u; j < TE; j++) w[u * TE + j] = w4[wrow[j] + v];
+            [[unroll]] for (uint i = 0u; i < TT; i++) {
+                vec4 xi = s4[xrow[i] + v];
+                if (4u * v + 4u > pc.cols) {
+                    [[unroll]] for (uint c = 0u; c < 4u; c++) if (4u * v + c >= pc.cols) xi[c] = 0.0;
+                }
+                x[u * TT + i] = xi;
             }
         }
-        [[unroll]] for (uint i = 0u; i < TT; i++) {
-            [[unroll]] for (uint j = 0u; j < TE; j++) {
-                precise float a = acc[i * TE + j];
-                a = fma(w[j].x, x[i].x, a);
-                a = fma(w[j].y, x[i].y, a);
-                a = fma(w[j].z, x[i].z, a);
-                a = fma(w[j].w, x[i].w, a);
-                acc[i * TE + j] = a;
+        [[unroll]] for (uint u = 0u; u < U; u++) {
+            if (v0 + SEGS * u >= items) break;
+            [[unroll]] for (uint i = 0u; i < TT; i++) {
+                [[unroll]] for (uint j = 0u; j < TE; j++) {
+                    vec4 wv = w[u * TE + j], xv = x[u * TT + i];
+                    precise float a = acc[i * TE + j];
+                    a = fma(wv.x, xv.x, a);
+                    a = fma(wv.y, xv.y, a);
+                    a = fma(wv.z, xv.z, a);
+                    a = fma(wv.w, xv.w, a);
+                    acc[i * TE + j] = a;
+                }
             }
         }
     }
