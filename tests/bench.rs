@@ -1,7 +1,7 @@
 //! The benchmark harness on a small synthetic model: the report is complete
 //! and consistent, the weight bytes per token follow from the tensor table,
-//! and on Vulkan the backend's own figures (dispatches, one submit per token)
-//! are reported.
+//! and on Vulkan the backend's own figures (dispatches, submissions, the
+//! host's time per token) are reported.
 
 use flashnext::bench::{self, BenchOptions};
 use flashnext::convert::OutType;
@@ -33,6 +33,10 @@ fn bench_on_vulkan_reports_the_backend() {
     std::env::set_var("FNX_VULKAN_VALIDATION", "1");
     let opts = BenchOptions { backend: Backend::Vulkan, gen: 2, warmup: 1, ..BenchOptions::new(&path) };
     let result = bench::run(&opts);
+    // The PLE layer: a token's recording is submitted in segments after it
+    // and every 8 layers from there (FNX_VK_SEGMENT_LAYERS's default), none
+    // after the last layer.
+    let cfg = flashnext::model::Config::from_metadata(&GgufFile::open(&path).unwrap().metadata).unwrap();
     let _ = std::fs::remove_file(&path);
     let r = match result {
         Err(flashnext::Error::Backend(why)) if std::env::var("FNX_REQUIRE_VULKAN").as_deref() != Ok("1") => {
@@ -43,7 +47,11 @@ fn bench_on_vulkan_reports_the_backend() {
     };
     assert_eq!(r.backend, "vulkan");
     let s = &r.backend_stats;
-    assert_eq!(s.submits_per_token, Some(1.0));
+    let first = cfg.ple.as_ref().map_or(0, |p| p.layer);
+    let segments = 1 + (first..cfg.n_layers - 1).step_by(8).count();
+    assert_eq!(s.submits_per_token, Some(segments as f64), "{s:?}");
+    // The host's time to a token's last submission and the wait after it.
+    assert!(s.record_ms.is_some_and(|ms| ms > 0.0) && s.wait_ms.is_some_and(|ms| ms >= 0.0), "{s:?}");
     assert!(s.dispatches_per_token.unwrap() > 10.0, "{s:?}");
     assert!(s.device.is_some() && s.peak_vram_bytes.unwrap() > 0, "{s:?}");
     assert_eq!(r.bound.bandwidth_gbs, bench::H200_VULKAN_GBS);
