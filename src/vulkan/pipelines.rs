@@ -763,7 +763,10 @@ pub(crate) struct Pipelines {
     pub hc_fuse: bool,
     /// Whether an F32 router's logits run on shaders/router.comp (one order
     /// of operations for a token and a pass, whose pass tiles tokens by
-    /// experts) instead of the F32 matvec (`FNX_VK_ROUTER=0`).
+    /// experts) instead of the F32 matvec (`FNX_VK_ROUTER=1`; off by default
+    /// until a GPU has timed its one-token module with its loads issued
+    /// ahead: measured on an H100, the pass's router 1.93x faster, the first
+    /// one-token module 3x slower than the matvec: docs/BENCHMARKS.md).
     pub router: bool,
     /// shaders/gdn_recurrent.comp's invocations per state column ([`gdn_lanes`]).
     pub gdn_lanes: u32,
@@ -858,7 +861,7 @@ impl Pipelines {
             round_once_cols: std::env::var("FNX_VK_ROUND_ONCE_COLS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             hc_round: std::env::var("FNX_VK_HC_ROUND").map_or(true, |v| v != "0"),
             hc_fuse: std::env::var("FNX_VK_HC_FUSE").map_or(true, |v| v != "0"),
-            router: std::env::var("FNX_VK_ROUTER").map_or(true, |v| v != "0"),
+            router: std::env::var("FNX_VK_ROUTER").is_ok_and(|v| v == "1"),
             gdn_lanes,
             ctx: ctx.clone(),
         };

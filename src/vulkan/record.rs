@@ -343,10 +343,15 @@ impl<'a> Recorder<'a> {
         self.stats.weight_bytes += m.device_bytes();
     }
 
-    /// Whether [`Recorder::router_n`] takes `m`: F32 weights in one chunk
-    /// (and `FNX_VK_ROUTER` not 0).
+    /// Whether a router's logits go to [`Recorder::router_n`]: it takes `m`
+    /// and `FNX_VK_ROUTER=1` asks for it.
     pub fn routes(&self, m: &GpuMatrix) -> bool {
-        self.pipes.router && m.ty == GgmlType::F32 && m.chunks.len() == 1
+        self.pipes.router && Self::router_takes(m)
+    }
+
+    /// Whether [`Recorder::router_n`] takes `m`: F32 weights in one chunk.
+    pub fn router_takes(m: &GpuMatrix) -> bool {
+        m.ty == GgmlType::F32 && m.chunks.len() == 1
     }
 
     /// The MoE router's logits of `n` tokens (inputs at `x_off`, logits at
@@ -354,7 +359,7 @@ impl<'a> Recorder<'a> {
     /// on shaders/router.comp: one token on its plain module, a pass on its
     /// batch module, each logit summed in the same order by both.
     pub fn router_n(&mut self, m: &GpuMatrix, state_set: vk::DescriptorSet, x_off: u32, y_off: u32, tok_stride: u32, n: usize) {
-        assert!(self.routes(m), "{}: the router module takes F32 weights in one chunk", m.name);
+        assert!(Self::router_takes(m), "{}: the router module takes F32 weights in one chunk", m.name);
         assert!(x_off.is_multiple_of(4) && tok_stride.is_multiple_of(4), "router activations must start at multiples of 4 floats");
         let c = &m.chunks[0];
         let push = RouterPush {

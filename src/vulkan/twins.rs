@@ -981,7 +981,7 @@ fn router_passes_equal_single_tokens_and_the_cpu() {
         cmds.upload(&buf, 0, &bytes(&scratch)).unwrap();
         cmds.begin().unwrap();
         let mut rec = Recorder::new(&ctx, &pipes, cmds.cmd);
-        assert!(rec.routes(&m));
+        assert!(Recorder::router_takes(&m));
         rec.router_n(&m, set, 0, y_pass as u32, tok, n);
         for t in 0..n as u32 {
             rec.router_n(&m, set, t * tok, t * tok + y_alone as u32, tok, 1);
