@@ -131,7 +131,8 @@ every_backend! {
     fn batched_equals_token_by_token(on) {
         // The score-runs test's child (FNX_VK_SCORE_ROWS set) checks how QSA
         // scores runs of tokens, one shader under both kernel families: the F32 file suffices.
-        let score_runs = std::env::var_os("FNX_VK_SCORE_ROWS").is_some();
+        // So does the router module's child (FNX_VK_ROUTER=1: the router's F32 weights are in both files).
+        let score_runs = std::env::var_os("FNX_VK_SCORE_ROWS").is_some() || std::env::var("FNX_VK_ROUTER").is_ok_and(|v| v == "1");
         let cases = [(OutType::F32, Kernels::Exact), (OutType::Q8_0, Kernels::Fast)];
         for (ty, kernels) in cases.into_iter().take(if score_runs { 1 } else { 2 }) {
             let path = converted("tiny_native", ty);
@@ -295,6 +296,20 @@ fn vulkan_score_runs_shorter_than_a_pass() {
         .unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success() && text.contains("1 passed"), "runs of 3 tokens:\n{text}");
+}
+
+/// shaders/router.comp (`FNX_VK_ROUTER=1`, off by default) keeps a pass
+/// equal to token by token bit for bit end to end: the Vulkan batched test
+/// again (its F32 file), in a child process with the router module on.
+#[test]
+fn vulkan_router_module_passes_equal_token_by_token() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "vulkan::batched_equals_token_by_token", "--nocapture"])
+        .env("FNX_VK_ROUTER", "1")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("1 passed"), "the router module:\n{text}");
 }
 
 /// The C API: `fnx_decode_batch` with every position's logits in
