@@ -289,13 +289,18 @@ fn vulkan_coopmat_every_matrix_within_the_fast_kernels_bound() {
 /// is laid out).
 #[test]
 fn vulkan_score_runs_shorter_than_a_pass() {
+    batched_in_a_child(("FNX_VK_SCORE_ROWS", "3"), "runs of 3 tokens");
+}
+
+/// `vulkan::batched_equals_token_by_token` in a child process with `var` set.
+fn batched_in_a_child((key, value): (&str, &str), what: &str) {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "vulkan::batched_equals_token_by_token", "--nocapture"])
-        .env("FNX_VK_SCORE_ROWS", "3")
+        .env(key, value)
         .output()
         .unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success() && text.contains("1 passed"), "runs of 3 tokens:\n{text}");
+    assert!(out.status.success() && text.contains("1 passed"), "{what}:\n{text}");
 }
 
 /// shaders/router.comp (`FNX_VK_ROUTER=1`, off by default) keeps a pass
@@ -303,13 +308,7 @@ fn vulkan_score_runs_shorter_than_a_pass() {
 /// again (its F32 file), in a child process with the router module on.
 #[test]
 fn vulkan_router_module_passes_equal_token_by_token() {
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "vulkan::batched_equals_token_by_token", "--nocapture"])
-        .env("FNX_VK_ROUTER", "1")
-        .output()
-        .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success() && text.contains("1 passed"), "the router module:\n{text}");
+    batched_in_a_child(("FNX_VK_ROUTER", "1"), "the router module");
 }
 
 /// The C API: `fnx_decode_batch` with every position's logits in
