@@ -477,6 +477,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
     let prefill_stages = cpu_stages.then(|| work_per_token(state.dispatch_ms(), prompt.len()));
     // The repeats' routing is not the session's: kept out of the trace.
     model.observe_routing(None);
+    // The host's ms to a step's last submission and then waited, where the backend times them.
     let pass_ms = |state: &State| state.pass_stats().filter(|p| p.record_ns > 0).map(|p| (p.record_ns as f64 / 1e6, p.wait_ns as f64 / 1e6));
     let mut prompt_pass_host_ms = pass_ms(&state);
     let mut prompt_again_tok_s = Vec::with_capacity(opts.prompt_repeats);
@@ -512,9 +513,9 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
         state.decode(next)?;
         if i >= opts.warmup {
             per_token.push(t.elapsed().as_secs_f64());
-            if let Some(p) = state.pass_stats().filter(|p| p.record_ns > 0) {
-                record_ms.push(p.record_ns as f64 / 1e6);
-                wait_ms.push(p.wait_ns as f64 / 1e6);
+            if let Some((record, wait)) = pass_ms(&state) {
+                record_ms.push(record);
+                wait_ms.push(wait);
             }
         }
     }

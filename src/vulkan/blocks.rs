@@ -154,7 +154,7 @@ pub(crate) struct VkPass<'a, 'scope> {
     /// token's recording: [`VkPass::submit_segment`]).
     pub submits: u32,
     /// When the last segment was submitted.
-    pub submitted: Option<std::time::Instant>,
+    submitted: Option<std::time::Instant>,
     /// Whether to measure how well a layer's MoE input predicts the next
     /// layer's experts (`FNX_MEASURE_PREDICTION=1`; costs a router on the host).
     measure_prediction: bool,
@@ -388,12 +388,8 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
         MatvecPush { x_off, y_off, mode, x_stride: tok, y_stride: tok, ..Default::default() }
     }
 
-    /// Whether `layer`'s shared expert runs apart beside the router (all
-    /// resident: its two dispatches join the router's and the top-k's, which
-    /// neither read nor write what it does) rather than after the routed
-    /// experts (with the expert cache, in the segment of the GPU's experts).
     /// Whether the recording is cut after layer `layer`'s last dispatch
-    /// (see [`segment_layers`]): one token with every expert resident (a
+    /// (`GpuModel::segment_layers`): one token with every expert resident (a
     /// pass of several may be aborted between layers, which must leave the
     /// state as it was, so it submits once), from the layer whose host
     /// inputs (the PLE rows) are the last the walk writes, every
@@ -421,6 +417,10 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
         Ok(())
     }
 
+    /// Whether `layer`'s shared expert runs apart beside the router (all
+    /// resident: its two dispatches join the router's and the top-k's, which
+    /// neither read nor write what it does) rather than after the routed
+    /// experts (with the expert cache, in the segment of the GPU's experts).
     fn shared_beside_router(&self, layer: usize) -> bool {
         self.state.offload.is_none() && self.gpu.layers[layer].moe.shared.is_some()
     }

@@ -202,19 +202,21 @@ impl ScratchLayout {
     /// scratch (bytes): the embedding row into each of the `streams`
     /// residual streams of `h` floats, the rest as one region.
     pub fn upload_regions(&self, n: usize, streams: usize, h: usize) -> Vec<ash::vk::BufferCopy> {
+        debug_assert!(n <= self.batch as usize, "a pass of at most {} tokens", self.batch);
         let (up, f) = (self.upload_len() as u64, 4u64);
         let rest = (self.input_len - self.ple_rows) as u64;
         (0..n)
             .flat_map(|t| {
-                let (src, l) = (t as u64 * up, self.at(t));
+                // Token t's block starts t * tok floats in.
+                let (src, block) = (t as u64 * up, t as u64 * self.tok as u64);
                 let streams = (0..streams).map(move |c| ash::vk::BufferCopy {
                     src_offset: src * f,
-                    dst_offset: (l.residual as u64 + (c * h) as u64) * f,
+                    dst_offset: (block + self.residual as u64 + (c * h) as u64) * f,
                     size: h as u64 * f,
                 });
                 let rest = (rest > 0).then(|| ash::vk::BufferCopy {
                     src_offset: (src + self.up_row as u64) * f,
-                    dst_offset: l.ple_rows as u64 * f,
+                    dst_offset: (block + self.ple_rows as u64) * f,
                     size: rest * f,
                 });
                 streams.chain(rest)
