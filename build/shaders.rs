@@ -39,6 +39,7 @@ const VARIANTS: &[(&str, &str, &[&str])] = &[
     ("moe_combine", "moe_combine.comp", &[]),
     ("moe_group", "moe_group.comp", &[]),
     ("act_int8", "act_int8.comp", &[]),
+    ("split_sums", "split_sums.comp", &[]),
 ];
 
 /// Weight types of the matvec modules: (module suffix, `WEIGHT_*` define).

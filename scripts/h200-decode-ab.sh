@@ -15,7 +15,11 @@
 # 48-layer q2_k file), ROUNDS (2), GEN (64), WARMUP (4), KERNELS (fast;
 # FNX_GPU_KERNELS), VARIANTS (more runs of NEW: "NAME:VAR=VALUE,VAR=VALUE"
 # entries separated by spaces), WORK (where the models go; one at a time;
-# a model already there, e.g. scripts/h200-offload.sh's, is used as it is).
+# a model already there, e.g. scripts/h200-offload.sh's, is used as it is),
+# PROMPT_TOKENS (a prompt of that many tokens instead of a short one: each
+# run prefills it once after loading, PROMPT_REPEATS (3) more times, and
+# profiles a pass of that many tokens; the prefill rates go to the log
+# beside the decode line).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:?set OUT to the directory for reports}
@@ -48,10 +52,14 @@ run() {
     local name=$1 bin=$2 model=$3
     shift 3
     say "bench $name $*"
+    local prompt=(--prompt "The quick brown fox")
+    if [ -n "${PROMPT_TOKENS:-}" ]; then
+        prompt=(--prompt-tokens "$PROMPT_TOKENS" --prompt-repeats "${PROMPT_REPEATS:-3}" --profile-tokens "$PROMPT_TOKENS")
+    fi
     env FNX_GPU_KERNELS="${KERNELS:-fast}" "$@" timeout 300 "$bin" bench --model "$model" --backend vulkan \
-        --prompt "The quick brown fox" --gen "${GEN:-64}" --warmup "${WARMUP:-4}" --device-gbs 4400 \
+        "${prompt[@]}" --gen "${GEN:-64}" --warmup "${WARMUP:-4}" --device-gbs 4400 \
         --json "$out/$name.json" > "$out/$name.txt" 2>&1 || say "bench $name failed"
-    grep -E "^decode:|^per token:|GPU time per token" "$out/$name.txt" | cut -c1-200 | tee -a "$log"
+    grep -E "^prompt:|^decode:|^per token:|GPU time per token" "$out/$name.txt" | cut -c1-240 | tee -a "$log"
     grep -E "^  " "$out/$name.txt" | head -n "${TOP:-12}" | tee -a "$log"
 }
 

@@ -52,6 +52,16 @@
 // is matrix row (r mod C) * H + r / C), so each workgroup holds all C mix
 // logits of its d and writes y[d] = mean_c sigmoid(mix[c][d]) * xn[c][d]
 // itself, as shaders/hc_combine.comp would.
+// Split rows (kcols != 0; plain matrices of quantized types, not mode 5): a
+// matrix of few rows and long ones (the hyper-connection down projections:
+// 324 rows of 10,240 values) fills few workgroups, so the grid's x holds its
+// row groups once per split, workgroup (group, k) taking columns k kcols ..
+// k kcols + kcols - 1 (whole blocks) of its rows: it rounds or copies only
+// those activations, sums only their items, and writes each entry's sums to
+// partial_off ([split][entry][rows], SwiGLU's up rows after the gate rows)
+// instead of the epilogue; shaders/split_sums.comp adds each output's splits
+// in order and applies it. A token and a pass split a matrix alike (the
+// host's rule depends on its shape alone), so they still sum alike.
 // With ARENA (routed experts): k reads expert id s[expert_off + k], finds
 // its arena slot through the slot table, and reads x and writes y at
 // k * stride. With kdiv > 0 (a batch of tokens' experts) k is a pair:
@@ -94,6 +104,16 @@ void main() {
     uint tpr = 1u << pc.tpr_shift;
     uint sets = gl_WorkGroupSize.x >> pc.tpr_shift;
     uint wg = gl_WorkGroupID.x + gl_WorkGroupID.z * gl_NumWorkGroups.x;
+    // With split rows, workgroup wg is split wg / (row groups) of its group.
+    uint split = 0u, c_begin = 0u, c_end = pc.cols;
+    if (pc.kcols != 0u) {
+        uint groups = (pc.rows + sets * ROWS - 1u) / (sets * ROWS);
+        split = wg / groups;
+        wg -= split * groups;
+        c_begin = split * pc.kcols;
+        c_end = min(pc.cols, c_begin + pc.kcols);
+        if (c_begin >= pc.cols) return;  // past the last split
+    }
     if (wg * sets * ROWS >= pc.rows) return;  // the whole workgroup is past the end
     uint t = gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
     uint lane = t & (tpr - 1u);
@@ -103,9 +123,11 @@ void main() {
     uint cap = min(NT, SHARE);
     bool swiglu = pc.mode == 4u;
     uint n_acc = swiglu ? NACC : ROWS;
-    // Blocks per row (the float types: 16-byte items per row).
+    // Blocks per row (the float types: 16-byte items per row), and the
+    // items of this workgroup's columns (a split's whole blocks: quantized
+    // types only).
     uint nb = QK == 1u ? pc.row_bytes >> 4 : pc.cols / QK;
-    uint items = nb * IPB;
+    uint item0 = c_begin / QK * IPB, items = pc.kcols != 0u ? c_end / QK * IPB : nb * IPB;
     uint up_row = pc.rows * pc.row_bytes, up_blk = pc.rows * nb;
     // Every value here is the same for the whole workgroup.
     [[dont_unroll]] for (uint e = k0; e < end;) {
@@ -150,15 +172,15 @@ void main() {
 #elif defined(FAST)
             if (pc.xq_off != 0u) {
 #ifdef ARENA
-                copy_x(pc.xq_off + tok, pc.x_stride == 0u ? 0u : k);
+                copy_x(pc.xq_off + tok, pc.x_stride == 0u ? 0u : k, c_begin, c_end);
 #else
-                copy_x(pc.xq_off + k * pc.x_stride, 0u);
+                copy_x(pc.xq_off + k * pc.x_stride, 0u, c_begin, c_end);
 #endif
             } else {
-                prepare_x(x[j]);
+                prepare_x(x[j], c_begin, c_end);
             }
 #else
-            prepare_x(x[j]);
+            prepare_x(x[j], c_begin, c_end);
 #endif
         }
         // Rows past the end repeat the last row (their sums are not stored), so
@@ -178,7 +200,7 @@ void main() {
         [[unroll]] for (uint i = 0u; i < NT * NACC; i++) acc[i] = 0.0;
         // UNROLL items per pass, their loads unconditional (a missing item
         // rereads the last one and adds nothing), so all can be in flight at once.
-        for (uint c0 = lane; c0 < items; c0 += UNROLL * tpr) {
+        for (uint c0 = item0 + lane; c0 < items; c0 += UNROLL * tpr) {
             [[unroll]] for (uint u = 0u; u < UNROLL; u++) {
                 uint c = c0 + u * tpr;
                 bool ok = c < items;
@@ -246,6 +268,20 @@ void main() {
                 }
             }
         }
+        if (pc.kcols != 0u) {
+            // A split's sums, for split_sums.comp (entry e + j of the dispatch).
+            if (lane == 0u) {
+                uint stride = swiglu ? 2u * pc.rows : pc.rows;
+                [[unroll]] for (uint a = 0u; a < NT * ROWS; a++) {
+                    uint j = a / ROWS, i = a % ROWS;
+                    if (j < n && r0 + i < pc.rows) {
+                        uint at = pc.partial_off + (split * pc.ntok + e + j) * stride + r0 + i;
+                        s[at] = acc[j * NACC + i];
+                        if (swiglu) s[at + pc.rows] = acc[j * NACC + ROWS + i];
+                    }
+                }
+            }
+        } else
 #ifndef BATCH
         if (pc.mode == 5u) {
             // Hyper-connection up with its combine (one entry, a workgroup's

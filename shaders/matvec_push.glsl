@@ -35,6 +35,8 @@ layout(push_constant) uniform Push {
     uint xq_off;      // FAST: token 0's activations rounded by act_int8.comp; 0: round them here
     uint order_base;  // ARENA with order_off: the dispatch's entry k is entry order_base + k of the order
     uint tiles_off;   // mm.comp, ARENA with order_off: moe_group.comp's tiles of one expert each (0: tiles of BN entries)
+    uint kcols;       // mm.comp, matvec.comp, split_sums.comp: columns of a split of the rows (whole steps and blocks; 0: rows whole)
+    uint partial_off; // with kcols: the splits' sums, [split][entry][rows (SwiGLU: gate rows, then up rows)]
 } pc;
 
 // Entry k of the dispatch: its index among its token's vectors (k itself

@@ -35,6 +35,14 @@
 // to 4). Eight subgroups rather than four keep twice the loads in flight
 // (docs/BENCHMARKS.md, "Workgroups of eight subgroups").
 //
+// Split rows (kcols != 0, plain matrices): a matrix of few row tiles and
+// long rows (the hyper-connection projections: 3 tiles of 10,240 columns)
+// would leave most of the GPU idle, so the grid's x has row tiles x splits
+// workgroups, workgroup (tile, k) taking columns k kcols .. k kcols + kcols
+// - 1 of its tile's rows and writing its sums to partial_off instead of the
+// epilogue; split_sums.comp adds each output's splits in order and applies
+// the epilogue.
+//
 // Not the exact path: each weight and each activation is rounded to f16
 // (relative 2^-11 each; magnitudes past 65504 are clamped, Q8_0 scales
 // past 511.75), the products summed in f32 in the tensor cores' order.
@@ -46,6 +54,7 @@
 #include "common.glsl"
 #include "matvec_push.glsl"
 #include "weights.glsl"
+#include "epilogue.glsl"
 
 #define BM 128u
 #define BK 64u
@@ -221,6 +230,16 @@ void main() {
     uint wg = gl_WorkGroupID.x + gl_WorkGroupID.z * gl_NumWorkGroups.x;
     bool swiglu = pc.mode == 4u;
     uint tile_rows = swiglu ? BM / 2u : BM;
+    // With split rows, workgroup wg is split wg / (row tiles) of its row tile.
+    uint row_tiles = (pc.rows + tile_rows - 1u) / tile_rows, split = 0u;
+    uint c_begin = 0u, c_end = pc.cols;
+    if (pc.kcols != 0u) {
+        split = wg / row_tiles;
+        wg -= split * row_tiles;
+        c_begin = split * pc.kcols;
+        c_end = min(pc.cols, c_begin + pc.kcols);
+        if (c_begin >= pc.cols) return;
+    }
     uint r0 = wg * tile_rows;
     if (r0 >= pc.rows) return;  // the whole workgroup is past the end
     uint t = gl_LocalInvocationID.x, sg = gl_SubgroupID, lane = gl_SubgroupInvocationID;
@@ -272,7 +291,7 @@ void main() {
         // 8 (q % (BK / 8)) .. + 7 for q = t + WG i (coalesced rows).
         vec4 xr[2u * XR];
         [[unroll]] for (uint i = 0u; i < XR; i++) {
-            uint q = t + WG * i, j = q / (BK / 8u), at = 8u * (q % (BK / 8u));
+            uint q = t + WG * i, j = q / (BK / 8u), at = c_begin + 8u * (q % (BK / 8u));
             xr[2u * i] = j < n ? xv(xat[j] + at) : vec4(0.0);
             xr[2u * i + 1u] = j < n ? xv(xat[j] + at + 4u) : vec4(0.0);
         }
@@ -282,9 +301,9 @@ void main() {
         // (The experts' tiles use c0 and c1.)
         ACC c0 = ACC(0.0), c1 = ACC(0.0), c2 = ACC(0.0), c3 = ACC(0.0);
         ACC c4 = ACC(0.0), c5 = ACC(0.0), c6 = ACC(0.0), c7 = ACC(0.0);
-        for (uint s0 = 0u; s0 < pc.cols; s0 += BK) {
+        for (uint s0 = c_begin; s0 < c_end; s0 += BK) {
             // The step before is done with the tiles.
-            if (s0 > 0u) barrier();
+            if (s0 > c_begin) barrier();
             [[unroll]] for (uint i = 0u; i < XR; i++) {
                 uint q = t + WG * i;
                 sm[B_AT + (q / (BK / 8u)) * LDV + q % (BK / 8u)] = uvec4(half4(xr[2u * i]), half4(xr[2u * i + 1u]));
@@ -299,7 +318,7 @@ void main() {
                 put_item(base + r * pc.row_bytes + (up ? up_row : 0u), r * nb + (up ? up_blk : 0u), s0, j, lr * LD);
             }
             [[unroll]] for (uint i = 0u; i < PF; i++) warm ^= ahead[i];
-            if (s0 + BK < pc.cols) {
+            if (s0 + BK < c_end) {
                 // The next step's activations into registers, its weight
                 // bytes into the cache (one 4-byte load per 32-byte sector of
                 // each tile row, folded into `warm` a step later).
@@ -348,26 +367,22 @@ void main() {
                 if (swiglu) store_acc((rb + RB / 2u) * CB + cb, stage + 64u, c0, c1, c2, c3, c4, c5, c6, c7);
                 subgroupMemoryBarrierShared();
                 subgroupBarrier();
-                // Lane: row i of the block, entries jj = lane / 16 + 2 u
+                // Lane: row i of the block, entries jj = lane / 16 + 2 q
                 // (sixteen lanes write sixteen consecutive rows of an entry).
                 uint i = lane & 15u, r = r0 + 16u * (sr + NSR * rb) + i;
-                [[unroll]] for (uint u = 0u; u < 8u; u++) {
-                    uint jj = (lane >> 4) + 2u * u, j = 16u * c + jj;
+                [[unroll]] for (uint q = 0u; q < 8u; q++) {
+                    uint jj = (lane >> 4) + 2u * q, j = 16u * c + jj;
                     if (j >= n || r >= pc.rows) continue;
-                    uint f = jj * 16u + i;
+                    uint f = jj * 16u + i, f2 = 256u + f;
                     float v = uintBitsToFloat(sm[stage + (f >> 2)][f & 3u]);
-                    Entry en = entry(e + j);
-                    uint y = pc.y_off + en.tok + en.k * pc.y_stride + pc.row_base + r;
-                    if (pc.mode == 3u) {
-                        // Residual write-back: stream c gets its token's weight times the row.
-                        for (uint cc = 0u; cc < pc.aux_n; cc++) s[y + cc * pc.total_rows] += s[pc.aux_off + en.k * pc.y_stride + cc] * v;
-                    } else if (pc.mode == 0u) {
-                        s[y] = v;
-                    } else if (pc.mode == 1u) {
-                        s[y] = pc.row_base + r < pc.split_row ? silu(v * pc.scale) : 2.0 * sigmoid(v * pc.scale);
+                    float u = swiglu ? uintBitsToFloat(sm[stage + (f2 >> 2)][f2 & 3u]) : 0.0;
+                    if (pc.kcols != 0u) {
+                        // A split's sums, for split_sums.comp (entry e + j of the dispatch).
+                        uint at = pc.partial_off + (split * pc.ntok + e + j) * (swiglu ? 2u * pc.rows : pc.rows) + r;
+                        s[at] = v;
+                        if (swiglu) s[at + pc.rows] = u;
                     } else {
-                        uint f2 = 256u + f;
-                        s[y] = silu(v) * uintBitsToFloat(sm[stage + (f2 >> 2)][f2 & 3u]);
+                        mm_store(entry(e + j), r, v, u);
                     }
                 }
                 subgroupBarrier();

@@ -7,9 +7,10 @@
 //
 // Include after the push-constant block `pc` (uses pc.cols, pc.row_bytes).
 // With FAST the quantized types are decoded by weights_int.glsl instead
-// (8-bit activations, integer dot products); both define `prepare_x(x)`,
-// which every invocation calls once per entry before the first item (not
-// the batch modules, BATCH, which read rounded activations in place).
+// (8-bit activations, integer dot products); both define `prepare_x(x, c0,
+// c1)` (columns c0 .. c1 - 1 of the entry's activations at x), which every
+// invocation calls once per entry before the first item (not the batch
+// modules, BATCH, which read rounded activations in place).
 // Each type defines
 //   QK    values per block (the float types: per 16-byte item)
 //   IPB   work items per block
@@ -224,7 +225,7 @@ void levels_q6k(uint row, uint g, uint b, uint k, out uvec4 lo, out uvec4 hi, ou
 #include "weights_int.glsl"
 #else
 // The exact kernels read the activations as they are.
-void prepare_x(uint x) {}
+void prepare_x(uint x, uint c0, uint c1) {}
 
 #if defined(WEIGHT_F32) || defined(WEIGHT_F16) || defined(WEIGHT_BF16)
 // Float rows are zero-padded to 16 bytes; the activations past `cols` are

@@ -7,7 +7,8 @@
 // decoded once (`item_w`), then dotted with the activations of each entry
 // that shares them (`w_dot`).
 //
-// Activations: each workgroup first rounds its x (pc.cols values) into
+// Activations: each workgroup first rounds its x (pc.cols values, or its
+// split's columns) into
 // shared memory, in blocks of 32 (`prepare_x`; in a pass of several tokens
 // act_int8.comp rounds them once for all workgroups and `copy_x` copies;
 // the batch modules, BATCH, read that region in place): `x ~ d q` with
@@ -61,19 +62,20 @@ uvec4 XQ(uint x, uint v, uint e) { return xq[e]; }
 float XD(uint x, uint v, uint b) { return xd[b]; }
 int XS(uint x, uint v, uint e) { return xs[e]; }
 
-// Rounds x[0..pc.cols] (pc.cols a multiple of 32) into shared memory; every
-// invocation of the workgroup must call it. Four invocations share a block
-// of 32, eight values each (act_int8.glsl).
-void prepare_x(uint x) {
-    uint nb = pc.cols >> 5;
+// Rounds columns c0 .. c1 - 1 of x (multiples of 32: the whole row, or a
+// split of it, matvec.comp's kcols) into shared memory at their own
+// indices; every invocation of the workgroup must call it. Four invocations
+// share a block of 32, eight values each (act_int8.glsl).
+void prepare_x(uint x, uint c0, uint c1) {
+    uint b1 = c1 >> 5;
     // Numbered by subgroup, as in matvec.comp, so each four share a subgroup.
     uint t = gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
     uint quarter = t & 3u;
-    for (uint b0 = 0u; b0 < nb; b0 += gl_WorkGroupSize.x >> 2) {
+    for (uint b0 = c0 >> 5; b0 < b1; b0 += gl_WorkGroupSize.x >> 2) {
         uint b = b0 + (t >> 2);
         // Every invocation runs the shuffles; those past the end take a zero block.
-        bool live = b < nb;
-        uint at = x + 32u * min(b, nb - 1u) + 8u * quarter;
+        bool live = b < b1;
+        uint at = x + 32u * min(b, b1 - 1u) + 8u * quarter;
         vec4 v0 = live ? xv(at) : vec4(0.0), v1 = live ? xv(at + 4u) : vec4(0.0);
         uint w0, w1;
         int sum;
@@ -91,17 +93,18 @@ void prepare_x(uint x) {
 }
 
 // Copies activations act_int8.comp rounded into shared memory, the same
-// values prepare_x would make: vector `v` (of pc.cols values) of the region
-// at scratch float `q` (levels as words, then scales at XQ_D, then the sums
-// of 16 at XQ_S). Every invocation of the workgroup must call it.
-void copy_x(uint q, uint v) {
+// values prepare_x would make, for columns c0 .. c1 - 1 (multiples of 32):
+// vector `v` (of pc.cols values) of the region at scratch float `q` (levels
+// as words, then scales at XQ_D, then the sums of 16 at XQ_S). Every
+// invocation of the workgroup must call it.
+void copy_x(uint q, uint v, uint c0, uint c1) {
     uint t = gl_LocalInvocationIndex, ne = pc.cols >> 4, nb = pc.cols >> 5;
     uint e0 = v * ne, b0 = v * nb;
-    for (uint e = t; e < ne; e += gl_WorkGroupSize.x) {
+    for (uint e = (c0 >> 4) + t; e < (c1 >> 4); e += gl_WorkGroupSize.x) {
         xq[e] = floatBitsToUint(xv(q + 4u * (e0 + e)));
         xs[e] = floatBitsToInt(s[q + XQ_S + e0 + e]);
     }
-    for (uint b = t; b < nb; b += gl_WorkGroupSize.x) xd[b] = s[q + XQ_D + b0 + b];
+    for (uint b = (c0 >> 5) + t; b < (c1 >> 5); b += gl_WorkGroupSize.x) xd[b] = s[q + XQ_D + b0 + b];
     barrier();
 }
 #endif

@@ -160,12 +160,13 @@ fn q8_0_within_bound() {
 /// A synthetic model of the small dims stored with `preset`: the tensor
 /// types it holds and the GPU-vs-CPU error over `tokens` positions.
 fn synthetic(preset: Preset, tokens: u32) -> Option<(Vec<GgmlType>, f32)> {
-    synthetic_with(preset, tokens, Kernels::Exact).map(|(types, e, _)| (types, worst(&e)))
+    synthetic_with(preset, tokens, Kernels::Exact, &mut |_| {}).map(|(types, e, _)| (types, worst(&e)))
 }
 
 /// [`synthetic`] with the GPU on `kernels`; also the errors of every
 /// position and those of the CPU's fast kernels against its exact ones.
-fn synthetic_with(preset: Preset, tokens: u32, kernels: Kernels) -> Option<(Vec<GgmlType>, Vec<f32>, Vec<f32>)> {
+/// `gpu_state` sees the GPU's state before the first token and after the last.
+fn synthetic_with(preset: Preset, tokens: u32, kernels: Kernels, gpu_state: &mut dyn FnMut(&mut State)) -> Option<(Vec<GgmlType>, Vec<f32>, Vec<f32>)> {
     let dir = std::env::temp_dir().join(format!("flashnext-vk-synth-{}-{preset}-{}", std::process::id(), kernels.name()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("model.gguf");
@@ -186,6 +187,7 @@ fn synthetic_with(preset: Preset, tokens: u32, kernels: Kernels) -> Option<(Vec<
     assert_eq!(gpu_model.gpu_kernels(), Some(kernels), "the device runs the kernels asked for");
     let load_cpu = |kernels| Model::load(&path, &LoadOptions { cpu_kernels: Some(kernels), ..cpu_twin() }).unwrap();
     let mut gpu = State::new(gpu_model).unwrap();
+    gpu_state(&mut gpu);
     let mut cpu = State::new(load_cpu(Kernels::Exact)).unwrap();
     // The CPU's fast kernels only when they are the comparison.
     let mut cpu_fast = (kernels == Kernels::Fast).then(|| State::new(load_cpu(Kernels::Fast)).unwrap());
@@ -202,6 +204,7 @@ fn synthetic_with(preset: Preset, tokens: u32, kernels: Kernels) -> Option<(Vec<
             cpu_fast_errors.push(rel_err(f.logits().unwrap(), cpu.logits().unwrap()));
         }
     }
+    gpu_state(&mut gpu);
     assert_eq!(flashnext::vulkan::validation_errors(), 0, "Vulkan validation errors (printed above)");
     std::fs::remove_dir_all(&dir).ok();
     Some((types, errors, cpu_fast_errors))
@@ -219,7 +222,7 @@ fn synthetic_with(preset: Preset, tokens: u32, kernels: Kernels) -> Option<(Vec<
 #[test]
 fn fast_kernels_err_no_more_than_the_cpus() {
     for preset in [Preset::Q2K, Preset::Q3KM, Preset::Q4KM, Preset::Q5KM, Preset::Q6K] {
-        let Some((_, gpu, cpu)) = synthetic_with(preset, 24, Kernels::Fast) else { return };
+        let Some((_, gpu, cpu)) = synthetic_with(preset, 24, Kernels::Fast, &mut |_| {}) else { return };
         let (gm, cm) = (median(&gpu), median(&cpu));
         println!(
             "{preset}: fast kernels vs the CPU's exact ones over 24 positions: GPU median {gm:.3e} max {:.3e}, CPU median {cm:.3e} max {:.3e}",
@@ -241,5 +244,50 @@ fn k_quant_presets_match_cpu() {
     }
     for ty in [GgmlType::Q2K, GgmlType::Q3K, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q8_0] {
         assert!(seen.contains(&ty), "no preset stored a {ty} tensor");
+    }
+}
+
+/// Rows split into ranges of columns on the matvec modules (the
+/// hyper-connection down projections at the real widths), end to end on
+/// both kernel families: in a child process where every quantized matrix of
+/// at least 1024 columns splits into ranges of 256 (`FNX_VK_MATVEC_SPLIT`,
+/// `FNX_VK_MATVEC_FILL` set high, so that no dispatch counts as filled by
+/// its rows alone; the pipelines read them when a model loads), the exact
+/// kernels keep `k_quant_presets_match_cpu`'s bound and the fast ones
+/// `fast_kernels_err_no_more_than_the_cpus`'s, and the splits' sums ran.
+#[test]
+fn split_rows_match_cpu() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "split_rows_child", "--ignored", "--nocapture"])
+        .env("FNX_VK_MATVEC_SPLIT", "256")
+        .env("FNX_VK_MATVEC_FILL", "65536")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{}", text.lines().filter(|l| l.contains("split rows") || l.contains("SKIPPED")).collect::<Vec<_>>().join("\n"));
+    assert!(out.status.success() && text.contains("1 passed"), "split rows:\n{text}");
+}
+
+#[test]
+#[ignore = "run in a child process by split_rows_match_cpu"]
+fn split_rows_child() {
+    for preset in [Preset::Q2K, Preset::Q4KM, Preset::Q6K] {
+        for kernels in [Kernels::Exact, Kernels::Fast] {
+            let mut stages = Vec::new();
+            let mut last_token = |s: &mut State| {
+                if s.position() == 0 {
+                    s.enable_profiling().unwrap();
+                } else {
+                    stages = s.stage_ms().into_iter().map(|(name, _)| name).collect();
+                }
+            };
+            let Some((_, gpu, cpu)) = synthetic_with(preset, if kernels == Kernels::Exact { 6 } else { 24 }, kernels, &mut last_token) else { return };
+            assert!(stages.contains(&"split_sums"), "{preset}: no split rows ({stages:?})");
+            println!("{preset} {}: split rows vs the CPU's exact kernels: max {:.3e}, median {:.3e}", kernels.name(), worst(&gpu), median(&gpu));
+            match kernels {
+                Kernels::Exact => assert!(worst(&gpu) <= 2e-5, "{preset}: split rows err {}", worst(&gpu)),
+                _ => assert!(median(&gpu) <= median(&cpu), "{preset}: split rows err by {} (median), the CPU's fast kernels by {}", median(&gpu), median(&cpu)),
+            }
+        }
     }
 }

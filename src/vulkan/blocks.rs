@@ -69,7 +69,7 @@ use super::buffer::Buffer;
 use super::cache::{Place, Token};
 use super::model::{GpuHyper, GpuMixer, GpuModel};
 use super::pipelines::*;
-use super::record::{Recorder, TokenStats};
+use super::record::{Recorder, SplitRegion, TokenStats};
 use super::scratch::exp_h_stride;
 use super::state::{GpuState, STREAM_BANK};
 use crate::cpu::moe::{expert_outputs, Expert};
@@ -241,6 +241,7 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
         assert!(n <= state.layout.batch as usize && batch.n_logits() <= state.layout.logit_rows as usize, "the scratch fits the pass");
         let l = &state.layout;
         rec.xq = Some((l.xq, l.tok));
+        rec.partials = Some(SplitRegion { off: l.split_sums, len: l.split_sums_len, per_entry: l.split_sums_len / l.batch });
         let regions = l.upload_regions(n, cfg.hc, cfg.hidden);
         // SAFETY: recording; every region lies inside both buffers.
         unsafe { gpu.ctx.device.cmd_copy_buffer(rec.cmd, state.upload.raw, state.scratch.raw, &regions) };

@@ -148,7 +148,7 @@ push_block!(/// shaders/matvec.comp
 MatvecPush { rows: u32, cols: u32, row_bytes: u32, row_base: u32, x_off: u32, y_off: u32, mode: u32, scale: f32,
     aux_off: u32, aux_n: u32, total_rows: u32, expert_off: u32, x_stride: u32, y_stride: u32, slot_table: u32,
     slots_per_slab: u32, slot_bytes: u32, part_off: u32, split_row: u32, tpr_shift: u32, fld0: u32, fld1: u32, kdiv: u32, tok_stride: u32,
-    tile: u32, ntok: u32, order_off: u32, xq_off: u32, order_base: u32, tiles_off: u32 });
+    tile: u32, ntok: u32, order_off: u32, xq_off: u32, order_base: u32, tiles_off: u32, kcols: u32, partial_off: u32 });
 push_block!(/// shaders/hc_norm.comp
 HcNormPush { x_off: u32, gamma: u32, y_off: u32, n: u32, eps: f32, tok_stride: u32, q_off: u32 });
 push_block!(/// shaders/hc_combine.comp
@@ -342,6 +342,7 @@ pipes! {
     MmExpertQ4K = "mm_expert_q4_k", StateArena, MatvecPush, 256;
     MmExpertQ5K = "mm_expert_q5_k", StateArena, MatvecPush, 256;
     MmExpertQ6K = "mm_expert_q6_k", StateArena, MatvecPush, 256;
+    SplitSums = "split_sums", State, MatvecPush, 256;
     HcNorm = "hc_norm", State, HcNormPush, 256;
     HcCombine = "hc_combine", State, HcCombinePush, 64;
     PleMix = "ple_mix", State, PleMixPush, 256;
@@ -694,6 +695,9 @@ impl MmExperts {
 
 /// Columns of one step of shaders/mm.comp (`BK`): its rows must be a multiple.
 pub(crate) const MM_COLS: usize = 64;
+/// Fewest steps of [`MM_COLS`] columns a split of a row takes on the
+/// matrix-matrix modules ([`Pipelines::mm_split`]).
+pub(crate) const MM_SPLIT_STEPS: usize = 8;
 
 /// Longest rows the fast kernels take (`FAST_MAX_COLS` in
 /// shaders/weights_int.glsl); longer rows use the exact pipelines.
@@ -733,6 +737,24 @@ pub(crate) struct Pipelines {
     /// hyper-connection projections of 320 and 4 rows ran 3x slower there
     /// than on the batch modules).
     pub mm_rows: usize,
+    /// Workgroups a plain matrix's pass on the matrix-matrix modules should
+    /// fill at least by splitting its rows (`FNX_VK_MM_SPLIT`, default 256;
+    /// 0: never split): a matrix of few row tiles and long rows then runs as
+    /// row tiles x splits workgroups, each summing [`MM_SPLIT_STEPS`] or more
+    /// steps of its rows, and shaders/mm_reduce.comp adds the splits.
+    pub mm_split: usize,
+    /// Fewest rows a plain matrix below [`Pipelines::mm_rows`] must have to
+    /// run on the matrix-matrix modules with split rows
+    /// (`FNX_VK_MM_SPLIT_ROWS`, default 256: the hyper-connection down
+    /// projections' 320; their injection rows alone stay on the batch modules).
+    pub mm_split_rows: usize,
+    /// Fewest columns of a split of a plain quantized matrix's rows on the
+    /// matvec modules (`FNX_VK_MATVEC_SPLIT`, default 1024; 0: never split):
+    /// rows of at least four times that many columns are split where their
+    /// row sets alone would leave the dispatch below its tuning's `fill`
+    /// (the hyper-connection down projections: 324 rows of 10,240 values),
+    /// in as many splits as the partial region allows each entry (`Recorder::matvec_splits`).
+    pub matvec_split: usize,
     /// Which of the routed experts' matrices run on the matrix-matrix
     /// modules (`FNX_VK_MM_EXPERTS=0` none, `1` all; by default
     /// [`MmExperts::Timed`]: on an H100 at 512 tokens a pass the Q4_K
@@ -853,6 +875,9 @@ impl Pipelines {
             mm,
             mm_min: std::env::var("FNX_VK_MM_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(8).max(2),
             mm_rows: std::env::var("FNX_VK_MM_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(1024),
+            mm_split: std::env::var("FNX_VK_MM_SPLIT").ok().and_then(|v| v.parse().ok()).unwrap_or(256),
+            mm_split_rows: std::env::var("FNX_VK_MM_SPLIT_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(256),
+            matvec_split: std::env::var("FNX_VK_MATVEC_SPLIT").ok().and_then(|v| v.parse().ok()).unwrap_or(1024),
             mm_experts: match std::env::var("FNX_VK_MM_EXPERTS").as_deref() {
                 Ok("0") => MmExperts::None,
                 Ok("1") => MmExperts::All,

@@ -9,11 +9,23 @@
 //! what another writes: the chunks and type-split parts of one projection
 //! (disjoint output rows of one input), and the shared expert beside the
 //! router and its top-k (`blocks.rs`).
+//!
+//! A plain matrix of few rows and long ones splits its rows into ranges of
+//! columns: a pass on the matrix-matrix modules ([`Pipelines::mm_split`]),
+//! and on the matvec modules a token and a pass alike
+//! ([`Pipelines::matvec_split`]). Each workgroup sums its range into the
+//! [`Recorder::partials`] region and the splits' reduction
+//! (shaders/split_sums.comp, the epilogue with it) waits until the
+//! outermost group's barrier: the reductions of a group run together after
+//! it, then one more barrier. Each split matrix of a group takes its own
+//! part of the region; where the region is full, the group's reductions run
+//! early (a barrier, the reductions, a barrier), so whether a matrix splits
+//! never depends on what else the group holds.
 
 use super::device::{err, Context};
 use super::layout::PartLayout;
 use super::matrix::GpuMatrix;
-use super::pipelines::{ActInt8Push, MatvecPush, MatvecTuning, Pipe, Pipelines, Push, RouterPush, Sets, FAST_MAX_COLS, MM_COLS, MM_ROWS, mm_entries};
+use super::pipelines::{ActInt8Push, MatvecPush, MatvecTuning, Pipe, Pipelines, Push, RouterPush, Sets, FAST_MAX_COLS, MM_COLS, MM_ROWS, MM_SPLIT_STEPS, mm_entries};
 use crate::error::Result;
 use crate::gguf::GgmlType;
 use ash::vk;
@@ -52,6 +64,23 @@ pub(crate) struct Recorder<'a> {
     /// the floats between tokens. The fast matvecs then copy a token's
     /// rounded activations instead of rounding them in every workgroup.
     pub xq: Option<(u32, u32)>,
+    /// The scratch region for split rows' partial sums (the scratch's
+    /// `split_sums`); `None`, no matrix splits its rows.
+    pub partials: Option<SplitRegion>,
+    /// Floats of `partials` taken by the reductions waiting in `reduce`.
+    partial_used: u32,
+    /// The reductions of split matrices recorded since the last barrier
+    /// (state set, push, grid, label), dispatched after the outermost group.
+    reduce: Vec<(vk::DescriptorSet, MatvecPush, [u32; 3], String)>,
+}
+
+/// The scratch region for the partial sums of split rows: `len` floats at
+/// `off`, `per_entry` of them for each entry a pass may hold.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SplitRegion {
+    pub off: u32,
+    pub len: u32,
+    pub per_entry: u32,
 }
 
 /// One timed dispatch: its pipeline, what it computed (a matrix's name
@@ -89,7 +118,20 @@ fn grid(ctx: &Context, n: usize, y: u32) -> [u32; 3] {
 
 impl<'a> Recorder<'a> {
     pub fn new(ctx: &'a Context, pipes: &'a Pipelines, cmd: vk::CommandBuffer) -> Self {
-        Recorder { ctx, pipes, cmd, stats: TokenStats::default(), timestamps: None, next_label: None, force_tpr: None, grouped: false, xq: None }
+        Recorder {
+            ctx,
+            pipes,
+            cmd,
+            stats: TokenStats::default(),
+            timestamps: None,
+            next_label: None,
+            force_tpr: None,
+            grouped: false,
+            xq: None,
+            partials: None,
+            partial_used: 0,
+            reduce: Vec::new(),
+        }
     }
 
     /// Writes a timestamp after every dispatch into `pool` (reset here), for
@@ -156,8 +198,47 @@ impl<'a> Recorder<'a> {
         self.grouped = outer;
         if !outer {
             self.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
+            self.reduce_splits();
         }
         r
+    }
+
+    /// The reductions of the split matrices recorded since the last barrier
+    /// (each its own part of the partial region and its own outputs), then a
+    /// barrier.
+    fn reduce_splits(&mut self) {
+        if self.reduce.is_empty() {
+            return;
+        }
+        let pending = std::mem::take(&mut self.reduce);
+        let outer = std::mem::replace(&mut self.grouped, true);
+        for (set, push, groups, label) in pending {
+            self.label_next(|| label, 0);
+            self.dispatch(Pipe::SplitSums, &[set], &push, groups);
+        }
+        self.grouped = outer;
+        self.partial_used = 0;
+        self.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
+    }
+
+    /// Queues the reduction of a split matrix's `splits` x `entries` partial
+    /// sums (`push` as its dispatch has it, but for `partial_off`, set here):
+    /// its part of the region, after those of the group's earlier split
+    /// matrices; where they leave too little room, their reductions run first
+    /// (a barrier, the reductions, a barrier: the group waits a little more).
+    fn queue_sums(&mut self, set: vk::DescriptorSet, name: &str, push: &mut MatvecPush, splits: usize, entries: usize) {
+        let region = self.partials.expect("split rows need the partial region");
+        let per_entry = if push.mode == 4 { 2 * push.rows as usize } else { push.rows as usize };
+        let need = (splits * entries * per_entry).div_ceil(4) * 4;
+        assert!(need <= region.len as usize, "{name}: the splits' sums fit the partial region");
+        if self.partial_used as usize + need > region.len as usize {
+            self.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
+            self.reduce_splits();
+        }
+        push.partial_off = region.off + self.partial_used;
+        self.partial_used += need as u32;
+        let groups = [(push.rows as usize).div_ceil(Pipe::SplitSums.spec().workgroup as usize) as u32, entries as u32, 1];
+        self.reduce.push((set, *push, groups, format!("{} (split sums)", role(name))));
     }
 
     /// Whether rows of `cols` run the fast kernels (when the pipelines have them).
@@ -225,6 +306,95 @@ impl<'a> Recorder<'a> {
         (pipe, grid(self.ctx, (push.rows as usize).div_ceil(per_group), entries.div_ceil(tile)))
     }
 
+    /// Splits of the rows of a plain matrix of `rows` rows (gate and up rows
+    /// with SwiGLU) of `cols` columns for a pass of `entries` tokens on the
+    /// matrix-matrix modules: enough for its row tiles x token tiles x splits
+    /// to reach [`Pipelines::mm_split`] workgroups, each split at least
+    /// [`MM_SPLIT_STEPS`] steps; 1 where it fills them already, for the
+    /// experts, or where the recorder has no partial region.
+    fn mm_splits(&self, cols: usize, rows: usize, entries: usize) -> usize {
+        let want = self.pipes.mm_split;
+        if want == 0 || self.partials.is_none() || !cols.is_multiple_of(MM_COLS) {
+            return 1;
+        }
+        let tiles = rows.div_ceil(MM_ROWS) * entries.div_ceil(mm_entries(false) as usize);
+        let steps = cols / MM_COLS;
+        let splits = (want / tiles.max(1)).min(steps / MM_SPLIT_STEPS);
+        if splits < 2 {
+            return 1;
+        }
+        steps.div_ceil(steps.div_ceil(splits))
+    }
+
+    /// Splits the rows of a plain matrix's dispatch on the matrix-matrix
+    /// modules where [`Recorder::mm_splits`] says so and the partial region
+    /// has room (`push` gets the split and its part of the region, `groups`
+    /// the row tiles x splits workgroups) and queues its reduction for the
+    /// end of the outermost group ([`Recorder::independent`]).
+    fn split_rows(&mut self, set: vk::DescriptorSet, name: &str, push: &mut MatvecPush, groups: &mut [u32; 3]) {
+        let Some(region) = self.partials else { return };
+        let swiglu = push.mode == 4;
+        let (rows, entries, cols) = (push.rows as usize, push.ntok as usize, push.cols as usize);
+        // Floats of one split of one entry.
+        let per_entry = if swiglu { 2 * rows } else { rows };
+        let room = (region.len - self.partial_used) as usize / (entries * per_entry).max(1);
+        let splits = self.mm_splits(cols, per_entry, entries).min(room);
+        if splits < 2 || push.mode == 5 {
+            return;
+        }
+        let steps = cols / MM_COLS;
+        let per = steps.div_ceil(splits);
+        let splits = steps.div_ceil(per);
+        push.kcols = (per * MM_COLS) as u32;
+        let row_tiles = rows.div_ceil(if swiglu { MM_ROWS / 2 } else { MM_ROWS });
+        *groups = grid(self.ctx, row_tiles * splits, groups[1]);
+        self.queue_sums(set, name, push, splits, entries);
+    }
+
+    /// The splits of the rows of a plain matrix's matvec on `pipe` (`rows`
+    /// rows, gate rows with SwiGLU, of `part`'s columns) and the columns of
+    /// each, if they split ([`Pipelines::matvec_split`]): quantized rows of
+    /// at least four times its columns whose row sets alone (each row's items
+    /// over the tuning's invocations) leave fewer workgroups than the
+    /// tuning's `fill`, cut into as many splits as the partial region allows
+    /// an entry's half (its other half is for other split matrices of the
+    /// group), each of whole blocks (and of the fast kernels' rounding blocks
+    /// of 32) and at least [`Pipelines::matvec_split`] columns. The shape and
+    /// tuning alone decide, so a token and a pass split a matrix alike (and
+    /// sum it alike).
+    fn matvec_splits(&self, pipe: Pipe, part: &PartLayout, rows: usize, mode: u32) -> Option<(usize, usize)> {
+        let (region, min_cols) = (self.partials?, self.pipes.matvec_split);
+        let align = part.ty.map_or(1, |t| t.block_size()).max(32);
+        let quantized = part.ty.is_some_and(|t| t.block_size() > 1);
+        if min_cols == 0 || mode == 5 || !quantized || pipe.spec().sets == Sets::StateArena || part.cols < 4 * min_cols {
+            return None;
+        }
+        let tuning = self.pipes.tuning[pipe as usize];
+        let per_group = tuning.rows_per_workgroup(tuning.tpr_shift(part.items)) as usize;
+        if rows.div_ceil(per_group) >= tuning.fill as usize {
+            return None;
+        }
+        let per_entry = if mode == 4 { 2 * rows } else { rows };
+        let most = (region.per_entry as usize / 2 / per_entry).max(1);
+        let kcols = part.cols.div_ceil(most).max(min_cols).div_ceil(align) * align;
+        let splits = part.cols.div_ceil(kcols);
+        (splits >= 2).then_some((splits, kcols))
+    }
+
+    /// Splits the rows of a plain matrix's matvec where
+    /// [`Recorder::matvec_splits`] says so: `push` gets the splits' columns
+    /// and row sets, `groups` the row groups x splits workgroups, and the
+    /// reduction of its sums is queued for the end of the outermost group.
+    fn split_matvec(&mut self, set: vk::DescriptorSet, name: &str, pipe: Pipe, part: &PartLayout, push: &mut MatvecPush, groups: &mut [u32; 3]) {
+        let rows = push.rows as usize;
+        let Some((splits, kcols)) = self.matvec_splits(pipe, part, rows, push.mode) else { return };
+        let (shift, per_group) = self.row_sets(pipe, part.items * kcols / part.cols, rows, splits);
+        push.tpr_shift = shift;
+        push.kcols = kcols as u32;
+        *groups = grid(self.ctx, rows.div_ceil(per_group) * splits, groups[1]);
+        self.queue_sums(set, name, push, splits, push.ntok as usize);
+    }
+
     /// log2 of the invocations per row set, and the rows of a workgroup, of
     /// pipeline `pipe` for `rows` rows of `items` items, `grids` times.
     fn row_sets(&self, pipe: Pipe, items: usize, rows: usize, grids: usize) -> (u32, usize) {
@@ -252,11 +422,12 @@ impl<'a> Recorder<'a> {
     /// entries of a matrix of `rows` rows of `cols` values of `ty` (an
     /// expert part when `arena`), if the pipelines have it, the batch is
     /// large enough ([`Pipelines::mm_min`]) and the matrix is one the
-    /// modules run faster than the batch modules ([`Pipelines::mm_rows`],
-    /// [`Pipelines::mm_experts`]).
+    /// modules run faster than the batch modules ([`Pipelines::mm_rows`], or
+    /// [`Pipelines::mm_split_rows`] with split rows; [`Pipelines::mm_experts`]).
     fn mm(&self, ty: GgmlType, arena: bool, cols: usize, entries: usize, rows: usize) -> Option<Pipe> {
         let p = &self.pipes;
-        let worth = if arena { p.mm_experts.takes(ty) } else { rows >= p.mm_rows };
+        let splits = || rows >= p.mm_split_rows && self.mm_splits(cols, rows, entries) >= 2;
+        let worth = if arena { p.mm_experts.takes(ty) } else { rows >= p.mm_rows || splits() };
         let fits = p.mm && worth && entries >= p.mm_min && cols.is_multiple_of(MM_COLS) && cols <= FAST_MAX_COLS;
         fits.then(|| Pipe::mm(ty, arena)).flatten()
     }
@@ -335,7 +506,13 @@ impl<'a> Recorder<'a> {
             for c in &m.chunks {
                 push.rows = if swiglu { c.rows / 2 } else { c.rows } as u32;
                 push.row_base = c.first_row as u32;
-                let (pipe, groups) = rec.matvec_split(pipe, &c.layout, &mut push, 1, n as u32, true);
+                let (pipe, mut groups) = rec.matvec_split(pipe, &c.layout, &mut push, 1, n as u32, true);
+                push.kcols = 0;
+                if pipe.is_mm() {
+                    rec.split_rows(state_set, &m.name, &mut push, &mut groups);
+                } else {
+                    rec.split_matvec(state_set, &m.name, pipe, &c.layout, &mut push, &mut groups);
+                }
                 rec.label_next(|| role(&m.name), c.layout.bytes as u64);
                 rec.dispatch(pipe, &[state_set, c.set], &push, groups);
             }

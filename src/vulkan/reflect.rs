@@ -117,10 +117,11 @@ mod tests {
     }
 
     /// The source of pipeline `name`'s push-constant block (the matvec
-    /// variants and the matrix-matrix modules share shaders/matvec_push.glsl;
-    /// a `_batch` module is its plain module's source with `BATCH`).
+    /// variants, the matrix-matrix modules and the split rows' sums share
+    /// shaders/matvec_push.glsl; a `_batch` module is its plain module's
+    /// source with `BATCH`).
     fn source_of(name: &str) -> String {
-        let file = if ["matvec_", "expert_", "mm_"].iter().any(|p| name.starts_with(p)) {
+        let file = if ["matvec_", "expert_", "mm_", "split_sums"].iter().any(|p| name.starts_with(p)) {
             "matvec_push.glsl".into()
         } else {
             format!("{}.comp", name.strip_suffix("_batch").unwrap_or(name))

@@ -8,7 +8,8 @@
 //! tables): its upload holds the embedding row once per token, copied into
 //! every residual stream, then the rest as it lies in the block
 //! ([`ScratchLayout::upload_len`], [`ScratchLayout::upload_at`]).
-//! After the blocks: the logits of the tokens that get them, then the
+//! After the blocks: the partial sums of matrices with split rows, the
+//! logits of the tokens that get them, then the
 //! regions that scale with the context: block scores and selections for a
 //! run of up to `score_rows` tokens at a time (`n_ctx` floats apart), and
 //! the attention probabilities of up to `att_rows` tokens attended in one
@@ -89,6 +90,11 @@ pub(crate) struct ScratchLayout {
     pub tok: u32,
     /// Tokens a pass may hold.
     pub batch: u32,
+    /// The partial sums of matrices with split rows (shaders/mm.comp,
+    /// shaders/matvec.comp; `Recorder::partials`): `split_sums_len` floats,
+    /// the streams' floats (`hc * hidden`) per token a pass may hold.
+    pub split_sums: u32,
+    pub split_sums_len: u32,
     /// The logits of up to `logit_rows` tokens, [logit_rows][V].
     pub logits: u32,
     pub logit_rows: u32,
@@ -165,6 +171,8 @@ impl ScratchLayout {
         // The routed experts and the shared one when it runs in the arena.
         l.max_tiles = max_expert_tiles(l.batch as usize * k, cfg.n_experts + 1, mm_entries(true) as usize) as u32;
         l.tiles = next(1 + 2 * l.max_tiles as usize);
+        l.split_sums_len = (l.batch as usize * c * h).div_ceil(4) as u32 * 4;
+        l.split_sums = next(l.split_sums_len as usize);
         l.logit_rows = logit_rows.clamp(1, batch.max(1)) as u32;
         l.logits = next(l.logit_rows as usize * cfg.vocab);
         // Last: the regions that scale with the capacity.

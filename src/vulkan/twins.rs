@@ -37,7 +37,7 @@ use super::device::{validation_errors, Context, DeviceChoice};
 use super::layout::PartLayout;
 use super::matrix::GpuMatrix;
 use super::pipelines::{max_expert_tiles, mm_entries, HcCombinePush, MatvecPush, MatvecTuning, MmExperts, MoeGroupPush, Pipe, Pipelines, XQ_FLOATS};
-use super::record::{DescriptorPool, Recorder};
+use super::record::{DescriptorPool, Recorder, SplitRegion};
 use crate::gguf::{GgmlType, TensorInfo};
 use crate::tensor::Tensor;
 use ash::vk;
@@ -164,6 +164,8 @@ const X_OFF: usize = 4;
 struct Twin<'a> {
     ctx: &'a Arc<Context>,
     pipes: &'a Pipelines,
+    /// Dispatches of the last run.
+    dispatches: std::cell::Cell<u32>,
 }
 
 const STREAMS: usize = 2;
@@ -182,7 +184,11 @@ impl Twin<'_> {
         let aux = x_end;
         let out = aux + 4;
         let region = STREAMS * rows.div_ceil(4) * 4;
-        let mut scratch = vec![f32::NAN; out + runs.len() * region];
+        // Split rows' sums (where the pipelines split, Pipelines::matvec_split)
+        // after the runs' regions: room for a split of every 256 columns.
+        let sums = out + runs.len() * region;
+        let sums_len = if pipes.matvec_split > 0 { (2 * rows * cols.div_ceil(256)).div_ceil(4) * 4 } else { 0 };
+        let mut scratch = vec![f32::NAN; sums + sums_len];
         scratch[X_OFF..X_OFF + cols].copy_from_slice(x);
         scratch[aux..aux + STREAMS].copy_from_slice(&AUX);
         for r in 0..runs.len() {
@@ -197,6 +203,9 @@ impl Twin<'_> {
         cmds.upload(&buf, 0, &bytes(&scratch)).unwrap();
         cmds.begin().unwrap();
         let mut rec = Recorder::new(ctx, pipes, cmds.cmd);
+        if sums_len > 0 {
+            rec.partials = Some(SplitRegion { off: sums as u32, len: sums_len as u32, per_entry: sums_len as u32 });
+        }
         for (i, run) in runs.iter().enumerate() {
             rec.force_tpr = run.tpr;
             let y_off = (out + i * region) as u32;
@@ -215,6 +224,7 @@ impl Twin<'_> {
             rec.matvec(&m, set, push);
         }
         rec.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::TRANSFER);
+        self.dispatches.set(rec.stats.dispatches);
         cmds.submit().unwrap();
         let all = f32s(&cmds.download(&buf, 0, scratch.len() * 4).unwrap());
         (0..runs.len()).map(|i| all[out + i * region..out + (i + 1) * region].to_vec()).collect()
@@ -306,7 +316,7 @@ fn fast_matvec_within_the_rounding_bound_for_every_type() {
 
 fn every_type(ctx: &Arc<Context>, fast: bool) {
     let pipes = Pipelines::tuned(ctx, fast, |name| MatvecTuning::for_pipeline(name, false)).unwrap();
-    let twin = Twin { ctx, pipes: &pipes };
+    let twin = Twin { ctx, pipes: &pipes, dispatches: Default::default() };
     let sg = ctx.subgroup_size;
     let mut report = Vec::new();
     for ty in all_types() {
@@ -338,6 +348,36 @@ fn every_type(ctx: &Arc<Context>, fast: bool) {
     assert_eq!(validation_errors(), 0, "Vulkan validation errors (printed above)");
 }
 
+/// Rows split into ranges of columns (`Pipelines::matvec_split`: each
+/// workgroup sums its range, shaders/split_sums.comp adds the splits and
+/// applies the epilogue) on every quantized type, both kernel families,
+/// every epilogue and a forced row set below and above the subgroup: within
+/// the bound of the CPU's product, with one reduction after each matvec.
+#[test]
+fn split_rows_within_the_bound_for_every_type() {
+    let Some(ctx) = context() else { return };
+    for fast in [false, true] {
+        if fast && !ctx.int_dot.supported {
+            continue;
+        }
+        // Every matrix below the fill splits (here: all), into ranges of 256 columns.
+        let mut pipes = Pipelines::tuned(&ctx, fast, |name| MatvecTuning { fill: 1 << 20, ..MatvecTuning::for_pipeline(name, false) }).unwrap();
+        pipes.matvec_split = 256;
+        let twin = Twin { ctx: &ctx, pipes: &pipes, dispatches: Default::default() };
+        for ty in all_types().filter(|t| t.block_size() > 1) {
+            let (rows, cols) = (70, 2560);
+            let w = tensor(ty, rows, cols, 17);
+            let sg = ctx.subgroup_size;
+            let runs = [0, 1, 3, 4].map(|mode| Run { tpr: None, mode }).into_iter().chain([4, 2 * sg].map(|t| Run { tpr: Some(t), mode: 0 }));
+            let runs: Vec<Run> = runs.collect();
+            let e = twin.check(&w, &runs, usize::MAX);
+            assert_eq!(twin.dispatches.get() as usize, 2 * runs.len(), "{ty}: each matvec split, and its sums added");
+            assert!(e <= 1.0, "{ty} (fast {fast}): split rows err {e} x the bound");
+        }
+    }
+    assert_eq!(validation_errors(), 0, "Vulkan validation errors (printed above)");
+}
+
 #[test]
 fn matvec_other_tunings_and_split_matrices() {
     let Some(ctx) = context() else { return };
@@ -346,7 +386,7 @@ fn matvec_other_tunings_and_split_matrices() {
         MatvecTuning { wg: 256, rows: 3, unroll: 3, tpr: None, min_items: 8, fill: 4096, tile: 3, share: 1 },
     ] {
         let pipes = Pipelines::tuned(&ctx, false, |_| tuning).unwrap();
-        let twin = Twin { ctx: &ctx, pipes: &pipes };
+        let twin = Twin { ctx: &ctx, pipes: &pipes, dispatches: Default::default() };
         for ty in all_types() {
             let cols = shapes(ty)[1];
             let w = tensor(ty, 101, cols, 5);
@@ -491,7 +531,7 @@ fn a_nan_activation_reaches_every_row() {
             continue;
         }
         let pipes = Pipelines::tuned(&ctx, fast, |name| MatvecTuning::for_pipeline(name, false)).unwrap();
-        let twin = Twin { ctx: &ctx, pipes: &pipes };
+        let twin = Twin { ctx: &ctx, pipes: &pipes, dispatches: Default::default() };
         for ty in crate::quant::QUANT_TYPES {
             let cols = shapes(ty)[1];
             let w = tensor(ty, 37, cols, 3);
@@ -658,14 +698,17 @@ fn batched_matvecs_equal_single_tokens() {
     const TE: usize = 6;
     // Fast kernels: the batch modules, entries sharing weight decodes (share)
     // in groups of the tile (8 of 8, 4 of 4, 3 of 8: groups across a tile's end).
-    for (fast, tile, share) in [(false, 8, 1), (true, 8, 8), (false, 3, 1), (true, 4, 8), (true, 8, 3)] {
+    // Split rows (the last two: rows of 1536 columns in splits of 256, the
+    // splits' sums added by split_sums.comp for the batch and each token).
+    for (fast, tile, share, split) in [(false, 8, 1, false), (true, 8, 8, false), (false, 3, 1, false), (true, 4, 8, false), (true, 8, 3, false), (false, 3, 1, true), (true, 8, 3, true)] {
         if fast && !ctx.int_dot.supported {
             continue;
         }
         let mut pipes = Pipelines::tuned(&ctx, fast, |name| MatvecTuning { tile, share, ..MatvecTuning::for_pipeline(name, false) }).unwrap();
+        pipes.matvec_split = if split { 256 } else { 0 };
         let params = Buffer::new(&ctx, "twin params", 16, MemoryLocation::GpuOnly).unwrap();
         for ty in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
-            let (rows, cols) = (300, 512);
+            let (rows, cols) = (300, if split { 1536 } else { 512 });
             let w = tensor(ty, rows, cols, 11);
             let cmds = Commands::new(&ctx).unwrap();
             let mut stream = Stream::new(&ctx).unwrap();
@@ -678,18 +721,26 @@ fn batched_matvecs_equal_single_tokens() {
             // Then the region of the activations rounded once (fast kernels).
             let xq = (y0 + rows).div_ceil(4) * 4;
             let tok = (xq + XQ_FLOATS).div_ceil(64) * 64;
-            let scratch = plain_scratch(T, tok, cols, aux, y3..y0, 40);
+            let mut scratch = plain_scratch(T, tok, cols, aux, y3..y0, 40);
+            // The split sums after the token blocks: six splits of each token's rows.
+            let sums = (scratch.len() as u32, (6 * T * rows) as u32);
+            scratch.resize(scratch.len() + sums.1 as usize, f32::NAN);
+            let region = split.then_some(SplitRegion { off: sums.0, len: sums.1, per_entry: sums.1 });
             let push = |t: usize, mode: u32, y: usize| {
                 let b = (t * tok) as u32;
                 let aux_n = if mode == 3 { STREAMS as u32 } else { 0 };
                 MatvecPush { x_off: b, y_off: b + y as u32, mode, aux_off: b + aux as u32, aux_n, x_stride: tok as u32, y_stride: tok as u32, ..Default::default() }
             };
             let batched = run_scratch(&ctx, &pipes, &scratch, &params, |rec, set| {
-                rec.xq = Some((xq as u32, tok as u32));
+                (rec.xq, rec.partials) = (Some((xq as u32, tok as u32)), region);
                 rec.matvec_n(&m, set, push(0, 3, y3), T);
                 rec.matvec_n(&m, set, push(0, 0, y0), T);
+                // Each matrix: its rounding (fast kernels), itself, its splits' sums.
+                let quant = ty != GgmlType::F32;
+                assert_eq!(rec.stats.dispatches as usize, 2 * (1 + usize::from(fast && quant) + usize::from(split && quant)), "{ty}: the dispatches");
             });
             let mut single = run_scratch(&ctx, &pipes, &scratch, &params, |rec, set| {
+                rec.partials = region;
                 for t in 0..T {
                     rec.matvec(&m, set, push(t, 3, y3));
                     rec.matvec(&m, set, push(t, 0, y0));
@@ -704,7 +755,7 @@ fn batched_matvecs_equal_single_tokens() {
             // workgroup, the region written by the fast kernels only.
             pipes.round_once_cols = 32;
             let once = run_scratch(&ctx, &pipes, &scratch, &params, |rec, set| {
-                rec.xq = Some((xq as u32, tok as u32));
+                (rec.xq, rec.partials) = (Some((xq as u32, tok as u32)), region);
                 for t in 0..T {
                     rec.matvec(&m, set, push(t, 3, y3));
                     rec.matvec(&m, set, push(t, 0, y0));
@@ -714,11 +765,13 @@ fn batched_matvecs_equal_single_tokens() {
             // (A token alone uses the region of the block its pass starts with.)
             let rounded_once = once[xq..xq + XQ_FLOATS].iter().any(|v| v.to_bits() != 0);
             assert_eq!(rounded_once, fast && ty != GgmlType::F32, "{ty} (fast {fast}): one token's activations rounded once");
-            assert_eq!(before_rounded(&once, tok, xq), before_rounded(&single, tok, xq), "{ty} (fast {fast}): tokens rounded once, one by one");
+            let blocks = T * tok;
+            assert_eq!(before_rounded(&once[..blocks], tok, xq), before_rounded(&single[..blocks], tok, xq), "{ty} (fast {fast}): tokens rounded once, one by one");
             for t in 0..T {
                 single[t * tok + xq..t * tok + xq + XQ_FLOATS].copy_from_slice(&batched[t * tok + xq..t * tok + xq + XQ_FLOATS]);
             }
-            same_bits(&batched, &single, &format!("{ty} (fast {fast}, tile {tile}, share {share}): a batch of {T} tokens"));
+            // (The split sums' region holds each run's own partial sums.)
+            same_bits(&batched[..blocks], &single[..blocks], &format!("{ty} (fast {fast}, tile {tile}, share {share}, split {split}): a batch of {T} tokens"));
             let (want, abs) = cpu(&w, &single[..cols], fast);
             assert!(worst(&format!("{ty} token 0"), &single[y0..y0 + rows], &want, &abs) <= 1.0);
         }
@@ -844,9 +897,12 @@ fn mm_within_the_f16_bound() {
     (pipes.mm_rows, pipes.mm_experts) = (0, MmExperts::All);
     let params = Buffer::new(&ctx, "twin params", 16, MemoryLocation::GpuOnly).unwrap();
     const T: usize = 45;
-    let (rows, cols, split) = (300, 512, 100);
+    let (rows, split) = (300, 100);
     let mut seen = 0.0f32;
-    for ty in crate::quant::QUANT_TYPES.into_iter().filter(|&t| Pipe::mm(t, false).is_some()) {
+    // Rows of 512 values whole, then rows of 1536 in three splits of 512
+    // (mm_reduce adds them and applies the epilogues).
+    let shapes = [(512, 1), (1536, 3)];
+    for ((cols, splits), ty) in shapes.into_iter().flat_map(|c| crate::quant::QUANT_TYPES.into_iter().filter(|&t| Pipe::mm(t, false).is_some()).map(move |t| (c, t))) {
         let w = tensor(ty, rows, cols, 21);
         let w2 = tensor(ty, rows, cols, 22);
         let mut stream = Stream::new(&ctx).unwrap();
@@ -858,25 +914,33 @@ fn mm_within_the_f16_bound() {
         let (y0, y1) = (y3 + STREAMS * rows, y3 + (STREAMS + 1) * rows);
         let y4 = y1 + rows;
         let tok = (y4 + rows / 2).div_ceil(64) * 64;
-        let scratch = plain_scratch(T, tok, cols, aux, y3..y0, 70);
+        let mut scratch = plain_scratch(T, tok, cols, aux, y3..y0, 70);
+        // The split sums after the token blocks: each matrix's splits x tokens x rows.
+        let partial = SplitRegion { off: scratch.len() as u32, len: (4 * splits * T * rows) as u32, per_entry: (4 * splits * rows) as u32 };
+        scratch.resize(scratch.len() + partial.len as usize, f32::NAN);
         let push = |mode: u32, y: usize| {
             let aux_n = if mode == 3 { STREAMS as u32 } else { 0 };
             MatvecPush { y_off: y as u32, mode, aux_off: aux as u32, aux_n, x_stride: tok as u32, y_stride: tok as u32, scale: 0.75, split_row: split as u32, ..Default::default() }
         };
+        // Splits as many as the rows allow.
+        pipes.mm_split = if splits > 1 { usize::MAX / 2 } else { 0 };
         let out = run_scratch(&ctx, &pipes, &scratch, &params, |rec, set| {
+            rec.partials = Some(partial);
             rec.independent(|rec| {
                 rec.matvec_n(&m, set, push(3, y3), T);
                 rec.matvec_n(&m, set, push(0, y0), T);
                 rec.matvec_n(&m, set, push(1, y1), T);
                 rec.matvec_n(&m2, set, push(4, y4), T);
             });
-            assert_eq!((rec.stats.dispatches, rec.stats.mm), (4, 4), "{ty}: one matrix-matrix dispatch each");
+            // With splits, the four reductions after them.
+            let n = if splits > 1 { 8 } else { 4 };
+            assert_eq!((rec.stats.dispatches, rec.stats.mm), (n, 4), "{ty} ({cols} columns): one matrix-matrix dispatch each");
         });
         let sig = |v: f32| 1.0 / (1.0 + (-v).exp());
         for t in 0..T {
             let b = &out[t * tok..(t + 1) * tok];
             let (want, bound) = cpu_f16(&w, &scratch[t * tok..t * tok + cols]);
-            let what = |m: &str| format!("{ty} token {t} mode {m}");
+            let what = |m: &str| format!("{ty} ({cols} columns in {splits}) token {t} mode {m}");
             seen = seen.max(worst(&what("0"), &b[y0..y0 + rows], &want, &bound));
             let init = &scratch[t * tok + y3..t * tok + y0];
             let a = [0.5 + t as f32, -1.0 - t as f32];
