@@ -74,6 +74,9 @@ fn bench_on_vulkan_reports_the_backend() {
     // one after the token's uploaded inputs and one before the logits' readback.
     let barriers = s.barriers_per_token.unwrap();
     assert!(barriers >= 2.0 && barriers <= s.dispatches_per_token.unwrap() + 2.0, "{s:?}");
+    // The cost of an empty dependent dispatch, and the token's dependency latency from it.
+    assert!(s.empty_dispatch_us.is_some_and(|us| us.is_finite() && us > 0.0), "{s:?}");
+    assert!(r.summary().contains("dependency latency"), "{}", r.summary());
     assert!(r.summary().contains("by work:"), "{}", r.summary());
     assert_eq!(flashnext::vulkan::validation_errors(), 0, "Vulkan validation errors (printed above)");
 }

@@ -200,6 +200,11 @@ pub struct BackendStats {
     pub dispatches_per_token: Option<f64>,
     /// Pipeline barriers per token (dependent steps; independent dispatches share one).
     pub barriers_per_token: Option<f64>,
+    /// Microseconds an empty dependent dispatch (and its barrier) costs the
+    /// device, measured after the load: times the barriers, the part of a
+    /// token's GPU time its dependent steps spend starting and draining (its
+    /// dependency latency), whatever their kernels do.
+    pub empty_dispatch_us: Option<f64>,
     /// Medians over the timed decode tokens: host milliseconds from a
     /// step's start to its last submission (recording, the host's inputs),
     /// and then waited for the device. The rest of a token's time is the
@@ -430,6 +435,7 @@ fn backend_stats(model: &Model, state: &State, opts: &BenchOptions) -> BackendSt
         submits_per_token: Some(token.submits as f64),
         dispatches_per_token: Some(token.dispatches as f64),
         barriers_per_token: Some(token.barriers as f64),
+        empty_dispatch_us: model.empty_dispatch_us().ok().flatten(),
         peak_vram_bytes: Some(model.device_bytes_used()),
         ..Default::default()
     }
@@ -727,10 +733,14 @@ impl BenchReport {
                 opt(&s.load_upload_gbs.map(|r| format!("{r:.2} GB/s")))
             ),
             format!(
-                "per token: submits {}, dispatches {}, barriers {}; host {} ms to the last submission, then waited {} ms (medians); stages: {}; expert cache: {}",
+                "per token: submits {}, dispatches {}, barriers {}{}; host {} ms to the last submission, then waited {} ms (medians); stages: {}; expert cache: {}",
                 opt(&s.submits_per_token),
                 opt(&s.dispatches_per_token),
                 opt(&s.barriers_per_token),
+                match (s.barriers_per_token, s.empty_dispatch_us) {
+                    (Some(b), Some(us)) => format!(" (dependency latency {:.3} ms: {us:.2} us per empty dependent dispatch)", b * us * 1e-3),
+                    _ => String::new(),
+                },
                 opt(&s.record_ms.map(|v| format!("{v:.3}"))),
                 opt(&s.wait_ms.map(|v| format!("{v:.3}"))),
                 opt(&stages),

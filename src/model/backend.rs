@@ -220,6 +220,12 @@ pub trait BackendModel: Send + Sync {
     fn gpu_coopmat(&self) -> bool {
         false
     }
+    /// Microseconds one dependent step costs the device when it does
+    /// nothing (an empty dispatch and its barrier), measured now; `None` on
+    /// the CPU.
+    fn empty_dispatch_us(&self) -> Result<Option<f64>> {
+        Ok(None)
+    }
 }
 
 /// Device time of a pass spent on one kind of work: every dispatch of one

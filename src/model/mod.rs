@@ -109,6 +109,12 @@ impl Model {
         self.backend.reset_expert_cache_counts()
     }
 
+    /// Microseconds one empty dependent step costs the device (a dispatch
+    /// that does nothing and its barrier), measured now; `None` on the CPU.
+    pub fn empty_dispatch_us(&self) -> crate::error::Result<Option<f64>> {
+        self.backend.empty_dispatch_us()
+    }
+
     /// Bytes the load moved to the device and the seconds that took.
     pub fn load_transfer(&self) -> Option<(u64, f64)> {
         self.backend.load_transfer()

@@ -631,6 +631,10 @@ impl BackendModel for VulkanBackend {
     fn gpu_coopmat(&self) -> bool {
         self.0.pipes.mm
     }
+
+    fn empty_dispatch_us(&self) -> Result<Option<f64>> {
+        super::record::empty_dispatch_us(&self.0.ctx, &self.0.pipes, 500).map(Some)
+    }
 }
 
 #[cfg(test)]

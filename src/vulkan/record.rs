@@ -29,6 +29,7 @@ use super::pipelines::{ActInt8Push, MatvecPush, MatvecTuning, Pipe, Pipelines, P
 use crate::error::Result;
 use crate::gguf::GgmlType;
 use ash::vk;
+use std::sync::Arc;
 
 /// GPU work of one decoded token.
 #[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
@@ -709,6 +710,39 @@ impl Timestamps {
         let ms_per_tick = self.ctx.limits.timestamp_period as f64 * 1e-6;
         Ok(ticks.windows(2).map(|w| w[1].saturating_sub(w[0]) as f64 * ms_per_tick).collect())
     }
+}
+
+/// Microseconds one dependent dispatch costs on this device when it does
+/// nothing: the median over `n` empty dispatches recorded as a token's are
+/// (each followed by its barrier), timed from the end of the one before.
+/// A token's barriers times this is the part of its GPU time spent waiting
+/// for one step to finish before the next starts (its dependency latency).
+pub(crate) fn empty_dispatch_us(ctx: &Arc<Context>, pipes: &Pipelines, n: usize) -> Result<f64> {
+    use super::buffer::{Buffer, Commands};
+    let ts = Timestamps::new(ctx)?;
+    let cmds = Commands::new(ctx)?;
+    let buf = Buffer::new(ctx, "empty dispatches", 16, gpu_allocator::MemoryLocation::GpuOnly)?;
+    let pool = DescriptorPool::new(ctx, 1, 3)?;
+    let set = pool.set(pipes.state_layout, &[&[buf.info()], &[buf.info()], &[buf.info()]])?;
+    // split_sums with no rows: every invocation returns at once.
+    let push = MatvecPush { rows: 0, ntok: 1, kcols: 1, ..Default::default() };
+    let mut ms = Vec::new();
+    for timed in [false, true] {
+        cmds.begin()?;
+        let mut rec = Recorder::new(ctx, pipes, cmds.cmd);
+        if timed {
+            rec.profile_into(ts.pool);
+        }
+        for _ in 0..n.clamp(1, MAX_TIMESTAMPS as usize - 1) {
+            rec.dispatch(Pipe::SplitSums, &[set], &push, [1, 1, 1]);
+        }
+        cmds.submit()?;
+        if timed {
+            ms = ts.read(rec.profiled())?;
+        }
+    }
+    ms.sort_by(f64::total_cmp);
+    Ok(1e3 * ms[ms.len() / 2])
 }
 
 /// Milliseconds per pipeline, summed over its dispatches, in order of first use.
