@@ -741,7 +741,7 @@ pub(crate) struct Pipelines {
     /// fill at least by splitting its rows (`FNX_VK_MM_SPLIT`, default 256;
     /// 0: never split): a matrix of few row tiles and long rows then runs as
     /// row tiles x splits workgroups, each summing [`MM_SPLIT_STEPS`] or more
-    /// steps of its rows, and shaders/mm_reduce.comp adds the splits.
+    /// steps of its rows, and shaders/split_sums.comp adds the splits.
     pub mm_split: usize,
     /// Fewest rows a plain matrix below [`Pipelines::mm_rows`] must have to
     /// run on the matrix-matrix modules with split rows

@@ -900,7 +900,7 @@ fn mm_within_the_f16_bound() {
     let (rows, split) = (300, 100);
     let mut seen = 0.0f32;
     // Rows of 512 values whole, then rows of 1536 in three splits of 512
-    // (mm_reduce adds them and applies the epilogues).
+    // (split_sums adds them and applies the epilogues).
     let shapes = [(512, 1), (1536, 3)];
     for ((cols, splits), ty) in shapes.into_iter().flat_map(|c| crate::quant::QUANT_TYPES.into_iter().filter(|&t| Pipe::mm(t, false).is_some()).map(move |t| (c, t))) {
         let w = tensor(ty, rows, cols, 21);
