@@ -59,9 +59,18 @@
 // k kcols + kcols - 1 (whole blocks) of its rows: it rounds or copies only
 // those activations, sums only their items, and writes each entry's sums to
 // partial_off ([split][entry][rows], SwiGLU's up rows after the gate rows)
-// instead of the epilogue; shaders/split_sums.comp adds each output's splits
-// in order and applies it. A token and a pass split a matrix alike (the
-// host's rule depends on its shape alone), so they still sum alike.
+// instead of the epilogue. With a counter region (expert_off != 0: a plain
+// matrix has no expert ids) the workgroup of a row group's splits that
+// finishes last adds them (each output's splits in order) and applies the
+// epilogue itself: every workgroup counts its arrival in the row group's
+// counter (per tile of entries) after its partial sums are visible, and the
+// one that brings it to the number of splits reads them all back (through
+// a coherent view of the scratch) and resets the counter for the next
+// dispatch. Without one, shaders/split_sums.comp adds them in a dispatch
+// of its own, in the same order and with the same epilogue
+// (epilogue.glsl), so both give the same bits. A token and a pass split a
+// matrix alike (the host's rule depends on its shape alone), so they still
+// sum alike.
 // With ARENA (routed experts): k reads expert id s[expert_off + k], finds
 // its arena slot through the slot table, and reads x and writes y at
 // k * stride. With kdiv > 0 (a batch of tokens' experts) k is a pair:
@@ -94,6 +103,13 @@ layout(constant_id = 4) const uint SHARE = 8u;
 #include "matvec_push.glsl"
 
 #include "weights.glsl"
+#include "epilogue.glsl"
+
+// Split rows' partial sums and arrival counters, seen coherently across the
+// dispatch's workgroups (the same binding as the scratch).
+layout(set = 0, binding = 0) coherent buffer SplitSums { float sp[]; };
+layout(set = 0, binding = 0) coherent buffer SplitCounts { uint sn[]; };
+shared bool split_last;
 
 // One slot per subgroup (at least 4 invocations wide) for each accumulator
 // of each entry: ROWS rows, and as many up rows in SwiGLU mode.
@@ -106,8 +122,8 @@ void main() {
     uint wg = gl_WorkGroupID.x + gl_WorkGroupID.z * gl_NumWorkGroups.x;
     // With split rows, workgroup wg is split wg / (row groups) of its group.
     uint split = 0u, c_begin = 0u, c_end = pc.cols;
+    uint groups = (pc.rows + sets * ROWS - 1u) / (sets * ROWS);
     if (pc.kcols != 0u) {
-        uint groups = (pc.rows + sets * ROWS - 1u) / (sets * ROWS);
         split = wg / groups;
         wg -= split * groups;
         c_begin = split * pc.kcols;
@@ -276,8 +292,8 @@ void main() {
                     uint j = a / ROWS, i = a % ROWS;
                     if (j < n && r0 + i < pc.rows) {
                         uint at = pc.partial_off + (split * pc.ntok + e + j) * stride + r0 + i;
-                        s[at] = acc[j * NACC + i];
-                        if (swiglu) s[at + pc.rows] = acc[j * NACC + ROWS + i];
+                        sp[at] = acc[j * NACC + i];
+                        if (swiglu) sp[at + pc.rows] = acc[j * NACC + ROWS + i];
                     }
                 }
             }
@@ -339,4 +355,33 @@ void main() {
         }
         e += n;
     }
+#ifndef ARENA
+    if (pc.kcols != 0u && pc.expert_off != 0u) {
+        // This workgroup's partial sums are written; the last split of its
+        // row group (and tile of entries) to get here adds them all.
+        memoryBarrierBuffer();
+        barrier();
+        uint splits = (pc.cols + pc.kcols - 1u) / pc.kcols;
+        if (gl_LocalInvocationIndex == 0u) {
+            uint c = pc.expert_off + gl_WorkGroupID.y * groups + wg;
+            split_last = atomicAdd(sn[c], 1u) == splits - 1u;
+            if (split_last) sn[c] = 0u;
+        }
+        barrier();
+        if (!split_last) return;
+        memoryBarrierBuffer();
+        uint stride = swiglu ? 2u * pc.rows : pc.rows, first = wg * sets * ROWS;
+        uint nrows = min(sets * ROWS, pc.rows - first), outs = nrows * (end - k0);
+        for (uint q = gl_LocalInvocationIndex; q < outs; q += gl_WorkGroupSize.x) {
+            uint r = first + q % nrows, k = k0 + q / nrows;
+            float v = 0.0, u = 0.0;
+            for (uint p = 0u; p < splits; p++) {
+                uint at = pc.partial_off + (p * pc.ntok + k) * stride + r;
+                v += sp[at];
+                if (swiglu) u += sp[at + pc.rows];
+            }
+            mm_store(entry(k), r, v, u);
+        }
+    }
+#endif
 }

@@ -16,7 +16,7 @@ layout(push_constant) uniform Push {
     uint aux_off;     // mode 3: scratch offset of the per-stream weights; mode 5: of the normalised streams
     uint aux_n;       // modes 3, 5: number of streams
     uint total_rows;  // mode 3: stream length; mode 5: the matrix's rows
-    uint expert_off;  // ARENA: scratch offset of the chosen expert ids
+    uint expert_off;  // ARENA: scratch offset of the chosen expert ids; a plain matrix's split rows: of their arrival counters (0: none)
     uint x_stride;    // a multiple of 4
     uint y_stride;
     uint slot_table;  // ARENA: params offset of this layer's slot table; ~0: the ids are slots

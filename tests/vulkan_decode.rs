@@ -249,23 +249,28 @@ fn k_quant_presets_match_cpu() {
 
 /// Rows split into ranges of columns on the matvec modules (the
 /// hyper-connection down projections at the real widths), end to end on
-/// both kernel families: in a child process where every quantized matrix of
+/// both kernel families: in child processes where every quantized matrix of
 /// at least 1024 columns splits into ranges of 256 (`FNX_VK_MATVEC_SPLIT`,
 /// `FNX_VK_MATVEC_FILL` set high, so that no dispatch counts as filled by
 /// its rows alone; the pipelines read them when a model loads), the exact
 /// kernels keep `k_quant_presets_match_cpu`'s bound and the fast ones
-/// `fast_kernels_err_no_more_than_the_cpus`'s, and the splits' sums ran.
+/// `fast_kernels_err_no_more_than_the_cpus`'s, with the splits added by
+/// each row group's last workgroup and (`FNX_VK_SPLIT_COUNTERS=0`) by
+/// split_sums.comp, which then shows that the matrices split.
 #[test]
 fn split_rows_match_cpu() {
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "split_rows_child", "--ignored", "--nocapture"])
-        .env("FNX_VK_MATVEC_SPLIT", "256")
-        .env("FNX_VK_MATVEC_FILL", "65536")
-        .output()
-        .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    println!("{}", text.lines().filter(|l| l.contains("split rows") || l.contains("SKIPPED")).collect::<Vec<_>>().join("\n"));
-    assert!(out.status.success() && text.contains("1 passed"), "split rows:\n{text}");
+    for counters in ["1", "0"] {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "split_rows_child", "--ignored", "--nocapture"])
+            .env("FNX_VK_MATVEC_SPLIT", "256")
+            .env("FNX_VK_MATVEC_FILL", "65536")
+            .env("FNX_VK_SPLIT_COUNTERS", counters)
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        println!("{}", text.lines().filter(|l| l.contains("split rows") || l.contains("SKIPPED")).collect::<Vec<_>>().join("\n"));
+        assert!(out.status.success() && text.contains("1 passed"), "split rows (counters {counters}):\n{text}");
+    }
 }
 
 #[test]
@@ -282,8 +287,10 @@ fn split_rows_child() {
                 }
             };
             let Some((_, gpu, cpu)) = synthetic_with(preset, if kernels == Kernels::Exact { 6 } else { 24 }, kernels, &mut last_token) else { return };
-            assert!(stages.contains(&"split_sums"), "{preset}: no split rows ({stages:?})");
-            println!("{preset} {}: split rows vs the CPU's exact kernels: max {:.3e}, median {:.3e}", kernels.name(), worst(&gpu), median(&gpu));
+            // Without the counters the splits' sums are a pipeline of their own.
+            let counters = std::env::var("FNX_VK_SPLIT_COUNTERS").map_or(true, |v| v != "0");
+            assert_eq!(stages.contains(&"split_sums"), !counters, "{preset}: split rows, counters {counters} ({stages:?})");
+            println!("{preset} {} (counters {counters}): split rows vs the CPU's exact kernels: max {:.3e}, median {:.3e}", kernels.name(), worst(&gpu), median(&gpu));
             match kernels {
                 Kernels::Exact => assert!(worst(&gpu) <= 2e-5, "{preset}: split rows err {}", worst(&gpu)),
                 _ => assert!(median(&gpu) <= median(&cpu), "{preset}: split rows err by {} (median), the CPU's fast kernels by {}", median(&gpu), median(&cpu)),

@@ -242,9 +242,15 @@ impl<'a, 'scope> VkPass<'a, 'scope> {
         let l = &state.layout;
         rec.xq = Some((l.xq, l.tok));
         rec.partials = Some(SplitRegion { off: l.split_sums, len: l.split_sums_len, per_entry: l.split_sums_len / l.batch });
+        rec.counts = gpu.pipes.split_counters.then_some((l.split_counts, l.split_counts_len));
         let regions = l.upload_regions(n, cfg.hc, cfg.hidden);
         // SAFETY: recording; every region lies inside both buffers.
-        unsafe { gpu.ctx.device.cmd_copy_buffer(rec.cmd, state.upload.raw, state.scratch.raw, &regions) };
+        unsafe {
+            let d = &gpu.ctx.device;
+            d.cmd_copy_buffer(rec.cmd, state.upload.raw, state.scratch.raw, &regions);
+            // The split matvecs' arrival counters start at zero (each dispatch leaves its own so).
+            d.cmd_fill_buffer(rec.cmd, state.scratch.raw, l.split_counts as u64 * 4, l.split_counts_len as u64 * 4, 0);
+        }
         rec.barrier(vk::PipelineStageFlags::TRANSFER, vk::AccessFlags::TRANSFER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
         // Each token's RoPE tables: its position's, then the block's it
         // completes in each attention layer (zeros in the others). The

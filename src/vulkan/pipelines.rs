@@ -755,6 +755,11 @@ pub(crate) struct Pipelines {
     /// (the hyper-connection down projections: 324 rows of 10,240 values),
     /// in as many splits as the partial region allows each entry (`Recorder::matvec_splits`).
     pub matvec_split: usize,
+    /// Whether the last workgroup of each row group of a split matvec adds
+    /// the splits itself (arrival counters in the scratch) rather than
+    /// shaders/split_sums.comp in a dispatch and barrier of its own (the
+    /// same sums, bit for bit; `FNX_VK_SPLIT_COUNTERS=0` turns it off).
+    pub split_counters: bool,
     /// Which of the routed experts' matrices run on the matrix-matrix
     /// modules (`FNX_VK_MM_EXPERTS=0` none, `1` all; by default
     /// [`MmExperts::Timed`]: on an H100 at 512 tokens a pass the Q4_K
@@ -878,6 +883,7 @@ impl Pipelines {
             mm_split: std::env::var("FNX_VK_MM_SPLIT").ok().and_then(|v| v.parse().ok()).unwrap_or(256),
             mm_split_rows: std::env::var("FNX_VK_MM_SPLIT_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(256),
             matvec_split: std::env::var("FNX_VK_MATVEC_SPLIT").ok().and_then(|v| v.parse().ok()).unwrap_or(1024),
+            split_counters: std::env::var("FNX_VK_SPLIT_COUNTERS").map_or(true, |v| v != "0"),
             mm_experts: match std::env::var("FNX_VK_MM_EXPERTS").as_deref() {
                 Ok("0") => MmExperts::None,
                 Ok("1") => MmExperts::All,

@@ -17,9 +17,13 @@
 //! [`Recorder::partials`] region and the splits' reduction
 //! (shaders/split_sums.comp, the epilogue with it) waits until the
 //! outermost group's barrier: the reductions of a group run together after
-//! it, then one more barrier. Each split matrix of a group takes its own
-//! part of the region; where the region is full, the group's reductions run
-//! early (a barrier, the reductions, a barrier), so whether a matrix splits
+//! it, then one more barrier. On the matvec modules the last workgroup of
+//! each row group's splits adds them instead, in the same dispatch (an
+//! arrival counter per row group in the [`Recorder::counts`] region, zero
+//! between dispatches): the same sums in the same order, with no dispatch
+//! or barrier of its own. Each split matrix of a group takes its own part
+//! of the regions; where one is full, the group waits (a barrier, the
+//! reductions queued so far, a barrier), so whether and how a matrix splits
 //! never depends on what else the group holds.
 
 use super::device::{err, Context};
@@ -68,11 +72,26 @@ pub(crate) struct Recorder<'a> {
     /// The scratch region for split rows' partial sums (the scratch's
     /// `split_sums`); `None`, no matrix splits its rows.
     pub partials: Option<SplitRegion>,
-    /// Floats of `partials` taken by the reductions waiting in `reduce`.
+    /// Floats of `partials` taken since the last barrier (or, while
+    /// reductions wait in `reduce`, since they were last run).
     partial_used: u32,
+    /// The scratch region of the split matvecs' arrival counters (offset,
+    /// count; zero between dispatches: each dispatch's last arrivals reset
+    /// theirs, and a pass's upload zeroes the region); `None`: the matvecs'
+    /// splits are added by split_sums.comp.
+    pub counts: Option<(u32, u32)>,
+    /// Counters of `counts` taken since the last barrier.
+    counts_used: u32,
     /// The reductions of split matrices recorded since the last barrier
     /// (state set, push, grid, label), dispatched after the outermost group.
     reduce: Vec<(vk::DescriptorSet, MatvecPush, [u32; 3], String)>,
+}
+
+/// Floats of the partial sums of a split matrix: `splits` x `entries` x its
+/// rows (SwiGLU: gate and up rows), in whole vec4s.
+fn split_floats(push: &MatvecPush, splits: usize, entries: usize) -> usize {
+    let per_entry = if push.mode == 4 { 2 * push.rows as usize } else { push.rows as usize };
+    (splits * entries * per_entry).div_ceil(4) * 4
 }
 
 /// The scratch region for the partial sums of split rows: `len` floats at
@@ -131,6 +150,8 @@ impl<'a> Recorder<'a> {
             xq: None,
             partials: None,
             partial_used: 0,
+            counts: None,
+            counts_used: 0,
             reduce: Vec::new(),
         }
     }
@@ -218,8 +239,41 @@ impl<'a> Recorder<'a> {
             self.dispatch(Pipe::SplitSums, &[set], &push, groups);
         }
         self.grouped = outer;
-        self.partial_used = 0;
         self.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
+    }
+
+    /// `need` floats of the partial region for a split matrix's sums, after
+    /// those the group's earlier split matrices took; where they leave too
+    /// little room, the group waits for them first (a barrier, the queued
+    /// reductions, a barrier).
+    fn take_partials(&mut self, name: &str, need: usize) -> u32 {
+        let region = self.partials.expect("split rows need the partial region");
+        assert!(need <= region.len as usize, "{name}: the splits' sums fit the partial region");
+        if self.partial_used as usize + need > region.len as usize {
+            self.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
+            self.reduce_splits();
+        }
+        let at = region.off + self.partial_used;
+        self.partial_used += need as u32;
+        at
+    }
+
+    /// `n` arrival counters of the [`Recorder::counts`] region for a split
+    /// matvec whose last arrivals add its splits, after those the group's
+    /// earlier ones took (a barrier first where they leave too few: every
+    /// counter is zero again once the dispatches before it are done);
+    /// `None` without the region or where it holds fewer.
+    fn take_counters(&mut self, n: usize) -> Option<u32> {
+        let (off, len) = self.counts?;
+        if n > len as usize {
+            return None;
+        }
+        if self.counts_used as usize + n > len as usize {
+            self.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
+        }
+        let at = off + self.counts_used;
+        self.counts_used += n as u32;
+        Some(at)
     }
 
     /// Queues the reduction of a split matrix's `splits` x `entries` partial
@@ -228,16 +282,7 @@ impl<'a> Recorder<'a> {
     /// matrices; where they leave too little room, their reductions run first
     /// (a barrier, the reductions, a barrier: the group waits a little more).
     fn queue_sums(&mut self, set: vk::DescriptorSet, name: &str, push: &mut MatvecPush, splits: usize, entries: usize) {
-        let region = self.partials.expect("split rows need the partial region");
-        let per_entry = if push.mode == 4 { 2 * push.rows as usize } else { push.rows as usize };
-        let need = (splits * entries * per_entry).div_ceil(4) * 4;
-        assert!(need <= region.len as usize, "{name}: the splits' sums fit the partial region");
-        if self.partial_used as usize + need > region.len as usize {
-            self.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
-            self.reduce_splits();
-        }
-        push.partial_off = region.off + self.partial_used;
-        self.partial_used += need as u32;
+        push.partial_off = self.take_partials(name, split_floats(push, splits, entries));
         let groups = [(push.rows as usize).div_ceil(Pipe::SplitSums.spec().workgroup as usize) as u32, entries as u32, 1];
         self.reduce.push((set, *push, groups, format!("{} (split sums)", role(name))));
     }
@@ -257,6 +302,9 @@ impl<'a> Recorder<'a> {
         grid(self.ctx, n.div_ceil(pipe.spec().workgroup as usize), tokens as u32)
     }
 
+    /// A pipeline barrier. After one that waits for compute work, the
+    /// split rows' counters are free again, and so are their partial sums
+    /// unless reductions still wait to read them.
     pub fn barrier(&mut self, src: vk::PipelineStageFlags, access: vk::AccessFlags, dst: vk::PipelineStageFlags) {
         let dst_access = if dst == vk::PipelineStageFlags::TRANSFER {
             vk::AccessFlags::TRANSFER_READ
@@ -267,6 +315,12 @@ impl<'a> Recorder<'a> {
         // SAFETY: recording command buffer.
         unsafe { self.ctx.device.cmd_pipeline_barrier(self.cmd, src, dst, vk::DependencyFlags::empty(), &mb, &[], &[]) };
         self.stats.barriers += 1;
+        if src.contains(vk::PipelineStageFlags::COMPUTE_SHADER) {
+            self.counts_used = 0;
+            if self.reduce.is_empty() {
+                self.partial_used = 0;
+            }
+        }
     }
 
     /// Fills the work split and layout fields of a matvec push for `part`
@@ -385,15 +439,27 @@ impl<'a> Recorder<'a> {
     /// Splits the rows of a plain matrix's matvec where
     /// [`Recorder::matvec_splits`] says so: `push` gets the splits' columns
     /// and row sets, `groups` the row groups x splits workgroups, and the
-    /// reduction of its sums is queued for the end of the outermost group.
+    /// splits are added by the last workgroup of each row group (push
+    /// `expert_off`: its counters, one per row group and tile of entries)
+    /// or, without room for the counters, by a reduction queued for the end
+    /// of the outermost group.
     fn split_matvec(&mut self, set: vk::DescriptorSet, name: &str, pipe: Pipe, part: &PartLayout, push: &mut MatvecPush, groups: &mut [u32; 3]) {
         let rows = push.rows as usize;
         let Some((splits, kcols)) = self.matvec_splits(pipe, part, rows, push.mode) else { return };
         let (shift, per_group) = self.row_sets(pipe, part.items * kcols / part.cols, rows, splits);
         push.tpr_shift = shift;
         push.kcols = kcols as u32;
-        *groups = grid(self.ctx, rows.div_ceil(per_group) * splits, groups[1]);
-        self.queue_sums(set, name, push, splits, push.ntok as usize);
+        let row_groups = rows.div_ceil(per_group);
+        let tiles = groups[1] as usize;
+        *groups = grid(self.ctx, row_groups * splits, groups[1]);
+        let entries = push.ntok as usize;
+        match self.take_counters(row_groups * tiles) {
+            Some(at) => {
+                push.expert_off = at;
+                push.partial_off = self.take_partials(name, split_floats(push, splits, entries));
+            }
+            None => self.queue_sums(set, name, push, splits, entries),
+        }
     }
 
     /// log2 of the invocations per row set, and the rows of a workgroup, of

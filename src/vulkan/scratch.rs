@@ -26,6 +26,10 @@ const SCORE_FLOATS: usize = 1 << 22;
 /// Floats of the attention probabilities of the tokens of a pass attended
 /// together (heads x `n_ctx` each): up to 16 MB.
 const ATT_FLOATS: usize = 1 << 22;
+/// Arrival counters of split matvecs (one per row group and tile of
+/// entries of each split matrix a group of dispatches holds: a 512-token
+/// pass's hyper-connection down projections take a few thousand).
+const SPLIT_COUNTERS: usize = 8192;
 
 /// Float offsets of every activation in the scratch buffer.
 #[derive(Clone, Default, Debug)]
@@ -95,6 +99,10 @@ pub(crate) struct ScratchLayout {
     /// the streams' floats (`hc * hidden`) per token a pass may hold.
     pub split_sums: u32,
     pub split_sums_len: u32,
+    /// The split matvecs' arrival counters (`Recorder::counts`, uints; zero
+    /// between dispatches, zeroed with each pass's upload).
+    pub split_counts: u32,
+    pub split_counts_len: u32,
     /// The logits of up to `logit_rows` tokens, [logit_rows][V].
     pub logits: u32,
     pub logit_rows: u32,
@@ -173,6 +181,8 @@ impl ScratchLayout {
         l.tiles = next(1 + 2 * l.max_tiles as usize);
         l.split_sums_len = (l.batch as usize * c * h).div_ceil(4) as u32 * 4;
         l.split_sums = next(l.split_sums_len as usize);
+        l.split_counts_len = SPLIT_COUNTERS as u32;
+        l.split_counts = next(SPLIT_COUNTERS);
         l.logit_rows = logit_rows.clamp(1, batch.max(1)) as u32;
         l.logits = next(l.logit_rows as usize * cfg.vocab);
         // Last: the regions that scale with the capacity.

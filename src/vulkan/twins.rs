@@ -166,6 +166,8 @@ struct Twin<'a> {
     pipes: &'a Pipelines,
     /// Dispatches of the last run.
     dispatches: std::cell::Cell<u32>,
+    /// Split rows added by their last workgroups (arrival counters), not split_sums.
+    counters: bool,
 }
 
 const STREAMS: usize = 2;
@@ -188,7 +190,10 @@ impl Twin<'_> {
         // after the runs' regions: room for a split of every 256 columns.
         let sums = out + runs.len() * region;
         let sums_len = if pipes.matvec_split > 0 { (2 * rows * cols.div_ceil(256)).div_ceil(4) * 4 } else { 0 };
-        let mut scratch = vec![f32::NAN; sums + sums_len];
+        // Then the arrival counters, zero.
+        let counts = (sums + sums_len, if self.counters { 64 } else { 0 });
+        let mut scratch = vec![f32::NAN; counts.0 + counts.1];
+        scratch[counts.0..].fill(0.0);
         scratch[X_OFF..X_OFF + cols].copy_from_slice(x);
         scratch[aux..aux + STREAMS].copy_from_slice(&AUX);
         for r in 0..runs.len() {
@@ -205,6 +210,9 @@ impl Twin<'_> {
         let mut rec = Recorder::new(ctx, pipes, cmds.cmd);
         if sums_len > 0 {
             rec.partials = Some(SplitRegion { off: sums as u32, len: sums_len as u32, per_entry: sums_len as u32 });
+        }
+        if self.counters {
+            rec.counts = Some((counts.0 as u32, counts.1 as u32));
         }
         for (i, run) in runs.iter().enumerate() {
             rec.force_tpr = run.tpr;
@@ -227,6 +235,8 @@ impl Twin<'_> {
         self.dispatches.set(rec.stats.dispatches);
         cmds.submit().unwrap();
         let all = f32s(&cmds.download(&buf, 0, scratch.len() * 4).unwrap());
+        // Every counter is back to zero for the next dispatch.
+        assert!(all[counts.0..].iter().all(|c| c.to_bits() == 0), "{}: arrival counters left set", w.name);
         (0..runs.len()).map(|i| all[out + i * region..out + (i + 1) * region].to_vec()).collect()
     }
 
@@ -316,7 +326,7 @@ fn fast_matvec_within_the_rounding_bound_for_every_type() {
 
 fn every_type(ctx: &Arc<Context>, fast: bool) {
     let pipes = Pipelines::tuned(ctx, fast, |name| MatvecTuning::for_pipeline(name, false)).unwrap();
-    let twin = Twin { ctx, pipes: &pipes, dispatches: Default::default() };
+    let twin = Twin { ctx, pipes: &pipes, dispatches: Default::default(), counters: false };
     let sg = ctx.subgroup_size;
     let mut report = Vec::new();
     for ty in all_types() {
@@ -349,10 +359,12 @@ fn every_type(ctx: &Arc<Context>, fast: bool) {
 }
 
 /// Rows split into ranges of columns (`Pipelines::matvec_split`: each
-/// workgroup sums its range, shaders/split_sums.comp adds the splits and
-/// applies the epilogue) on every quantized type, both kernel families,
+/// workgroup sums its range; the last workgroup of each row group adds the
+/// ranges and applies the epilogue, or shaders/split_sums.comp does in a
+/// dispatch of its own) on every quantized type, both kernel families,
 /// every epilogue and a forced row set below and above the subgroup: within
-/// the bound of the CPU's product, with one reduction after each matvec.
+/// the bound of the CPU's product, the two ways bit for bit the same, the
+/// counters back to zero after each dispatch.
 #[test]
 fn split_rows_within_the_bound_for_every_type() {
     let Some(ctx) = context() else { return };
@@ -363,16 +375,23 @@ fn split_rows_within_the_bound_for_every_type() {
         // Every matrix below the fill splits (here: all), into ranges of 256 columns.
         let mut pipes = Pipelines::tuned(&ctx, fast, |name| MatvecTuning { fill: 1 << 20, ..MatvecTuning::for_pipeline(name, false) }).unwrap();
         pipes.matvec_split = 256;
-        let twin = Twin { ctx: &ctx, pipes: &pipes, dispatches: Default::default() };
+        let last = Twin { ctx: &ctx, pipes: &pipes, dispatches: Default::default(), counters: true };
+        let reduced = Twin { ctx: &ctx, pipes: &pipes, dispatches: Default::default(), counters: false };
         for ty in all_types().filter(|t| t.block_size() > 1) {
             let (rows, cols) = (70, 2560);
             let w = tensor(ty, rows, cols, 17);
             let sg = ctx.subgroup_size;
             let runs = [0, 1, 3, 4].map(|mode| Run { tpr: None, mode }).into_iter().chain([4, 2 * sg].map(|t| Run { tpr: Some(t), mode: 0 }));
             let runs: Vec<Run> = runs.collect();
-            let e = twin.check(&w, &runs, usize::MAX);
-            assert_eq!(twin.dispatches.get() as usize, 2 * runs.len(), "{ty}: each matvec split, and its sums added");
+            let e = last.check(&w, &runs, usize::MAX);
+            assert_eq!(last.dispatches.get() as usize, runs.len(), "{ty}: each matvec split, its splits added by its last workgroups");
             assert!(e <= 1.0, "{ty} (fast {fast}): split rows err {e} x the bound");
+            let x = values(cols, cols, 99 + cols as u64);
+            let (a, b) = (last.run(&w, &x, &runs, usize::MAX), reduced.run(&w, &x, &runs, usize::MAX));
+            assert_eq!(reduced.dispatches.get() as usize, 2 * runs.len(), "{ty}: each matvec split, and its sums added by split_sums");
+            for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+                same_bits(a, b, &format!("{ty} (fast {fast}) {:?}: splits added by the last workgroups and by split_sums", runs[i]));
+            }
         }
     }
     assert_eq!(validation_errors(), 0, "Vulkan validation errors (printed above)");
@@ -386,7 +405,7 @@ fn matvec_other_tunings_and_split_matrices() {
         MatvecTuning { wg: 256, rows: 3, unroll: 3, tpr: None, min_items: 8, fill: 4096, tile: 3, share: 1 },
     ] {
         let pipes = Pipelines::tuned(&ctx, false, |_| tuning).unwrap();
-        let twin = Twin { ctx: &ctx, pipes: &pipes, dispatches: Default::default() };
+        let twin = Twin { ctx: &ctx, pipes: &pipes, dispatches: Default::default(), counters: false };
         for ty in all_types() {
             let cols = shapes(ty)[1];
             let w = tensor(ty, 101, cols, 5);
@@ -531,7 +550,7 @@ fn a_nan_activation_reaches_every_row() {
             continue;
         }
         let pipes = Pipelines::tuned(&ctx, fast, |name| MatvecTuning::for_pipeline(name, false)).unwrap();
-        let twin = Twin { ctx: &ctx, pipes: &pipes, dispatches: Default::default() };
+        let twin = Twin { ctx: &ctx, pipes: &pipes, dispatches: Default::default(), counters: false };
         for ty in crate::quant::QUANT_TYPES {
             let cols = shapes(ty)[1];
             let w = tensor(ty, 37, cols, 3);
@@ -698,9 +717,12 @@ fn batched_matvecs_equal_single_tokens() {
     const TE: usize = 6;
     // Fast kernels: the batch modules, entries sharing weight decodes (share)
     // in groups of the tile (8 of 8, 4 of 4, 3 of 8: groups across a tile's end).
-    // Split rows (the last two: rows of 1536 columns in splits of 256, the
-    // splits' sums added by split_sums.comp for the batch and each token).
-    for (fast, tile, share, split) in [(false, 8, 1, false), (true, 8, 8, false), (false, 3, 1, false), (true, 4, 8, false), (true, 8, 3, false), (false, 3, 1, true), (true, 8, 3, true)] {
+    // Split rows (the last three: rows of 1536 columns in splits of 256, the
+    // splits added by each row group's last workgroup, or by split_sums.comp,
+    // for the batch and each token).
+    let cases = [(false, 8, 1, false), (true, 8, 8, false), (false, 3, 1, false), (true, 4, 8, false), (true, 8, 3, false)];
+    let split_cases = [(false, 3, 1, true), (true, 8, 3, true)];
+    for (fast, tile, share, split, counters) in cases.map(|(f, t, s, p)| (f, t, s, p, false)).into_iter().chain(split_cases.map(|(f, t, s, p)| (f, t, s, p, true))).chain([(true, 8, 3, true, false)]) {
         if fast && !ctx.int_dot.supported {
             continue;
         }
@@ -722,25 +744,29 @@ fn batched_matvecs_equal_single_tokens() {
             let xq = (y0 + rows).div_ceil(4) * 4;
             let tok = (xq + XQ_FLOATS).div_ceil(64) * 64;
             let mut scratch = plain_scratch(T, tok, cols, aux, y3..y0, 40);
-            // The split sums after the token blocks: six splits of each token's rows.
+            // The split sums after the token blocks (six splits of each
+            // token's rows), then the arrival counters, zero.
             let sums = (scratch.len() as u32, (6 * T * rows) as u32);
             scratch.resize(scratch.len() + sums.1 as usize, f32::NAN);
             let region = split.then_some(SplitRegion { off: sums.0, len: sums.1, per_entry: sums.1 });
+            let counts = (counters && split).then_some((scratch.len() as u32, 1024u32));
+            scratch.resize(scratch.len() + 1024, 0.0);
             let push = |t: usize, mode: u32, y: usize| {
                 let b = (t * tok) as u32;
                 let aux_n = if mode == 3 { STREAMS as u32 } else { 0 };
                 MatvecPush { x_off: b, y_off: b + y as u32, mode, aux_off: b + aux as u32, aux_n, x_stride: tok as u32, y_stride: tok as u32, ..Default::default() }
             };
             let batched = run_scratch(&ctx, &pipes, &scratch, &params, |rec, set| {
-                (rec.xq, rec.partials) = (Some((xq as u32, tok as u32)), region);
+                (rec.xq, rec.partials, rec.counts) = (Some((xq as u32, tok as u32)), region, counts);
                 rec.matvec_n(&m, set, push(0, 3, y3), T);
                 rec.matvec_n(&m, set, push(0, 0, y0), T);
-                // Each matrix: its rounding (fast kernels), itself, its splits' sums.
+                // Each matrix: its rounding (fast kernels), itself, its splits' sums (without counters).
                 let quant = ty != GgmlType::F32;
-                assert_eq!(rec.stats.dispatches as usize, 2 * (1 + usize::from(fast && quant) + usize::from(split && quant)), "{ty}: the dispatches");
+                let sums = split && quant && !counters;
+                assert_eq!(rec.stats.dispatches as usize, 2 * (1 + usize::from(fast && quant) + usize::from(sums)), "{ty}: the dispatches");
             });
             let mut single = run_scratch(&ctx, &pipes, &scratch, &params, |rec, set| {
-                rec.partials = region;
+                (rec.partials, rec.counts) = (region, counts);
                 for t in 0..T {
                     rec.matvec(&m, set, push(t, 3, y3));
                     rec.matvec(&m, set, push(t, 0, y0));
@@ -755,7 +781,7 @@ fn batched_matvecs_equal_single_tokens() {
             // workgroup, the region written by the fast kernels only.
             pipes.round_once_cols = 32;
             let once = run_scratch(&ctx, &pipes, &scratch, &params, |rec, set| {
-                (rec.xq, rec.partials) = (Some((xq as u32, tok as u32)), region);
+                (rec.xq, rec.partials, rec.counts) = (Some((xq as u32, tok as u32)), region, counts);
                 for t in 0..T {
                     rec.matvec(&m, set, push(t, 3, y3));
                     rec.matvec(&m, set, push(t, 0, y0));
@@ -771,7 +797,9 @@ fn batched_matvecs_equal_single_tokens() {
                 single[t * tok + xq..t * tok + xq + XQ_FLOATS].copy_from_slice(&batched[t * tok + xq..t * tok + xq + XQ_FLOATS]);
             }
             // (The split sums' region holds each run's own partial sums.)
-            same_bits(&batched[..blocks], &single[..blocks], &format!("{ty} (fast {fast}, tile {tile}, share {share}, split {split}): a batch of {T} tokens"));
+            same_bits(&batched[..blocks], &single[..blocks], &format!("{ty} (fast {fast}, tile {tile}, share {share}, split {split}, counters {counters}): a batch of {T} tokens"));
+            // The counters are back to zero after every dispatch.
+            assert!([&batched, &single, &once].iter().all(|b| b[b.len() - 1024..].iter().all(|c| c.to_bits() == 0)), "{ty}: arrival counters left set");
             let (want, abs) = cpu(&w, &single[..cols], fast);
             assert!(worst(&format!("{ty} token 0"), &single[y0..y0 + rows], &want, &abs) <= 1.0);
         }
