@@ -242,47 +242,31 @@ impl<'a> Recorder<'a> {
         self.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
     }
 
-    /// `need` floats of the partial region for a split matrix's sums, after
+    /// The parts of the regions of a split matrix: `floats` of the partial
+    /// region for its sums and `counters` arrival counters (0: none), after
     /// those the group's earlier split matrices took; where they leave too
     /// little room, the group waits for them first (a barrier, the queued
-    /// reductions, a barrier).
-    fn take_partials(&mut self, name: &str, need: usize) -> u32 {
+    /// reductions, a barrier: every counter is zero again once the
+    /// dispatches before it are done, and every partial sum read).
+    fn take_split(&mut self, name: &str, floats: usize, counters: usize) -> (u32, u32) {
         let region = self.partials.expect("split rows need the partial region");
-        assert!(need <= region.len as usize, "{name}: the splits' sums fit the partial region");
-        if self.partial_used as usize + need > region.len as usize {
+        let (c_off, c_len) = self.counts.unwrap_or((0, 0));
+        assert!(floats <= region.len as usize && counters <= c_len as usize, "{name}: the splits fit the regions");
+        if self.partial_used as usize + floats > region.len as usize || self.counts_used as usize + counters > c_len as usize {
             self.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
             self.reduce_splits();
         }
-        let at = region.off + self.partial_used;
-        self.partial_used += need as u32;
+        let at = (region.off + self.partial_used, if counters > 0 { c_off + self.counts_used } else { 0 });
+        self.partial_used += floats as u32;
+        self.counts_used += counters as u32;
         at
     }
 
-    /// `n` arrival counters of the [`Recorder::counts`] region for a split
-    /// matvec whose last arrivals add its splits, after those the group's
-    /// earlier ones took (a barrier first where they leave too few: every
-    /// counter is zero again once the dispatches before it are done);
-    /// `None` without the region or where it holds fewer.
-    fn take_counters(&mut self, n: usize) -> Option<u32> {
-        let (off, len) = self.counts?;
-        if n > len as usize {
-            return None;
-        }
-        if self.counts_used as usize + n > len as usize {
-            self.barrier(vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE, vk::PipelineStageFlags::COMPUTE_SHADER);
-        }
-        let at = off + self.counts_used;
-        self.counts_used += n as u32;
-        Some(at)
-    }
-
     /// Queues the reduction of a split matrix's `splits` x `entries` partial
-    /// sums (`push` as its dispatch has it, but for `partial_off`, set here):
-    /// its part of the region, after those of the group's earlier split
-    /// matrices; where they leave too little room, their reductions run first
-    /// (a barrier, the reductions, a barrier: the group waits a little more).
+    /// sums (`push` as its dispatch has it, but for `partial_off`, set here:
+    /// [`Recorder::take_split`]) for after the outermost group's barrier.
     fn queue_sums(&mut self, set: vk::DescriptorSet, name: &str, push: &mut MatvecPush, splits: usize, entries: usize) {
-        push.partial_off = self.take_partials(name, split_floats(push, splits, entries));
+        push.partial_off = self.take_split(name, split_floats(push, splits, entries), 0).0;
         let groups = [(push.rows as usize).div_ceil(Pipe::SplitSums.spec().workgroup as usize) as u32, entries as u32, 1];
         self.reduce.push((set, *push, groups, format!("{} (split sums)", role(name))));
     }
@@ -383,17 +367,18 @@ impl<'a> Recorder<'a> {
 
     /// Splits the rows of a plain matrix's dispatch on the matrix-matrix
     /// modules where [`Recorder::mm_splits`] says so and the partial region
-    /// has room (`push` gets the split and its part of the region, `groups`
+    /// can hold them (`push` gets the split and its part of the region, `groups`
     /// the row tiles x splits workgroups) and queues its reduction for the
     /// end of the outermost group ([`Recorder::independent`]).
     fn split_rows(&mut self, set: vk::DescriptorSet, name: &str, push: &mut MatvecPush, groups: &mut [u32; 3]) {
         let Some(region) = self.partials else { return };
         let swiglu = push.mode == 4;
         let (rows, entries, cols) = (push.rows as usize, push.ntok as usize, push.cols as usize);
-        // Floats of one split of one entry.
+        // Floats of one split of one entry; at most as many splits as the
+        // whole region holds (Recorder::take_split makes the room).
         let per_entry = if swiglu { 2 * rows } else { rows };
-        let room = (region.len - self.partial_used) as usize / (entries * per_entry).max(1);
-        let splits = self.mm_splits(cols, per_entry, entries).min(room);
+        let most = region.len as usize / (entries * per_entry).max(1);
+        let splits = self.mm_splits(cols, per_entry, entries).min(most);
         if splits < 2 || push.mode == 5 {
             return;
         }
@@ -452,13 +437,11 @@ impl<'a> Recorder<'a> {
         let row_groups = rows.div_ceil(per_group);
         let tiles = groups[1] as usize;
         *groups = grid(self.ctx, row_groups * splits, groups[1]);
-        let entries = push.ntok as usize;
-        match self.take_counters(row_groups * tiles) {
-            Some(at) => {
-                push.expert_off = at;
-                push.partial_off = self.take_partials(name, split_floats(push, splits, entries));
-            }
-            None => self.queue_sums(set, name, push, splits, entries),
+        let (entries, counters) = (push.ntok as usize, row_groups * tiles);
+        if self.counts.is_some_and(|(_, len)| counters <= len as usize) {
+            (push.partial_off, push.expert_off) = self.take_split(name, split_floats(push, splits, entries), counters);
+        } else {
+            self.queue_sums(set, name, push, splits, entries);
         }
     }
 
