@@ -27,6 +27,7 @@ const VARIANTS: &[(&str, &str, &[&str])] = &[
     ("ple_mix", "ple_mix.comp", &[]),
     ("gdn_conv", "gdn_conv.comp", &[]),
     ("gdn_recurrent", "gdn_recurrent.comp", &[]),
+    ("gdn_token", "gdn_recurrent.comp", &["TOKEN"]),
     ("gdn_norm", "gdn_norm.comp", &[]),
     ("attn_prep", "attn_prep.comp", &[]),
     ("qsa_index", "qsa_index.comp", &[]),

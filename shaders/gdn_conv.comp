@@ -10,9 +10,11 @@
 // the earlier positions from the ring, so the tokens are independent; after
 // a barrier the last `rows` tokens write their inputs into the ring (what
 // token-by-token writes leave there). Each sum runs in token-by-token
-// decoding's order: a pass gives its values bit for bit.
+// decoding's order (gdn.glsl's, which one token's fused step shares): a
+// pass gives its values bit for bit.
 #define WG 64
 #include "common.glsl"
+#include "gdn.glsl"
 layout(local_size_y = 8) in;
 
 layout(push_constant) uniform Push {
@@ -30,18 +32,9 @@ layout(push_constant) uniform Push {
 void main() {
     uint c = gl_GlobalInvocationID.x, lanes = gl_WorkGroupSize.y;
     bool live = c < pc.dc;
-    uint kc = pc.kc, rows = pc.rows;
+    uint rows = pc.rows;
     for (uint t = gl_LocalInvocationID.y; live && t < pc.n; t += lanes) {
-        uint pos = pc.pos + t;
-        float x = s[pc.x_off + t * pc.tok_stride + c];
-        float acc = prm[pc.taps + c * kc + kc - 1u] * x;
-        // Tap k reads the input kc-1-k positions back (rows before the start hold zeros).
-        for (uint k = 0u; k + 1u < kc; k++) {
-            uint back = kc - 1u - k;
-            float xb = t >= back ? s[pc.x_off + (t - back) * pc.tok_stride + c] : st[((pos + rows - back) % rows) * pc.dc + c];
-            acc += prm[pc.taps + c * kc + k] * xb;
-        }
-        s[pc.y_off + t * pc.tok_stride + c] = silu(acc);
+        s[pc.y_off + t * pc.tok_stride + c] = gdn_conv_at(pc.x_off, pc.tok_stride, t, pc.pos + t, c, pc.dc, pc.kc, pc.rows, pc.taps);
     }
     // Every read of the ring's earlier rows is done before they are overwritten.
     memoryBarrierBuffer();

@@ -5,6 +5,7 @@
 // head's d values (d <= 128; one invocation each).
 #define WG 128
 #include "common.glsl"
+#include "gdn.glsl"
 
 layout(push_constant) uniform Push {
     uint y_off;      // [nv*d] the delta rule's output (token 0's; tok_stride apart)
@@ -20,10 +21,7 @@ void main() {
     uint h = gl_WorkGroupID.x, j = gl_LocalInvocationID.x, d = pc.d;
     uint a = gl_WorkGroupID.y * pc.tok_stride + h * d + j;
     float o = j < d ? s[pc.y_off + a] : 0.0;
-    float r = rms_scale(wg_sum(o * o), d, pc.eps);
-    if (j < d) {
-        float z = s[pc.z_off + a];
-        float g = pc.gate_silu == 1u ? silu(z) : sigmoid(z);
-        s[pc.y_off + a] = o * r * prm[pc.norm + j] * g;
-    }
+    float z = j < d ? s[pc.z_off + a] : 0.0;
+    float y = gdn_gated_norm(o, z, j, d, pc.norm, pc.gate_silu, pc.eps);
+    if (j < d) s[pc.y_off + a] = y;
 }

@@ -998,6 +998,41 @@ impl Blocks for VkPass<'_, '_> {
         self.rec.matvecs_n(&w.input, set, input, self.n);
         let dc = cfg.ssm_conv_dim();
         let (n, tok) = (self.n as u32, l.tok);
+        let d = cfg.ssm_head_dim as u32;
+        let col_groups = (d * self.gpu.pipes.gdn_lanes).div_ceil(128);
+        let gate_silu = (cfg.ssm_gate == GateActivation::Silu) as u32;
+        // One token: the conv, the delta rule and the gated norm in one dispatch.
+        let counters = (n == 1 && gpu.pipes.gdn_fuse).then(|| self.rec.take_counters("gdn_token", cfg.ssm_v_heads)).flatten();
+        if let Some(counts_off) = counters {
+            assert!(g.conv_rows >= cfg.ssm_conv, "the conv reads only rows before the token's");
+            let push = GdnTokenPush {
+                x_off: l.qkv,
+                taps: w.conv,
+                dc: dc as u32,
+                kc: cfg.ssm_conv as u32,
+                rows: g.conv_rows as u32,
+                b_off: l.beta,
+                a_off: l.alpha,
+                y_off: l.gdn_out,
+                z_off: l.z,
+                nk: cfg.ssm_k_heads as u32,
+                nv: cfg.ssm_v_heads as u32,
+                d,
+                planes_off: g.planes,
+                planes: g.n_planes as u32,
+                pos: self.pos as u32,
+                decay_a: w.decay_a,
+                dt_bias: w.dt_bias,
+                norm: w.norm,
+                gate_silu,
+                eps: cfg.eps,
+                counts_off,
+            };
+            self.rec.dispatch(Pipe::GdnToken, &[set], &push, [cfg.ssm_v_heads as u32, col_groups, 1]);
+            let post = self.post(self.state.layout.gdn_out);
+            self.rec.matvec_n(&w.out, set, post, 1);
+            return Ok(());
+        }
         // Each loops over the pass's tokens: the conv ring and the recurrent
         // state carry from one token to the next.
         let conv = GdnConvPush {
@@ -1016,7 +1051,6 @@ impl Blocks for VkPass<'_, '_> {
         // The delta rule (a workgroup per 128 / lanes columns of a head,
         // vec4 reads of q and k), then its gated RMSNorm over the pass.
         // (The head dim's limits: check_shapes at load.)
-        let d = cfg.ssm_head_dim as u32;
         assert!(l.conv_out.is_multiple_of(4) && tok.is_multiple_of(4), "gdn_recurrent's q and k are read as vec4s");
         let push = GdnRecurrentPush {
             conv_off: l.conv_out,
@@ -1034,14 +1068,13 @@ impl Blocks for VkPass<'_, '_> {
             decay_a: w.decay_a,
             dt_bias: w.dt_bias,
         };
-        let col_groups = (d * self.gpu.pipes.gdn_lanes).div_ceil(128);
         self.rec.dispatch(Pipe::GdnRecurrent, &[set], &push, [cfg.ssm_v_heads as u32, col_groups, 1]);
         let norm = GdnNormPush {
             y_off: l.gdn_out,
             z_off: l.z,
             d,
             norm: w.norm,
-            gate_silu: (cfg.ssm_gate == GateActivation::Silu) as u32,
+            gate_silu,
             eps: cfg.eps,
             tok_stride: tok,
         };

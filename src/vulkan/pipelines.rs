@@ -161,6 +161,10 @@ GdnConvPush { x_off: u32, y_off: u32, taps: u32, dc: u32, kc: u32, rows: u32, po
 push_block!(/// shaders/gdn_recurrent.comp
 GdnRecurrentPush { conv_off: u32, b_off: u32, a_off: u32, y_off: u32, nk: u32, nv: u32, d: u32,
     planes_off: u32, planes: u32, pos: u32, n: u32, tok_stride: u32, decay_a: u32, dt_bias: u32 });
+push_block!(/// shaders/gdn_recurrent.comp with TOKEN
+GdnTokenPush { x_off: u32, taps: u32, dc: u32, kc: u32, rows: u32, b_off: u32, a_off: u32, y_off: u32, z_off: u32, nk: u32,
+    nv: u32, d: u32, planes_off: u32, planes: u32, pos: u32, decay_a: u32, dt_bias: u32, norm: u32, gate_silu: u32, eps: f32,
+    counts_off: u32 });
 push_block!(/// shaders/gdn_norm.comp
 GdnNormPush { y_off: u32, z_off: u32, d: u32, norm: u32, gate_silu: u32, eps: f32, tok_stride: u32 });
 push_block!(/// shaders/attn_prep.comp
@@ -349,6 +353,7 @@ pipes! {
     GdnConv = "gdn_conv", State, GdnConvPush, 64;
     GdnRecurrent = "gdn_recurrent", State, GdnRecurrentPush, 128;
     GdnNorm = "gdn_norm", State, GdnNormPush, 128;
+    GdnToken = "gdn_token", State, GdnTokenPush, 128;
     AttnPrep = "attn_prep", State, AttnPrepPush, 256;
     QsaIndex = "qsa_index", State, QsaIndexPush, 128;
     QsaScore = "qsa_score", State, QsaScorePush, 64;
@@ -797,6 +802,13 @@ pub(crate) struct Pipelines {
     pub router: bool,
     /// shaders/gdn_recurrent.comp's invocations per state column ([`gdn_lanes`]).
     pub gdn_lanes: u32,
+    /// Whether one token's Gated DeltaNet after its input projections (conv,
+    /// delta rule, gated norm) is one dispatch (module gdn_token: the conv
+    /// computed where it is read, the norm by each head's last workgroup,
+    /// the three stages' bits) where the arrival counters are on
+    /// ([`Pipelines::split_counters`]); `FNX_VK_GDN_FUSE=0` keeps the three
+    /// dispatches.
+    pub gdn_fuse: bool,
     ctx: Arc<Context>,
 }
 
@@ -894,6 +906,7 @@ impl Pipelines {
             hc_fuse: std::env::var("FNX_VK_HC_FUSE").map_or(true, |v| v != "0"),
             router: std::env::var("FNX_VK_ROUTER").is_ok_and(|v| v == "1"),
             gdn_lanes,
+            gdn_fuse: std::env::var("FNX_VK_GDN_FUSE").map_or(true, |v| v != "0"),
             ctx: ctx.clone(),
         };
         p.weight_layout = set_layout(ctx, &[1])?;
@@ -942,7 +955,7 @@ impl Pipelines {
             self.layouts.push(layout);
             let module = d.create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&words), None).map_err(err(spec.name))?;
             // Constants 0 (MAX_SLABS), 1 (workgroup size), 2 (ROWS), 3 (UNROLL), 4 (SHARE),
-            // 5 (gdn_recurrent's LANES); a module ignores those it lacks (the
+            // 5 (gdn_recurrent's and gdn_token's LANES); a module ignores those it lacks (the
             // other state shaders have none).
             let constants = [self.max_slabs, tuning.wg, tuning.rows, tuning.unroll, tuning.share, self.gdn_lanes];
             let data: Vec<u8> = constants.iter().flat_map(|v| v.to_le_bytes()).collect();

@@ -249,7 +249,7 @@ impl<'a> Recorder<'a> {
     /// reductions, a barrier: every counter is zero again once the
     /// dispatches before it are done, and every partial sum read).
     fn take_split(&mut self, name: &str, floats: usize, counters: usize) -> (u32, u32) {
-        let region = self.partials.expect("split rows need the partial region");
+        let region = self.partials.filter(|_| floats > 0).unwrap_or(SplitRegion { off: 0, len: 0, per_entry: 0 });
         let (c_off, c_len) = self.counts.unwrap_or((0, 0));
         assert!(floats <= region.len as usize && counters <= c_len as usize, "{name}: the splits fit the regions");
         if self.partial_used as usize + floats > region.len as usize || self.counts_used as usize + counters > c_len as usize {
@@ -260,6 +260,16 @@ impl<'a> Recorder<'a> {
         self.partial_used += floats as u32;
         self.counts_used += counters as u32;
         at
+    }
+
+    /// `n` arrival counters for a dispatch whose workgroups count themselves
+    /// in, the last of a group then finishing its work (zero before the
+    /// dispatch, which leaves them zero), after those the dispatches since
+    /// the last barrier took; `None` where the counters are off or the
+    /// region is too small.
+    pub fn take_counters(&mut self, name: &str, n: usize) -> Option<u32> {
+        let (_, len) = self.counts?;
+        (n <= len as usize).then(|| self.take_split(name, 0, n).1)
     }
 
     /// Queues the reduction of a split matrix's `splits` x `entries` partial

@@ -123,6 +123,11 @@ mod tests {
     fn source_of(name: &str) -> String {
         let file = if ["matvec_", "expert_", "mm_", "split_sums"].iter().any(|p| name.starts_with(p)) {
             "matvec_push.glsl".into()
+        } else if name == "gdn_token" {
+            // gdn_recurrent.comp's second block (TOKEN's): the first cut off.
+            let src = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders/gdn_recurrent.comp")).unwrap();
+            let second = src.match_indices("layout(push_constant)").nth(1).expect("TOKEN's push-constant block").0;
+            return src[second..].to_string();
         } else {
             format!("{}.comp", name.strip_suffix("_batch").unwrap_or(name))
         };

@@ -26,6 +26,7 @@
 //! | `ple_mix` | `ple::mix` (residual and conv ring) | 2e-5; untouched ring rows exact |
 //! | `gdn_conv` | `gdn::conv` (output and ring; one token and a pass of tokens) | 4e-6; ring exact |
 //! | `gdn_recurrent` | `gdn::delta_rule` (output and recurrent planes; one token and a pass of tokens) | 2e-5 |
+//! | `gdn_token` | `gdn::conv`, `gdn::delta_rule`, `gdn::gated_norm` (one token; and bit for bit the three stage modules on the same device) | 2e-5; ring exact |
 //! | `attn_prep` | `qsa::prep` (queries, key and value caches) | 4e-6; values exact |
 //! | `qsa_index` | `qsa::index` (raw and block key caches, queries) | 4e-6; raw keys exact |
 //! | `qsa_score` | `qsa::score_blocks` | 1e-5 |

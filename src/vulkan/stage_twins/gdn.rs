@@ -1,9 +1,10 @@
-//! `gdn_conv`, `gdn_recurrent` and `gdn_norm`: the Gated DeltaNet after its input projections.
+//! `gdn_conv`, `gdn_recurrent` and `gdn_norm`: the Gated DeltaNet after its
+//! input projections; `gdn_token`, the three in one dispatch for one token.
 
 use super::*;
 use crate::cpu::gdn::{self, GdnState};
 use crate::model::weights::Gdn;
-use crate::vulkan::pipelines::{GdnConvPush, GdnNormPush, GdnRecurrentPush};
+use crate::vulkan::pipelines::{GdnConvPush, GdnNormPush, GdnRecurrentPush, GdnTokenPush};
 
 /// One GDN token at position `pos` on the CPU, stage by stage.
 struct Case {
@@ -264,5 +265,96 @@ fn gdn_over_a_pass_of_tokens() {
         for (t, want) in ys.iter().enumerate() {
             check(&format!("{what} normed token {t}"), out.s(at + (t * tok + y) as u32, dv), want, 4e-6);
         }
+    }
+}
+
+/// One token's fused step (gdn_token: the conv where it is read, the delta
+/// rule, the gated norm by each head's last workgroup) against the CPU's
+/// stages, and bit for bit against the three stage modules run one after
+/// another on the same device (what a pass runs): output, ring and planes;
+/// the arrival counters back to zero. Every width of a column's invocations.
+#[test]
+fn gdn_token_equals_the_three_stages() {
+    let Some(g) = gpu() else { return };
+    token_cases(g);
+    for lanes in [2, 4, 8].into_iter().filter(|&l| l != g.pipes.gdn_lanes) {
+        token_cases(&Gpu { ctx: g.ctx.clone(), pipes: Pipelines::with_gdn_lanes(&g.ctx, lanes).unwrap() });
+    }
+}
+
+fn token_cases(g: &Gpu) {
+    // (nk, nv, d, kernel, window, pos, gate): the real 16/48 heads of 128
+    // past the ring's first wrap; a head dim of 48 (invocations idle) and a
+    // SiLU gate; position 0 (the ring's zeros); a kernel of 2.
+    let cases = [
+        (16, 48, 128, 4, 2, 1234, GateActivation::Sigmoid),
+        (3, 6, 48, 4, 1, 3, GateActivation::Silu),
+        (2, 4, 32, 4, 3, 0, GateActivation::Sigmoid),
+        (1, 2, 24, 2, 2, 7, GateActivation::Silu),
+    ];
+    for (nk, nv, d, kc, window, pos, gate) in cases {
+        let c = case(nk, nv, d, kc, window, pos, gate);
+        let (dc, dv) = (c.cfg.ssm_conv_dim(), nv * d);
+        let rows = c.before.conv.len() / dc;
+        let plane = nv * d * d;
+        let what = format!("gdn_token lanes {} nk={nk} nv={nv} d={d} kernel {kc} window {window} pos {pos} {gate:?}", g.pipes.gdn_lanes);
+        let ring_row = [((pos % rows * dc) as u32, dc)];
+        // The three stages, each on the one before's output.
+        let mut b = Bufs::default();
+        state(&mut b, &c);
+        let x_off = b.s.put(&c.p.qkv);
+        let conv_off = b.s.out(dc);
+        let taps = b.prm.put(&c.w.conv);
+        let conv = GdnConvPush { x_off, y_off: conv_off, taps, dc: dc as u32, kc: kc as u32, rows: rows as u32, pos: pos as u32, n: 1, tok_stride: 0 };
+        let conv_out = g.run(Pipe::GdnConv, &conv, Groups::Threads(dc), &b, &[(conv_off, dc)], &ring_row);
+        let mut b = Bufs::default();
+        let planes = state(&mut b, &c);
+        let at = |n: usize| planes + ((n % (window + 1)) * plane) as u32;
+        let offs = [b.s.put(conv_out.s(conv_off, dc)), b.s.put(&c.p.beta), b.s.put(&c.p.alpha), b.s.out(dv)];
+        let push = recurrent_push(&mut b, &c, planes, pos, offs, 1, 0);
+        let rec = g.run(Pipe::GdnRecurrent, &push, recurrent_groups(&c, g.pipes.gdn_lanes), &b, &[(offs[3], dv)], &[(at(pos + 1), plane)]);
+        let mut b = Bufs::default();
+        let (y_off, z_off) = (b.s.put(rec.s(offs[3], dv)), b.s.put(&c.p.z));
+        let push = norm_push(&mut b, &c, y_off, z_off, 0);
+        let staged = g.run(Pipe::GdnNorm, &push, Groups::Fixed([nv as u32, 1, 1]), &b, &[(y_off, dv)], &[]);
+        // One dispatch.
+        let mut b = Bufs::default();
+        let planes = state(&mut b, &c);
+        let x_off = b.s.put(&c.p.qkv);
+        let (b_off, a_off, z_off) = (b.s.put(&c.p.beta), b.s.put(&c.p.alpha), b.s.put(&c.p.z));
+        let out = b.s.out(dv);
+        let counts = b.s.put(&vec![0.0; nv]);
+        let push = GdnTokenPush {
+            x_off,
+            taps: b.prm.put(&c.w.conv),
+            dc: dc as u32,
+            kc: kc as u32,
+            rows: rows as u32,
+            b_off,
+            a_off,
+            y_off: out,
+            z_off,
+            nk: nk as u32,
+            nv: nv as u32,
+            d: d as u32,
+            planes_off: planes,
+            planes: (window + 1) as u32,
+            pos: pos as u32,
+            decay_a: b.prm.put(&c.w.a),
+            dt_bias: b.prm.put(&c.w.dt_bias),
+            norm: b.prm.put(&c.w.norm),
+            gate_silu: (gate == GateActivation::Silu) as u32,
+            eps: EPS,
+            counts_off: counts,
+        };
+        let groups = recurrent_groups(&c, g.pipes.gdn_lanes);
+        let fused = g.run(Pipe::GdnToken, &push, groups, &b, &[(out, dv), (counts, nv)], &[ring_row[0], (at(pos + 1), plane)]);
+        check(&format!("{what} output"), fused.s(out, dv), &c.y, 2e-5);
+        check_exact(&format!("{what} output against the stages"), fused.s(out, dv), staged.s(y_off, dv));
+        check_exact(&format!("{what} ring"), fused.st(0, rows * dc), &c.after.conv);
+        let all = c.after.planes.len();
+        check(&format!("{what} planes"), fused.st(planes, all), &c.after.planes, 2e-5);
+        check_exact(&format!("{what} planes against the stages"), fused.st(planes, all), rec.st(planes, all));
+        assert!(fused.s(counts, nv).iter().all(|v| v.to_bits() == 0), "{what}: the counters back to zero");
     }
 }
