@@ -14,6 +14,7 @@
 // layout and values, as act_int8.comp would write from the floats written
 // here): each workgroup's blocks of 32 by four invocations each.
 #define WG 256
+#define UN 16u
 #include "common.glsl"
 #include "act_int8.glsl"
 
@@ -29,8 +30,14 @@ layout(push_constant) uniform Push {
 
 void main() {
     uint c = gl_WorkGroupID.x, base = c * pc.n + gl_WorkGroupID.z * pc.tok_stride;
+    // The stream's values loaded UN at a time, all in flight at once, then
+    // added in order (a loop of loads and adds waits out each load in turn).
     float ss = 0.0;
-    for (uint i = gl_LocalInvocationIndex; i < pc.n; i += WG) ss += s[pc.x_off + base + i] * s[pc.x_off + base + i];
+    for (uint i0 = gl_LocalInvocationIndex; i0 < pc.n; i0 += UN * WG) {
+        float v[UN];
+        [[unroll]] for (uint u = 0u; u < UN; u++) v[u] = i0 + u * WG < pc.n ? s[pc.x_off + base + i0 + u * WG] : 0.0;
+        [[unroll]] for (uint u = 0u; u < UN; u++) if (i0 + u * WG < pc.n) ss += v[u] * v[u];
+    }
     float r = rms_scale(wg_sum(ss), pc.n, pc.eps);
     uint i = gl_WorkGroupID.y * WG + gl_LocalInvocationIndex;
     if (i < pc.n) s[pc.y_off + base + i] = s[pc.x_off + base + i] * r * prm[pc.gamma + c * pc.n + i];

@@ -110,6 +110,7 @@ layout(constant_id = 4) const uint SHARE = 8u;
 layout(set = 0, binding = 0) coherent buffer SplitSums { float sp[]; };
 layout(set = 0, binding = 0) coherent buffer SplitCounts { uint sn[]; };
 shared bool split_last;
+#define SPLITS_AHEAD 16u
 
 // One slot per subgroup (at least 4 invocations wide) for each accumulator
 // of each entry: ROWS rows, and as many up rows in SwiGLU mode.
@@ -374,11 +375,22 @@ void main() {
         uint nrows = min(sets * ROWS, pc.rows - first), outs = nrows * (end - k0);
         for (uint q = gl_LocalInvocationIndex; q < outs; q += gl_WorkGroupSize.x) {
             uint r = first + q % nrows, k = k0 + q / nrows;
+            // The splits' sums loaded SPLITS_AHEAD at a time, all in flight
+            // at once, then added in order.
             float v = 0.0, u = 0.0;
-            for (uint p = 0u; p < splits; p++) {
-                uint at = pc.partial_off + (p * pc.ntok + k) * stride + r;
-                v += sp[at];
-                if (swiglu) u += sp[at + pc.rows];
+            for (uint p0 = 0u; p0 < splits; p0 += SPLITS_AHEAD) {
+                float pv[SPLITS_AHEAD], pu[SPLITS_AHEAD];
+                [[unroll]] for (uint i = 0u; i < SPLITS_AHEAD; i++) {
+                    uint at = pc.partial_off + (min(p0 + i, splits - 1u) * pc.ntok + k) * stride + r;
+                    pv[i] = sp[at];
+                    pu[i] = swiglu ? sp[at + pc.rows] : 0.0;
+                }
+                [[unroll]] for (uint i = 0u; i < SPLITS_AHEAD; i++) {
+                    if (p0 + i < splits) {
+                        v += pv[i];
+                        u += pu[i];
+                    }
+                }
             }
             mm_store(entry(k), r, v, u);
         }

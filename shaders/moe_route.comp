@@ -1,4 +1,5 @@
 #version 450
+#extension GL_EXT_control_flow_attributes : require
 // MoE router after its matvec, one workgroup: softmax over the expert
 // logits (in place, and in shared memory), top-k by probability (ties to
 // the lower expert id; ranks within groups of experts, then among the
@@ -9,6 +10,7 @@
 #define WG 256
 #define MAX_K 64
 #define MAX_EXPERTS 1024
+#define UN 8u
 #include "common.glsl"
 
 layout(push_constant) uniform Push {
@@ -33,28 +35,59 @@ shared float chosen[MAX_K];
 shared float cand_v[GROUPS * MAX_K];
 shared uint cand_i[GROUPS * MAX_K];
 
+// Stage two's ranks: each candidate's count split over RP invocations
+// (integer sums, so any order), added here.
+shared uint cand_rank[GROUPS * MAX_K];
+
 void main() {
     uint t = gl_LocalInvocationIndex, n = pc.n_experts, a = gl_WorkGroupID.y * pc.tok_stride, l = pc.logits_off + a;
+    // The shared expert's gate first (its loads need nothing of the
+    // logits), UN values at a time, all in flight at once, then added in
+    // order (a loop of loads and adds waits out each load in turn).
+    float gate = 0.0;
+    if (pc.shared_in_arena == 1u) {
+        for (uint i0 = t; i0 < pc.h; i0 += UN * WG) {
+            float p[UN], x[UN];
+            [[unroll]] for (uint u = 0u; u < UN; u++) {
+                uint i = min(i0 + u * WG, pc.h - 1u);
+                p[u] = prm[pc.shared_gate + i];
+                x[u] = s[pc.x_off + a + i];
+            }
+            [[unroll]] for (uint u = 0u; u < UN; u++) if (i0 + u * WG < pc.h) gate += p[u] * x[u];
+        }
+    }
+    // Each invocation's logits kept in registers (at most MAX_EXPERTS / WG).
+    float lv[MAX_EXPERTS / WG];
     float m = -1.0 / 0.0;
-    for (uint i = t; i < n; i += WG) m = max(m, s[l + i]);
+    [[unroll]] for (uint j = 0u; j < MAX_EXPERTS / WG; j++) {
+        uint i = t + j * WG;
+        lv[j] = i < n ? s[l + i] : 0.0;
+        if (i < n) m = max(m, lv[j]);
+    }
     m = wg_max(m);
     float sum = 0.0;
-    for (uint i = t; i < n; i += WG) {
-        float e = exp(s[l + i] - m);
-        prob[i] = e;
-        sum += e;
+    [[unroll]] for (uint j = 0u; j < MAX_EXPERTS / WG; j++) {
+        uint i = t + j * WG;
+        if (i < n) {
+            float e = exp(lv[j] - m);
+            prob[i] = e;
+            sum += e;
+        }
     }
     sum = wg_sum(sum);
-    for (uint i = t; i < n; i += WG) {
-        prob[i] /= sum;
-        s[l + i] = prob[i];
-    }
-    barrier();
     // Empty candidate slots (a group with fewer than k experts) lose to every expert.
     uint nc = GROUPS * pc.k;
     for (uint c = t; c < nc; c += WG) {
         cand_v[c] = -2.0;
         cand_i[c] = 0xffffffffu;
+        cand_rank[c] = 0u;
+    }
+    [[unroll]] for (uint j = 0u; j < MAX_EXPERTS / WG; j++) {
+        uint i = t + j * WG;
+        if (i < n) {
+            prob[i] /= sum;
+            s[l + i] = prob[i];
+        }
     }
     barrier();
     // Top-k in two stages of ranks, each expert's rank the count of those
@@ -69,7 +102,7 @@ void main() {
         float v = prob[i];
         uint g = (i % WG) / GROUP, rank = 0u;
         for (uint m = 0u; m * WG < n; m++) {
-            for (uint l = 0u; l < GROUP; l++) {
+            [[unroll]] for (uint l = 0u; l < GROUP; l++) {
                 uint o = m * WG + g * GROUP + l;
                 if (o < n) {
                     float u = prob[o];
@@ -83,27 +116,34 @@ void main() {
         }
     }
     barrier();
-    for (uint c = t; c < nc; c += WG) {
+    // Stage two: RP invocations per candidate, each counting over a
+    // contiguous share of the candidates.
+    uint rp = max(WG / nc, 1u), per = (nc + rp - 1u) / rp;
+    for (uint q = t; q < nc * rp; q += WG) {
+        uint c = q / rp, part = q % rp;
         float v = cand_v[c];
         uint i = cand_i[c], rank = 0u;
-        for (uint o = 0u; o < nc; o++) {
+        for (uint o = part * per; o < min(nc, part * per + per); o++) {
             float u = cand_v[o];
             uint j = cand_i[o];
             rank += (u > v || (u == v && j < i)) ? 1u : 0u;
         }
+        if (rank != 0u) atomicAdd(cand_rank[c], rank);
+    }
+    barrier();
+    for (uint c = t; c < nc; c += WG) {
+        uint rank = cand_rank[c];
         if (rank < pc.k) {
-            chosen[rank] = v;
-            s[pc.ids_off + a + rank] = uintBitsToFloat(i);
+            chosen[rank] = cand_v[c];
+            s[pc.ids_off + a + rank] = uintBitsToFloat(cand_i[c]);
         }
     }
     barrier();
     if (pc.shared_in_arena == 1u) {
-        float g = 0.0;
-        for (uint i = t; i < pc.h; i += WG) g += prm[pc.shared_gate + i] * s[pc.x_off + a + i];
-        g = wg_sum(g);
+        gate = wg_sum(gate);
         if (t == 0u) {
             s[pc.ids_off + a + pc.k] = uintBitsToFloat(pc.n_experts);
-            s[pc.w_off + a + pc.k] = sigmoid(g);
+            s[pc.w_off + a + pc.k] = sigmoid(gate);
         }
     }
     if (t != 0u) return;
