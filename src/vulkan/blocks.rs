@@ -1167,7 +1167,7 @@ impl Blocks for VkPass<'_, '_> {
                         tok_stride: l0.tok,
                         score_stride: l0.score_stride,
                     };
-                    let groups = self.rec.threads_n(Pipe::QsaScore, last_blocks, run);
+                    let groups = self.rec.groups_n(last_blocks, run);
                     self.rec.dispatch(Pipe::QsaScore, &[set], &score, groups);
                     let topk = QsaTopkPush {
                         score_off: l0.scores,
@@ -1183,12 +1183,22 @@ impl Blocks for VkPass<'_, '_> {
                 }
             }
             // The run's attention, `att_rows` tokens per dispatch, each with
-            // its own probability region (a grid row per token).
-            let (att_rows, tmp_stride) = (l0.att_rows as usize, self.state.caches.capacity as u32);
+            // its own partials region (a grid row per token, a grid layer
+            // per split of its keys); the last split of each (head, token)
+            // combines them, or without arrival counters a second dispatch.
+            let (att_rows, tmp_stride) = (l0.att_rows as usize, l0.att_stride);
             for a0 in (t0..t0 + run).step_by(att_rows) {
                 let chunk = att_rows.min(t0 + run - a0);
                 let l = self.state.layout.at(a0);
-                let att = AttentionPush {
+                // Keys token `t` of the pass attends: its kept blocks and its tail.
+                let attended = |t: usize| {
+                    let n_tokens = self.pos + t + 1;
+                    let complete = if qsa.is_some() { n_tokens / ratio_used } else { 0 };
+                    keep_max.min(complete) * ratio_used + n_tokens - complete * ratio_used
+                };
+                let splits = (a0..a0 + chunk).map(|t| attention_splits(attended(t))).max().unwrap_or(1);
+                let counts = self.rec.take_counters("attention", nh as usize * chunk);
+                let mut att = AttentionPush {
                     q_off: l.q,
                     qg_off: l.qg,
                     keys_off: a.keys,
@@ -1208,8 +1218,15 @@ impl Blocks for VkPass<'_, '_> {
                     tok_stride: l0.tok,
                     sel_stride: l0.score_stride,
                     tmp_tok: nh * tmp_stride,
+                    counts_off: counts.unwrap_or(0),
+                    combine: 0,
                 };
-                self.rec.dispatch(Pipe::Attention, &[set], &att, [nh, chunk as u32, 1]);
+                self.rec.dispatch(Pipe::Attention, &[set], &att, [nh, chunk as u32, splits as u32]);
+                if counts.is_none() {
+                    att.combine = 1;
+                    self.rec.label_next(|| "attention (combine)".to_string(), 0);
+                    self.rec.dispatch(Pipe::Attention, &[set], &att, [nh, chunk as u32, 1]);
+                }
             }
         }
         let post = self.post(self.state.layout.att_out);
@@ -1229,7 +1246,7 @@ impl Blocks for VkPass<'_, '_> {
             self.rec.round_for(set, &sh.gate_up, &mut sh_gate_up, n);
         }
         self.rec.independent(|rec| {
-            if rec.routes(&w.router) {
+            if rec.routes(&w.router, n) {
                 rec.router_n(&w.router, set, router.x_off, router.y_off, router.x_stride, n);
             } else {
                 rec.matvec_n(&w.router, set, router, n);

@@ -182,7 +182,29 @@ QsaTopkPush { score_off: u32, sel_off: u32, n_blocks: u32, keep: u32, ratio: u32
 push_block!(/// shaders/attention.comp
 AttentionPush { q_off: u32, qg_off: u32, keys_off: u32, values_off: u32, sel_off: u32, tmp_off: u32, tmp_stride: u32,
     y_off: u32, keep: u32, ratio: u32, n_first: u32, qsa: u32, hd: u32, nh: u32, nkv: u32, scale: f32, tok_stride: u32,
-    sel_stride: u32, tmp_tok: u32 });
+    sel_stride: u32, tmp_tok: u32, counts_off: u32, combine: u32 });
+
+/// Most splits of the keys one (head, token) of shaders/attention.comp
+/// takes, and the keys a split's size is a multiple of (its `MAX_SPLITS`,
+/// `SPLIT_UNIT`).
+const ATTENTION_MAX_SPLITS: usize = 16;
+const ATTENTION_SPLIT_UNIT: usize = 64;
+
+/// The splits of shaders/attention.comp for a token attending `n` keys:
+/// runs of whole units of 64 keys, at most [`ATTENTION_MAX_SPLITS`] (the
+/// shader's `split_keys`).
+pub(crate) fn attention_splits(n: usize) -> usize {
+    let per = ATTENTION_SPLIT_UNIT * n.div_ceil(ATTENTION_SPLIT_UNIT * ATTENTION_MAX_SPLITS).max(1);
+    n.div_ceil(per)
+}
+
+/// Floats of one head's partials in shaders/attention.comp for a token
+/// attending up to `n_ctx` keys of head dim `hd`: a maximum, a sum and `hd`
+/// weighted values per split.
+pub(crate) fn attention_head_floats(n_ctx: usize, hd: usize) -> usize {
+    n_ctx.div_ceil(ATTENTION_SPLIT_UNIT).clamp(1, ATTENTION_MAX_SPLITS) * (hd + 2)
+}
+
 push_block!(/// shaders/moe_route.comp
 MoeRoutePush { logits_off: u32, ids_off: u32, w_off: u32, n_experts: u32, k: u32, shared_in_arena: u32, x_off: u32,
     shared_gate: u32, h: u32, tok_stride: u32 });
@@ -676,6 +698,16 @@ pub(crate) fn max_expert_tiles(pairs: usize, ids: usize, tile: usize) -> usize {
     pairs.div_ceil(tile) + ids
 }
 
+/// Where the router module (shaders/router.comp) computes an F32 router's
+/// logits ([`Pipelines::router`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RouterUse {
+    Never,
+    /// Passes of more than one token.
+    Passes,
+    Always,
+}
+
 /// Which routed-expert matrices of a pass run on the matrix-matrix modules
 /// ([`Pipelines::mm_experts`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -793,13 +825,14 @@ pub(crate) struct Pipelines {
     /// hc_combine's sums) instead of a separate hc_combine dispatch
     /// (`FNX_VK_HC_FUSE=0` turns it off).
     pub hc_fuse: bool,
-    /// Whether an F32 router's logits run on shaders/router.comp (one order
+    /// Where an F32 router's logits run on shaders/router.comp (one order
     /// of operations for a token and a pass, whose pass tiles tokens by
-    /// experts) instead of the F32 matvec (`FNX_VK_ROUTER=1`; off by default
-    /// until a GPU has timed its one-token module with its loads issued
-    /// ahead: measured on an H100, the pass's router 1.93x faster, the first
-    /// one-token module 3x slower than the matvec: docs/BENCHMARKS.md).
-    pub router: bool,
+    /// experts) instead of the F32 matvec (`FNX_VK_ROUTER`: `1` a token and
+    /// a pass, `0` neither). By default a pass on the tensor cores takes it
+    /// (such a pass rounds otherwise than token by token already: measured on
+    /// an H100, its router 383 -> 198 us a layer, pp512 2-4 % faster) and a
+    /// token the matvec (its one-token module 24.2 against 10.2 us: docs/BENCHMARKS.md).
+    pub router: RouterUse,
     /// shaders/gdn_recurrent.comp's invocations per state column ([`gdn_lanes`]).
     pub gdn_lanes: u32,
     /// Whether one token's Gated DeltaNet after its input projections (conv,
@@ -904,7 +937,12 @@ impl Pipelines {
             round_once_cols: std::env::var("FNX_VK_ROUND_ONCE_COLS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             hc_round: std::env::var("FNX_VK_HC_ROUND").map_or(true, |v| v != "0"),
             hc_fuse: std::env::var("FNX_VK_HC_FUSE").map_or(true, |v| v != "0"),
-            router: std::env::var("FNX_VK_ROUTER").is_ok_and(|v| v == "1"),
+            router: match std::env::var("FNX_VK_ROUTER").as_deref() {
+                Ok("1") => RouterUse::Always,
+                Ok("0") => RouterUse::Never,
+                _ if mm => RouterUse::Passes,
+                _ => RouterUse::Never,
+            },
             gdn_lanes,
             gdn_fuse: std::env::var("FNX_VK_GDN_FUSE").map_or(true, |v| v != "0"),
             ctx: ctx.clone(),

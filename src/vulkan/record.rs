@@ -29,7 +29,7 @@
 use super::device::{err, Context};
 use super::layout::PartLayout;
 use super::matrix::GpuMatrix;
-use super::pipelines::{ActInt8Push, MatvecPush, MatvecTuning, Pipe, Pipelines, Push, RouterPush, Sets, FAST_MAX_COLS, MM_COLS, MM_ROWS, MM_SPLIT_STEPS, mm_entries};
+use super::pipelines::{ActInt8Push, MatvecPush, MatvecTuning, Pipe, Pipelines, Push, RouterPush, RouterUse, Sets, FAST_MAX_COLS, MM_COLS, MM_ROWS, MM_SPLIT_STEPS, mm_entries};
 use crate::error::Result;
 use crate::gguf::GgmlType;
 use ash::vk;
@@ -174,7 +174,7 @@ impl<'a> Recorder<'a> {
     }
 
     /// Labels the next dispatch when profiling (`name` is computed only then).
-    fn label_next(&mut self, name: impl FnOnce() -> String, bytes: u64) {
+    pub fn label_next(&mut self, name: impl FnOnce() -> String, bytes: u64) {
         if self.timestamps.is_some() {
             self.next_label = Some((name(), bytes));
         }
@@ -294,6 +294,12 @@ impl<'a> Recorder<'a> {
     /// [`Recorder::threads`] for each of `tokens` tokens (grid y).
     pub fn threads_n(&self, pipe: Pipe, n: usize, tokens: usize) -> [u32; 3] {
         grid(self.ctx, n.div_ceil(pipe.spec().workgroup as usize), tokens as u32)
+    }
+
+    /// `n` workgroups (past the grid's width, in layers of it: grid z) for
+    /// each of `tokens` tokens (grid y).
+    pub fn groups_n(&self, n: usize, tokens: usize) -> [u32; 3] {
+        grid(self.ctx, n, tokens as u32)
     }
 
     /// A pipeline barrier. After one that waits for compute work, the
@@ -580,10 +586,15 @@ impl<'a> Recorder<'a> {
         self.stats.weight_bytes += m.device_bytes();
     }
 
-    /// Whether a router's logits go to [`Recorder::router_n`]: it takes `m`
-    /// and `FNX_VK_ROUTER=1` asks for it.
-    pub fn routes(&self, m: &GpuMatrix) -> bool {
-        self.pipes.router && Self::router_takes(m)
+    /// Whether the router logits of `n` tokens go to [`Recorder::router_n`]:
+    /// it takes `m` and [`Pipelines::router`] asks for it.
+    pub fn routes(&self, m: &GpuMatrix, n: usize) -> bool {
+        let wanted = match self.pipes.router {
+            RouterUse::Never => false,
+            RouterUse::Passes => n > 1,
+            RouterUse::Always => true,
+        };
+        wanted && Self::router_takes(m)
     }
 
     /// Whether [`Recorder::router_n`] takes `m`: F32 weights in one chunk.

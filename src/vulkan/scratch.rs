@@ -12,10 +12,11 @@
 //! logits of the tokens that get them, then the
 //! regions that scale with the context: block scores and selections for a
 //! run of up to `score_rows` tokens at a time (`n_ctx` floats apart), and
-//! the attention probabilities of up to `att_rows` tokens attended in one
-//! dispatch (`n_heads * n_ctx` floats apart).
+//! the attention partials (shaders/attention.comp's splits) of up to
+//! `att_rows` tokens attended in one dispatch (`n_heads * att_stride`
+//! floats apart).
 
-use super::pipelines::{max_expert_tiles, mm_entries, XQ_FLOATS};
+use super::pipelines::{attention_head_floats, max_expert_tiles, mm_entries, XQ_FLOATS};
 use crate::error::{Error, Result};
 use crate::model::{Config, LayerKind};
 
@@ -23,8 +24,8 @@ use crate::model::{Config, LayerKind};
 /// pass scored together: up to 16 MB each, a whole pass of 512 tokens up to
 /// a context of 8192.
 const SCORE_FLOATS: usize = 1 << 22;
-/// Floats of the attention probabilities of the tokens of a pass attended
-/// together (heads x `n_ctx` each): up to 16 MB.
+/// Floats of the attention partials of the tokens of a pass attended
+/// together (heads x `att_stride` each): up to 16 MB.
 const ATT_FLOATS: usize = 1 << 22;
 /// Arrival counters of split matvecs (one per row group and tile of
 /// entries of each split matrix a group of dispatches holds: a 512-token
@@ -68,9 +69,11 @@ pub(crate) struct ScratchLayout {
     pub sel: u32,
     pub score_rows: u32,
     pub score_stride: u32,
-    /// Attention probabilities of `att_rows` tokens, `n_heads * n_ctx` floats apart.
+    /// Attention partials of `att_rows` tokens, `n_heads * att_stride` floats apart.
     pub att_tmp: u32,
     pub att_rows: u32,
+    /// Floats of one head's attention partials ([`attention_head_floats`]).
+    pub att_stride: u32,
     pub att_out: u32,
     pub router: u32,
     pub ids: u32,
@@ -192,8 +195,10 @@ impl ScratchLayout {
         l.score_stride = n_ctx as u32;
         l.scores = next(l.score_rows as usize * n_ctx);
         l.sel = next(l.score_rows as usize * n_ctx);
-        l.att_rows = (ATT_FLOATS / (cfg.n_heads * n_ctx).max(1)).min(cap).clamp(1, l.batch as usize) as u32;
-        l.att_tmp = next(l.att_rows as usize * cfg.n_heads * n_ctx);
+        let att_stride = attention_head_floats(n_ctx, cfg.head_dim);
+        l.att_stride = att_stride as u32;
+        l.att_rows = (ATT_FLOATS / (cfg.n_heads * att_stride).max(1)).min(cap).clamp(1, l.batch as usize) as u32;
+        l.att_tmp = next(l.att_rows as usize * cfg.n_heads * att_stride);
         l.total = next(0);
         if at > u32::MAX as usize / 4 {
             return Err(Error::OutOfMemory(format!("GPU scratch of {at} floats is too large; lower n_ctx")));

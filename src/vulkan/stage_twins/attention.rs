@@ -5,7 +5,7 @@ use super::*;
 use crate::cpu::ops::Rope;
 use crate::cpu::qsa::{self, AttnState};
 use crate::model::weights::{Attention, Indexer};
-use crate::vulkan::pipelines::{AttentionPush, AttnPrepPush, QsaIndexPush, QsaScorePush, QsaTopkPush};
+use crate::vulkan::pipelines::{attention_head_floats, attention_splits, AttentionPush, AttnPrepPush, QsaIndexPush, QsaScorePush, QsaTopkPush};
 
 /// Indexer heads and head dim (the real ones).
 const IH: usize = 4;
@@ -232,7 +232,7 @@ fn qsa_score() {
             scale: 1.0 / (id as f32).sqrt(),
             ..Default::default()
         };
-        let out = g.run(Pipe::QsaScore, &push, Groups::Threads(n_blocks), &b, &[(score_off, n_blocks)], &[]);
+        let out = g.run(Pipe::QsaScore, &push, Groups::Fixed([n_blocks as u32, 1, 1]), &b, &[(score_off, n_blocks)], &[]);
         let zeros = want.iter().filter(|s| **s == 0.0).count();
         check(&format!("qsa_score heads={heads} id={id} blocks={n_blocks} ({zeros} all-ReLU'd)"), out.s(score_off, n_blocks), &want, 1e-5);
     }
@@ -279,14 +279,40 @@ fn qsa_topk() {
     }
 }
 
+/// Runs shaders/attention.comp for the `tokens` tokens of `push` twice:
+/// its splits combined by their last workgroups (arrival counters, which it
+/// must leave zero), and its splits alone then a combining dispatch. Both
+/// must write the same bits; returns the scratch after the first. `written`:
+/// the outputs besides the partials (at `push.tmp_off`) and the counters.
+fn attention_both_ways(g: &Gpu, b: &mut Bufs, mut push: AttentionPush, tokens: usize, splits: usize, written: Regions, what: &str) -> Out {
+    let nh = push.nh as usize;
+    let counts = vec![0f32; nh * tokens];
+    push.counts_off = b.s.put(&counts);
+    let mut w = written.to_vec();
+    w.push((push.tmp_off, tokens * push.tmp_tok as usize));
+    let grid = [push.nh, tokens as u32, splits as u32];
+    let out = g.run(Pipe::Attention, &push, Groups::Fixed(grid), b, &w, &[]);
+    check_exact(&format!("{what}: arrival counters left zero"), out.s(push.counts_off, nh * tokens), &counts);
+    push.counts_off = 0;
+    let parts = g.run(Pipe::Attention, &push, Groups::Fixed(grid), b, &w, &[]);
+    push.combine = 1;
+    let after = Bufs { s: Image(parts.s), st: Image(b.st.0.clone()), prm: Image(b.prm.0.clone()) };
+    let apart = g.run(Pipe::Attention, &push, Groups::Fixed([push.nh, tokens as u32, 1]), &after, &w, &[]);
+    for &(at, n) in written {
+        check_exact(&format!("{what}: combined by the last split and by a dispatch"), apart.s(at, n), out.s(at, n));
+    }
+    out
+}
+
 #[test]
 fn attention() {
     let Some(g) = gpu() else { return };
-    // (nh, nkv, hd, ratio, budget, t): dense over 301 tokens (two 256-token
-    // tiles) at head dim 256; dense with a GQA group of 12; QSA keeping 16 of
-    // 75 blocks plus a 2-token tail, and with no tail; QSA with every block
-    // kept; QSA at the real budget (512 of 650 blocks, 2049 tokens) and head
-    // dim 256.
+    // (nh, nkv, hd, ratio, budget, t): dense over 301 tokens (five splits)
+    // at head dim 256; dense with a GQA group of 12; QSA keeping 16 of 75
+    // blocks plus a 2-token tail, and with no tail; QSA with every block
+    // kept; QSA at the real budget (512 of 650 blocks, 2049 tokens: eleven
+    // splits of 192) and head dim 256; dense over 5001 tokens (sixteen
+    // splits of 320 keys, two tiles each: the softmax carried across tiles).
     let cases = [
         (4, 2, 256, 0, 0, 300),
         (12, 1, 64, 0, 0, 5),
@@ -294,6 +320,7 @@ fn attention() {
         (6, 2, 128, 4, 64, 299),
         (2, 1, 128, 4, 2048, 42),
         (4, 2, 256, 4, 2048, 2600),
+        (2, 1, 128, 0, 0, 5000),
     ];
     for (nh, nkv, hd, ratio, budget, t) in cases {
         let c = case(nh, nkv, hd, ratio, budget, t);
@@ -322,7 +349,8 @@ fn attention() {
         let q_off = b.s.put(&q);
         let qg_off = b.s.put(&qg);
         let sel_off = b.s.put(&padded(&ids_as_floats(&sel), c.n_ctx));
-        let tmp_off = b.s.out(nh * c.n_ctx);
+        let tmp_stride = attention_head_floats(c.n_ctx, hd);
+        let tmp_off = b.s.out(nh * tmp_stride);
         let y_off = b.s.out(nh * hd);
         let push = AttentionPush {
             q_off,
@@ -331,7 +359,7 @@ fn attention() {
             values_off,
             sel_off,
             tmp_off,
-            tmp_stride: c.n_ctx as u32,
+            tmp_stride: tmp_stride as u32,
             y_off,
             // The most blocks a token keeps (the shader takes its share of them).
             keep: if c.w.indexer.is_some() { (budget / c.ratio) as u32 } else { 0 },
@@ -342,11 +370,69 @@ fn attention() {
             nh: nh as u32,
             nkv: nkv as u32,
             scale: 1.0 / (hd as f32).sqrt(),
+            tmp_tok: (nh * tmp_stride) as u32,
             ..Default::default()
         };
-        let written = [(tmp_off, nh * c.n_ctx), (y_off, nh * hd)];
-        let out = g.run(Pipe::Attention, &push, Groups::Fixed([nh as u32, 1, 1]), &b, &written, &[]);
         let attended = keep * ratio_used + n_tokens - tail_start;
-        check(&format!("attention nh={nh} nkv={nkv} hd={hd} ratio={ratio} t={t} ({attended} tokens)"), out.s(y_off, nh * hd), &want, 2e-5);
+        let what = format!("attention nh={nh} nkv={nkv} hd={hd} ratio={ratio} t={t} ({attended} tokens, {} splits)", attention_splits(attended));
+        let out = attention_both_ways(g, &mut b, push, 1, attention_splits(attended), &[(y_off, nh * hd)], &what);
+        check(&what, out.s(y_off, nh * hd), &want, 2e-5);
+    }
+}
+
+/// A run of tokens whose attended keys cross a change of split size (1020
+/// to 1027 keys: splits of 64 keys up to 1024, of 128 after) attends as
+/// each token alone, bit for bit, and within the CPU's bound.
+#[test]
+fn attention_over_a_run_equals_token_by_token() {
+    let Some(g) = gpu() else { return };
+    let (nh, nkv, hd, first, run) = (4, 2, 128, 1020, 8);
+    let c = case(nh, nkv, hd, 0, 0, first + run);
+    let kv = nkv * hd;
+    let mut r = Rng::new(77);
+    let (q, qg) = (r.unit(run * nh * hd), r.unit(run * 2 * nh * hd));
+    let block = 4 * nh * hd;
+    // Token y's block: its query, its query and gate rows, its output.
+    let mut blocks = vec![0f32; run * block];
+    for y in 0..run {
+        blocks[y * block..][..nh * hd].copy_from_slice(&q[y * nh * hd..][..nh * hd]);
+        blocks[y * block + nh * hd..][..2 * nh * hd].copy_from_slice(&qg[y * 2 * nh * hd..][..2 * nh * hd]);
+    }
+    let mut b = Bufs::default();
+    let keys_off = b.st.put(&padded(&c.before.keys, c.n_ctx * kv));
+    let values_off = b.st.put(&padded(&c.before.values, c.n_ctx * kv));
+    let at = b.s.put(&blocks);
+    let tmp_stride = attention_head_floats(c.n_ctx, hd);
+    let tmp_off = b.s.out(run * nh * tmp_stride);
+    let out_of = |y: usize| at + (y * block + 3 * nh * hd) as u32;
+    let push = |y: usize, n_first: usize| AttentionPush {
+        q_off: at + (y * block) as u32,
+        qg_off: at + (y * block + nh * hd) as u32,
+        keys_off,
+        values_off,
+        tmp_off,
+        tmp_stride: tmp_stride as u32,
+        y_off: out_of(y),
+        ratio: 1,
+        n_first: n_first as u32,
+        hd: hd as u32,
+        nh: nh as u32,
+        nkv: nkv as u32,
+        scale: 1.0 / (hd as f32).sqrt(),
+        tok_stride: block as u32,
+        tmp_tok: (nh * tmp_stride) as u32,
+        ..Default::default()
+    };
+    let splits = (0..run).map(|y| attention_splits(first + y)).max().unwrap();
+    assert!(attention_splits(first) == 16 && attention_splits(first + run - 1) == 9, "the run crosses a change of split size");
+    let outs: Vec<(u32, usize)> = (0..run).map(|y| (out_of(y), nh * hd)).collect();
+    let together = attention_both_ways(g, &mut b, push(0, first), run, splits, &outs, "attention over a run");
+    for y in 0..run {
+        let n = first + y;
+        let alone = attention_both_ways(g, &mut b, push(y, n), 1, attention_splits(n), &outs[y..y + 1], &format!("attention of token {y} alone"));
+        check_exact(&format!("attention of token {y} ({n} keys) in a run and alone"), together.s(out_of(y), nh * hd), alone.s(out_of(y), nh * hd));
+        let selected: Vec<usize> = (0..n).collect();
+        let want = qsa::attend(&c.cfg, &q[y * nh * hd..][..nh * hd], &qg[y * 2 * nh * hd..][..2 * nh * hd], &c.before.keys, &c.before.values, &selected);
+        check(&format!("attention of token {y} ({n} keys)"), together.s(out_of(y), nh * hd), &want, 2e-5);
     }
 }
