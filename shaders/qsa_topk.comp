@@ -4,8 +4,11 @@
 // CPU's stable sort does) are written to sel[0..keep] in that order.
 //
 // 1. Scores become order-preserving unsigned keys (the order of the CPU's
-//    `total_cmp`), and the keep-th largest key T is found bit by bit from
-//    the top: 32 counting passes over the blocks, each a workgroup sum.
+//    `total_cmp`), and the keep-th largest key T is found a byte at a time
+//    from the top (radix select): 4 passes over the blocks, each a
+//    histogram of the next byte of the keys that share T's bytes so far
+//    (workgroup atomics), whose bin holding the keep-th largest of them
+//    (a workgroup prefix sum from the top bin down) is T's byte.
 // 2. The blocks above T, and the earliest blocks equal to T until `keep` are
 //    taken, are compacted in block order into shared memory (each
 //    invocation scans a contiguous range; exclusive prefix sums place them).
@@ -33,6 +36,8 @@ layout(push_constant) uniform Push {
 uint score_at = 0u;
 
 shared uint part[WG / 4];
+shared uint hist[WG];
+shared uint pick[2];
 shared uint chosen_id[MAX_KEEP];
 shared uint chosen_key[MAX_KEEP];
 
@@ -75,12 +80,31 @@ void main() {
     uint per = (n + WG - 1u) / WG;
     uint lo = min(t * per, n), hi = min(lo + per, n);
 
-    uint T = 0u;
-    for (int bit = 31; bit >= 0; bit--) {
-        uint cand = T | (1u << uint(bit));
-        uint c = 0u;
-        for (uint b = lo; b < hi; b++) c += key_of(b) >= cand ? 1u : 0u;
-        if (wg_total(c) >= keep) T = cand;
+    uint T = 0u, left = keep;
+    for (int pass = 3; pass >= 0; pass--) {
+        uint shift = uint(pass) * 8u;
+        uint above_mask = pass == 3 ? 0u : ~0u << (shift + 8u);
+        hist[t] = 0u;
+        barrier();
+        for (uint b = lo; b < hi; b++) {
+            uint k = key_of(b);
+            if ((k & above_mask) == (T & above_mask)) atomicAdd(hist[(k >> shift) & 255u], 1u);
+        }
+        barrier();
+        // Invocation t holds byte d = 255 - t: `above` keys of the prefix
+        // have a larger byte; the keep-th largest has byte d where `above`
+        // falls short of `left` (of `keep`, those not above the prefix) and
+        // `above` + its count does not.
+        uint d = 255u - t, count = hist[d];
+        uint above = wg_before(count);
+        if (above < left && above + count >= left) {
+            pick[0] = d;
+            pick[1] = above;
+        }
+        barrier();
+        T |= pick[0] << shift;
+        left -= pick[1];
+        barrier();
     }
 
     uint gt = 0u, eq = 0u;
