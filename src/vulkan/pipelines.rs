@@ -786,11 +786,15 @@ pub(crate) struct Pipelines {
     /// projections' 320; their injection rows alone stay on the batch modules).
     pub mm_split_rows: usize,
     /// Fewest columns of a split of a plain quantized matrix's rows on the
-    /// matvec modules (`FNX_VK_MATVEC_SPLIT`, default 1024; 0: never split):
-    /// rows of at least four times that many columns are split where their
-    /// row sets alone would leave the dispatch below its tuning's `fill`
-    /// (the hyper-connection down projections: 324 rows of 10,240 values),
-    /// in as many splits as the partial region allows each entry (`Recorder::matvec_splits`).
+    /// matvec modules (`FNX_VK_MATVEC_SPLIT`, e.g. 1024; 0, the default:
+    /// never split): rows of at least four times that many columns are split
+    /// where their row sets alone would leave the dispatch below its
+    /// tuning's `fill` (the hyper-connection down projections: 324 rows of
+    /// 10,240 values), in as many splits as the partial region allows each
+    /// entry (`Recorder::matvec_splits`). Off by default: measured on an
+    /// H100, a token's down projections took 11.6 and 10.5 us split at 1024
+    /// (the last workgroups adding the ranges), 9.9 and 9.0 unsplit
+    /// (docs/BENCHMARKS.md); a pass runs them on the tensor cores, split there.
     pub matvec_split: usize,
     /// Whether the last workgroup of each row group of a split matvec adds
     /// the splits itself (arrival counters in the scratch) rather than
@@ -927,7 +931,7 @@ impl Pipelines {
             mm_rows: std::env::var("FNX_VK_MM_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(1024),
             mm_split: std::env::var("FNX_VK_MM_SPLIT").ok().and_then(|v| v.parse().ok()).unwrap_or(256),
             mm_split_rows: std::env::var("FNX_VK_MM_SPLIT_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(256),
-            matvec_split: std::env::var("FNX_VK_MATVEC_SPLIT").ok().and_then(|v| v.parse().ok()).unwrap_or(1024),
+            matvec_split: std::env::var("FNX_VK_MATVEC_SPLIT").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             split_counters: std::env::var("FNX_VK_SPLIT_COUNTERS").map_or(true, |v| v != "0"),
             mm_experts: match std::env::var("FNX_VK_MM_EXPERTS").as_deref() {
                 Ok("0") => MmExperts::None,
