@@ -14,6 +14,11 @@
 //    invocation scans a contiguous range; exclusive prefix sums place them).
 // 3. Each chosen block's rank among the chosen (a `keep`-squared pass over
 //    shared memory) is its place in sel.
+// Up to MAX_KEEP blocks (contexts up to 4096 tokens at ratio 4) skip all
+// three: every block's rank among all of them (higher key first, equal
+// keys the earlier block first) is counted over workgroup memory in one
+// pass, and the blocks ranked below `keep` go to sel[rank]: the same
+// selection in the same order, without the passes' barriers.
 // One workgroup per token; `keep` is at most MAX_KEEP (checked at load).
 // Workgroup y-index t is the t-th token of a run of a pass's tokens: its
 // scores score_stride floats further, its selection sel_stride further,
@@ -77,6 +82,19 @@ void main() {
     uint sel = pc.sel_off + y * pc.sel_stride;
     uint keep = min(min(pc.keep, n), MAX_KEEP);
     if (keep == 0u) return;
+    if (n <= MAX_KEEP) {
+        for (uint b = t; b < n; b += WG) chosen_key[b] = key_of(b);
+        barrier();
+        for (uint b = t; b < n; b += WG) {
+            uint k = chosen_key[b], rank = 0u;
+            for (uint j = 0u; j < n; j++) {
+                uint kj = chosen_key[j];
+                rank += (kj > k || (kj == k && j < b)) ? 1u : 0u;
+            }
+            if (rank < keep) s[sel + rank] = uintBitsToFloat(b);
+        }
+        return;
+    }
     uint per = (n + WG - 1u) / WG;
     uint lo = min(t * per, n), hi = min(lo + per, n);
 

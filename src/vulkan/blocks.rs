@@ -1114,13 +1114,14 @@ impl Blocks for VkPass<'_, '_> {
             eps: cfg.eps,
             tok_stride: l0.tok,
         };
-        self.rec.dispatch(Pipe::AttnPrep, &[set], &prep, [nh + nkv, self.n as u32, 1]);
         let qsa = w.indexer.as_ref().zip(cfg.qsa.as_ref());
         // The indexer, one workgroup per token: each appends its raw key and
         // completes its block's key (from the pass's raw keys in the scratch,
-        // as the later scores read them), then rotates its queries.
-        if let Some((ix, q)) = qsa {
-            let index = QsaIndexPush {
+        // as the later scores read them), then rotates its queries. It and
+        // the queries' and caches' stage read and write disjoint regions:
+        // one barrier after both.
+        let index = qsa.map(|(ix, q)| {
+            QsaIndexPush {
                 key_off: l0.ik,
                 query_off: l0.iq,
                 q_norm: ix.q_norm,
@@ -1136,9 +1137,15 @@ impl Blocks for VkPass<'_, '_> {
                 pos: self.pos as u32,
                 tok_stride: l0.tok,
                 eps: cfg.eps,
-            };
-            self.rec.dispatch(Pipe::QsaIndex, &[set], &index, [1, self.n as u32, 1]);
-        }
+            }
+        });
+        let n = self.n as u32;
+        self.rec.independent(|rec| {
+            rec.dispatch(Pipe::AttnPrep, &[set], &prep, [nh + nkv, n, 1]);
+            if let Some(index) = &index {
+                rec.dispatch(Pipe::QsaIndex, &[set], index, [1, n, 1]);
+            }
+        });
         // Runs of tokens whose block scores and selections fit the scratch:
         // each token's scores and its top-k in one dispatch each for the
         // run, then its attention in dispatches of as many tokens as the

@@ -247,12 +247,15 @@ fn qsa_topk() {
     let tied: Vec<f32> = (0..750).map(|_| if r.below(3) == 0 { 0.0 } else { r.below(24) as f32 * 0.125 }).collect();
     // A long context: 262144 tokens are 65536 blocks; many invocations' ranges, many ties.
     let long: Vec<f32> = (0..65536).map(|_| r.below(4096) as f32 * 0.01).collect();
-    let cases: [(&str, Vec<f32>, usize); 7] = [
+    // Past MAX_KEEP blocks (the radix select's path): 8000 tokens, a tie across the cut.
+    let tied_long: Vec<f32> = (0..2000).map(|_| if r.below(3) == 0 { 0.0 } else { r.below(24) as f32 * 0.125 }).collect();
+    let cases: [(&str, Vec<f32>, usize); 8] = [
         // 3000 tokens in blocks of 4 at the real budget of 2048 tokens: 512 of 750 blocks.
         ("distinct, 512 of 750", distinct, 512),
         ("long context with ties, 512 of 65536", long, 512),
         ("signed zeros and a 1e-38 (total order), 2 of 4", vec![-0.0, 0.0, 1e-38, -0.0], 2),
         ("ties across the cut, 512 of 750", tied, 512),
+        ("ties across the cut, 512 of 2000", tied_long, 512),
         ("all zero, 16 of 100", vec![0.0; 100], 16),
         ("every block, 3 of 3", vec![0.5, 2.0, 0.5], 3),
         ("64 of 65", (0..65).map(|i| (i % 7) as f32).collect(), 64),
