@@ -7,7 +7,11 @@
 // weighted and summed, with the expert cache); X_c += inject_c * out.
 // Workgroup y-index t is the pass's token t (activations t * tok_stride further).
 #define WG 256
+// Loops over loads take them UN at a time, all in flight at once, then use
+// them in order (a loop of loads and adds waits out each load in turn).
+#define UN 8u
 #include "common.glsl"
+#include "dot_ahead.glsl"
 
 layout(push_constant) uniform Push {
     uint y_off;       // [k][h] routed expert outputs
@@ -25,24 +29,9 @@ layout(push_constant) uniform Push {
     uint tok_stride;
 } pc;
 
-// Loops over loads take them UN at a time, all in flight at once, then use
-// them in order (a loop of loads and adds waits out each load in turn).
-#define UN 8u
-
 void main() {
     uint t = gl_LocalInvocationIndex, h = pc.h, a = gl_WorkGroupID.y * pc.tok_stride;
-    float g = 0.0;
-    if (pc.shared_separate == 1u) {
-        for (uint i0 = t; i0 < h; i0 += UN * WG) {
-            float p[UN], x[UN];
-            [[unroll]] for (uint u = 0u; u < UN; u++) {
-                uint i = min(i0 + u * WG, h - 1u);
-                p[u] = prm[pc.shared_gate + i];
-                x[u] = s[pc.x_off + a + i];
-            }
-            [[unroll]] for (uint u = 0u; u < UN; u++) if (i0 + u * WG < h) g += p[u] * x[u];
-        }
-    }
+    float g = pc.shared_separate == 1u ? dot_prm_ahead(pc.shared_gate, pc.x_off + a, h, t) : 0.0;
     float sg = sigmoid(wg_sum(g));
     uint d = gl_WorkGroupID.x * WG + t;
     if (d < h) {

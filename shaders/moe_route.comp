@@ -12,6 +12,7 @@
 #define MAX_EXPERTS 1024
 #define UN 8u
 #include "common.glsl"
+#include "dot_ahead.glsl"
 
 layout(push_constant) uniform Push {
     uint logits_off;
@@ -41,21 +42,8 @@ shared uint cand_rank[GROUPS * MAX_K];
 
 void main() {
     uint t = gl_LocalInvocationIndex, n = pc.n_experts, a = gl_WorkGroupID.y * pc.tok_stride, l = pc.logits_off + a;
-    // The shared expert's gate first (its loads need nothing of the
-    // logits), UN values at a time, all in flight at once, then added in
-    // order (a loop of loads and adds waits out each load in turn).
-    float gate = 0.0;
-    if (pc.shared_in_arena == 1u) {
-        for (uint i0 = t; i0 < pc.h; i0 += UN * WG) {
-            float p[UN], x[UN];
-            [[unroll]] for (uint u = 0u; u < UN; u++) {
-                uint i = min(i0 + u * WG, pc.h - 1u);
-                p[u] = prm[pc.shared_gate + i];
-                x[u] = s[pc.x_off + a + i];
-            }
-            [[unroll]] for (uint u = 0u; u < UN; u++) if (i0 + u * WG < pc.h) gate += p[u] * x[u];
-        }
-    }
+    // The shared expert's gate first (its loads need nothing of the logits).
+    float gate = pc.shared_in_arena == 1u ? dot_prm_ahead(pc.shared_gate, pc.x_off + a, pc.h, t) : 0.0;
     // Each invocation's logits kept in registers (at most MAX_EXPERTS / WG).
     float lv[MAX_EXPERTS / WG];
     float m = -1.0 / 0.0;

@@ -14,11 +14,10 @@
 //    invocation scans a contiguous range; exclusive prefix sums place them).
 // 3. Each chosen block's rank among the chosen (a `keep`-squared pass over
 //    shared memory) is its place in sel.
-// Up to MAX_KEEP blocks (contexts up to 4096 tokens at ratio 4) skip all
-// three: every block's rank among all of them (higher key first, equal
-// keys the earlier block first) is counted over workgroup memory in one
-// pass, and the blocks ranked below `keep` go to sel[rank]: the same
-// selection in the same order, without the passes' barriers.
+// Up to MAX_KEEP blocks (contexts up to 4096 tokens at ratio 4) skip 1 and
+// 2: every block is a candidate of 3, and those ranked below `keep` go to
+// sel[rank]: the same selection in the same order, without the passes'
+// barriers.
 // One workgroup per token; `keep` is at most MAX_KEEP (checked at load).
 // Workgroup y-index t is the t-th token of a run of a pass's tokens: its
 // scores score_stride floats further, its selection sel_stride further,
@@ -82,80 +81,78 @@ void main() {
     uint sel = pc.sel_off + y * pc.sel_stride;
     uint keep = min(min(pc.keep, n), MAX_KEEP);
     if (keep == 0u) return;
+    // The candidates ranked at the end: every block where they fit, else
+    // the `keep` the radix select chose.
+    uint m = keep;
     if (n <= MAX_KEEP) {
-        for (uint b = t; b < n; b += WG) chosen_key[b] = key_of(b);
-        barrier();
         for (uint b = t; b < n; b += WG) {
-            uint k = chosen_key[b], rank = 0u;
-            for (uint j = 0u; j < n; j++) {
-                uint kj = chosen_key[j];
-                rank += (kj > k || (kj == k && j < b)) ? 1u : 0u;
-            }
-            if (rank < keep) s[sel + rank] = uintBitsToFloat(b);
+            chosen_id[b] = b;
+            chosen_key[b] = key_of(b);
         }
-        return;
-    }
-    uint per = (n + WG - 1u) / WG;
-    uint lo = min(t * per, n), hi = min(lo + per, n);
+        m = n;
+    } else {
+        uint per = (n + WG - 1u) / WG;
+        uint lo = min(t * per, n), hi = min(lo + per, n);
 
-    uint T = 0u, left = keep;
-    for (int pass = 3; pass >= 0; pass--) {
-        uint shift = uint(pass) * 8u;
-        uint above_mask = pass == 3 ? 0u : ~0u << (shift + 8u);
-        hist[t] = 0u;
-        barrier();
+        uint T = 0u, left = keep;
+        for (int pass = 3; pass >= 0; pass--) {
+            uint shift = uint(pass) * 8u;
+            uint above_mask = pass == 3 ? 0u : ~0u << (shift + 8u);
+            hist[t] = 0u;
+            barrier();
+            for (uint b = lo; b < hi; b++) {
+                uint k = key_of(b);
+                if ((k & above_mask) == (T & above_mask)) atomicAdd(hist[(k >> shift) & 255u], 1u);
+            }
+            barrier();
+            // Invocation t holds byte d = 255 - t: `above` keys of the prefix
+            // have a larger byte; the keep-th largest has byte d where `above`
+            // falls short of `left` (of `keep`, those not above the prefix) and
+            // `above` + its count does not.
+            uint d = 255u - t, count = hist[d];
+            uint above = wg_before(count);
+            if (above < left && above + count >= left) {
+                pick[0] = d;
+                pick[1] = above;
+            }
+            barrier();
+            T |= pick[0] << shift;
+            left -= pick[1];
+            barrier();
+        }
+
+        uint gt = 0u, eq = 0u;
         for (uint b = lo; b < hi; b++) {
             uint k = key_of(b);
-            if ((k & above_mask) == (T & above_mask)) atomicAdd(hist[(k >> shift) & 255u], 1u);
+            gt += k > T ? 1u : 0u;
+            eq += k == T ? 1u : 0u;
         }
-        barrier();
-        // Invocation t holds byte d = 255 - t: `above` keys of the prefix
-        // have a larger byte; the keep-th largest has byte d where `above`
-        // falls short of `left` (of `keep`, those not above the prefix) and
-        // `above` + its count does not.
-        uint d = 255u - t, count = hist[d];
-        uint above = wg_before(count);
-        if (above < left && above + count >= left) {
-            pick[0] = d;
-            pick[1] = above;
-        }
-        barrier();
-        T |= pick[0] << shift;
-        left -= pick[1];
-        barrier();
-    }
-
-    uint gt = 0u, eq = 0u;
-    for (uint b = lo; b < hi; b++) {
-        uint k = key_of(b);
-        gt += k > T ? 1u : 0u;
-        eq += k == T ? 1u : 0u;
-    }
-    uint need = keep - wg_total(gt);
-    uint eq_seen = wg_before(eq);
-    uint taken = gt + min(eq, need - min(need, eq_seen));
-    uint at = wg_before(taken);
-    for (uint b = lo; b < hi; b++) {
-        uint k = key_of(b);
-        bool take = k > T;
-        if (k == T) {
-            take = eq_seen < need;
-            eq_seen++;
-        }
-        if (take) {
-            chosen_id[at] = b;
-            chosen_key[at] = k;
-            at++;
+        uint need = keep - wg_total(gt);
+        uint eq_seen = wg_before(eq);
+        uint taken = gt + min(eq, need - min(need, eq_seen));
+        uint at = wg_before(taken);
+        for (uint b = lo; b < hi; b++) {
+            uint k = key_of(b);
+            bool take = k > T;
+            if (k == T) {
+                take = eq_seen < need;
+                eq_seen++;
+            }
+            if (take) {
+                chosen_id[at] = b;
+                chosen_key[at] = k;
+                at++;
+            }
         }
     }
     barrier();
 
-    for (uint i = t; i < keep; i += WG) {
+    for (uint i = t; i < m; i += WG) {
         uint k = chosen_key[i], b = chosen_id[i], rank = 0u;
-        for (uint j = 0u; j < keep; j++) {
+        for (uint j = 0u; j < m; j++) {
             uint kj = chosen_key[j];
             rank += (kj > k || (kj == k && chosen_id[j] < b)) ? 1u : 0u;
         }
-        s[sel + rank] = uintBitsToFloat(b);
+        if (rank < keep) s[sel + rank] = uintBitsToFloat(b);
     }
 }
