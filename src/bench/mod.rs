@@ -290,6 +290,10 @@ pub struct BenchReport {
     /// times it: host milliseconds from its start to its last submission
     /// (the host's inputs, recording), then waited for the device.
     pub prompt_pass_host_ms: Option<(f64, f64)>,
+    /// The same for the prompt's own last pass (the first state's, right
+    /// after loading), where repeats follow it: where a first pass's extra
+    /// time goes, the host or the device.
+    pub prompt_first_pass_host_ms: Option<(f64, f64)>,
     /// Heap the prefill allocated beyond what was in use before it, at its
     /// peak (activations, MoE gathers, the last pass's logits), where the
     /// program counts its heap; the weights are mapped, not counted.
@@ -486,6 +490,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
     // The host's ms to a step's last submission and then waited, where the backend times them.
     let pass_ms = |state: &State| state.pass_stats().filter(|p| p.record_ns > 0).map(|p| (p.record_ns as f64 / 1e6, p.wait_ns as f64 / 1e6));
     let mut prompt_pass_host_ms = pass_ms(&state);
+    let prompt_first_pass_host_ms = if opts.prompt_repeats > 0 { prompt_pass_host_ms } else { None };
     let mut prompt_again_tok_s = Vec::with_capacity(opts.prompt_repeats);
     for _ in 0..opts.prompt_repeats {
         let mut again = State::new(model.clone())?;
@@ -606,6 +611,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport> {
         prompt_cpu_seconds,
         prompt_again_tok_s,
         prompt_pass_host_ms,
+        prompt_first_pass_host_ms,
         prefill_peak_scratch_bytes,
         warmup_tokens: opts.warmup,
         decode,
@@ -712,7 +718,8 @@ impl BenchReport {
                 String::new()
             } else {
                 format!("; again: {} tok/s", self.prompt_again_tok_s.iter().map(|v| format!("{v:.2}")).collect::<Vec<_>>().join(", "))
-            } + &self.prompt_pass_host_ms.map_or(String::new(), |(r, w)| format!("; last pass: host {r:.2} ms to its last submission, then waited {w:.2} ms")),
+            } + &self.prompt_first_pass_host_ms.map_or(String::new(), |(r, w)| format!("; the first's last pass: host {r:.2} ms, waited {w:.2} ms"))
+                + &self.prompt_pass_host_ms.map_or(String::new(), |(r, w)| format!("; last pass: host {r:.2} ms to its last submission, then waited {w:.2} ms")),
             format!(
                 "decode: {:.3} tok/s median ({:.1} ms), min {:.3}, max {:.3} over {} tokens after {} warm-up",
                 self.decode.median_tok_s, self.decode.median_ms, self.decode.min_tok_s, self.decode.max_tok_s, self.decode.tokens, self.warmup_tokens
