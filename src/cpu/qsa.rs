@@ -186,34 +186,70 @@ fn chosen(cfg: &Config, ratio: usize, block_keys: &[f32], iq: &[f32], t: usize) 
 
 /// Softmax attention of each query head over the `selected` tokens of the
 /// caches, gated by `sigmoid(gate_h)` (the second half of each head in `qg`):
-/// [nh*hd].
+/// [nh*hd]. Long selections spread the heads over the threads
+/// ([`attend_split`] with `split`).
 pub fn attend(cfg: &Config, q: &[f32], qg: &[f32], keys: &[f32], values: &[f32], selected: &[usize]) -> Vec<f32> {
+    attend_split(cfg, q, qg, keys, values, selected, true)
+}
+
+/// [`attend`]: with `split` and a long selection, tasks of as few query
+/// heads as give every thread one (a single token's attention); otherwise
+/// one KV head's whole group of query heads after another on this thread
+/// (a batch's queries, already one task each). Either way each head's
+/// numbers are the same: [`attend_heads`].
+fn attend_split(cfg: &Config, q: &[f32], qg: &[f32], keys: &[f32], values: &[f32], selected: &[usize], split: bool) -> Vec<f32> {
     let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
     let group = nh / nkv;
+    let mut out = vec![0f32; nh * hd];
+    if split && selected.len() * nh * hd >= 1 << 16 {
+        // The largest divisor of the group that leaves a task per thread.
+        let most = (nh / rayon::current_num_threads().max(1)).max(1);
+        let per = (1..=group.min(most)).rev().find(|d| group.is_multiple_of(*d)).unwrap_or(1);
+        out.par_chunks_mut(per * hd).enumerate().for_each(|(c, o)| attend_heads(cfg, q, qg, keys, values, selected, c * per, o));
+    } else {
+        out.chunks_mut(group * hd).enumerate().for_each(|(c, o)| attend_heads(cfg, q, qg, keys, values, selected, c * group, o));
+    }
+    out
+}
+
+/// Query heads `h0..` (`out.len() / hd` of them, all of one KV head) over
+/// the `selected` tokens, into `out`. Each key and value row is read once
+/// for all of them (twelve heads share one at the real shapes: the rows
+/// stay in L1 instead of streaming the caches from memory once per head),
+/// while each head's numbers are formed as alone: its scores one `dot`
+/// each, its softmax, its weighted values added token by token in the
+/// selection's order, its gate.
+#[allow(clippy::too_many_arguments)]
+fn attend_heads(cfg: &Config, q: &[f32], qg: &[f32], keys: &[f32], values: &[f32], selected: &[usize], h0: usize, out: &mut [f32]) {
+    let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+    let kvh = h0 / (nh / nkv);
+    let (heads, len) = (out.len() / hd, selected.len());
     let scale = 1.0 / (hd as f32).sqrt();
     let kv_stride = nkv * hd;
-    let mut out = vec![0f32; nh * hd];
-    let head = |(h, oh): (usize, &mut [f32])| {
-        let kvh = h / group;
-        let qh = &q[h * hd..(h + 1) * hd];
-        let mut scores: Vec<f32> =
-            selected.iter().map(|&j| dot(qh, &keys[j * kv_stride + kvh * hd..][..hd]) * scale).collect();
-        softmax(&mut scores);
-        for (&j, &p) in selected.iter().zip(&scores) {
-            for (o, vv) in oh.iter_mut().zip(&values[j * kv_stride + kvh * hd..][..hd]) {
+    let mut scores = vec![0f32; heads * len];
+    for (i, &j) in selected.iter().enumerate() {
+        let k = &keys[j * kv_stride + kvh * hd..][..hd];
+        for a in 0..heads {
+            scores[a * len + i] = dot(&q[(h0 + a) * hd..][..hd], k) * scale;
+        }
+    }
+    for s in scores.chunks_mut(len.max(1)) {
+        softmax(s);
+    }
+    for (i, &j) in selected.iter().enumerate() {
+        let v = &values[j * kv_stride + kvh * hd..][..hd];
+        for (a, oh) in out.chunks_mut(hd).enumerate() {
+            let p = scores[a * len + i];
+            for (o, vv) in oh.iter_mut().zip(v) {
                 *o += p * vv;
             }
         }
-        for (o, g) in oh.iter_mut().zip(&qg[h * 2 * hd + hd..][..hd]) {
+    }
+    for (a, oh) in out.chunks_mut(hd).enumerate() {
+        for (o, g) in oh.iter_mut().zip(&qg[(h0 + a) * 2 * hd + hd..][..hd]) {
             *o *= sigmoid(*g);
         }
-    };
-    if selected.len() * nh * hd >= 1 << 16 {
-        out.par_chunks_mut(hd).enumerate().for_each(head);
-    } else {
-        out.chunks_mut(hd).enumerate().for_each(head);
     }
-    out
 }
 
 /// The token at `t` through the whole layer: [H].
@@ -265,12 +301,15 @@ pub fn forward_batch(w: &Attention, cfg: &Config, ratio: usize, rope: &Rope, st:
     let span = prof::span("attention: selection, attention");
     let st = &*st;
     let mut out = vec![0f32; n * nh * hd];
+    // Queries fewer than the threads also spread their heads over them.
+    let split = n < rayon::current_num_threads();
     let query = |(i, o): (usize, &mut [f32])| {
         let selected = match ix {
             Some(_) => chosen(cfg, ratio, &st.block_keys, &iq[i * qw..(i + 1) * qw], t + i),
             None => (0..=t + i).collect(),
         };
-        o.copy_from_slice(&attend(cfg, &q[i * nh * hd..(i + 1) * nh * hd], &qg[i * qgw..(i + 1) * qgw], &st.keys, &st.values, &selected));
+        let (qi, qgi) = (&q[i * nh * hd..(i + 1) * nh * hd], &qg[i * qgw..(i + 1) * qgw]);
+        o.copy_from_slice(&attend_split(cfg, qi, qgi, &st.keys, &st.values, &selected, split));
     };
     if n > 1 {
         out.par_chunks_mut(nh * hd).enumerate().for_each(query);
@@ -282,4 +321,55 @@ pub fn forward_batch(w: &Attention, cfg: &Config, ratio: usize, rope: &Rope, st:
     let mut y = vec![0f32; n * h];
     w.o.matmul(&out, &mut y);
     y
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pseudo-random values in [-1, 1).
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    /// A token's attention and a batch query's take the heads in tasks of
+    /// different sizes (one head per thread, or a KV head's whole group):
+    /// every size gives the same bits, and each head's numbers are those
+    /// of softmax attention over its own KV head's rows formed alone.
+    #[test]
+    fn every_split_of_the_heads_gives_the_same_bits() {
+        let cfg = Config::published_one_layer();
+        let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+        let ctx = 300;
+        let (q, qg) = (values(nh * hd, 1), values(2 * nh * hd, 2));
+        let (keys, values) = (values(ctx * nkv * hd, 3), values(ctx * nkv * hd, 4));
+        // Blocks out of order, then a tail, as QSA selects them.
+        let selected: Vec<usize> = (200..240).chain(0..40).chain(120..160).chain(296..300).collect();
+        let whole = attend_split(&cfg, &q, &qg, &keys, &values, &selected, false);
+        for threads in [1, 2, 3, 5, 8, 16, 24, 32] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let split = pool.install(|| attend_split(&cfg, &q, &qg, &keys, &values, &selected, true));
+            assert!(whole.iter().zip(&split).all(|(a, b)| a.to_bits() == b.to_bits()), "{threads} threads");
+        }
+        let (group, scale) = (nh / nkv, 1.0 / (hd as f32).sqrt());
+        for h in [0, 5, 11, 12, 23] {
+            let row = |m: &[f32], j: usize| m[j * nkv * hd + h / group * hd..][..hd].to_vec();
+            let mut p: Vec<f32> = selected.iter().map(|&j| dot(&q[h * hd..][..hd], &row(&keys, j)) * scale).collect();
+            softmax(&mut p);
+            let mut o = vec![0f32; hd];
+            for (&j, &pj) in selected.iter().zip(&p) {
+                o.iter_mut().zip(row(&values, j)).for_each(|(o, v)| *o += pj * v);
+            }
+            o.iter_mut().zip(&qg[h * 2 * hd + hd..][..hd]).for_each(|(o, g)| *o *= sigmoid(*g));
+            assert!(o.iter().zip(&whole[h * hd..][..hd]).all(|(a, b)| a.to_bits() == b.to_bits()), "head {h}");
+        }
+    }
 }

@@ -362,3 +362,37 @@ impl Config {
         (2 * self.ssm_k_heads + self.ssm_v_heads) * self.ssm_head_dim
     }
 }
+
+#[cfg(test)]
+impl Config {
+    /// The published shapes (flash-next-text-config.json) with one GDN layer
+    /// and no PLE: the base the unit tests' configs change what they need of.
+    pub(crate) fn published_one_layer() -> Config {
+        Config {
+            n_layers: 1,
+            context_length: 1 << 18,
+            hidden: 2560,
+            vocab: 0,
+            eps: 1e-6,
+            hc: 4,
+            hc_rank: 320,
+            n_heads: 24,
+            n_kv_heads: 2,
+            head_dim: 256,
+            rope_dims: 64,
+            rope_theta: 1e7,
+            n_experts: 512,
+            n_experts_used: 10,
+            expert_ff: 640,
+            shared_ff: 640,
+            ssm_conv: 4,
+            ssm_k_heads: 16,
+            ssm_v_heads: 48,
+            ssm_head_dim: 128,
+            ssm_gate: GateActivation::Sigmoid,
+            layers: vec![LayerKind::Linear],
+            qsa: Some(QsaConfig { n_heads: 4, head_dim: 128, budget: 2048 }),
+            ple: None,
+        }
+    }
+}

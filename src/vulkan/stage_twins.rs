@@ -308,32 +308,7 @@ fn identity(n: usize) -> Tensor {
 /// The real model's hyper-parameters (`src/synth/flash-next-text-config.json`);
 /// each test overrides what it varies.
 pub(super) fn config() -> Config {
-    Config {
-        n_layers: 1,
-        context_length: 1 << 18,
-        hidden: 2560,
-        vocab: 0,
-        eps: EPS,
-        hc: 4,
-        hc_rank: 320,
-        n_heads: 24,
-        n_kv_heads: 2,
-        head_dim: 256,
-        rope_dims: 64,
-        rope_theta: 1e7,
-        n_experts: 512,
-        n_experts_used: 10,
-        expert_ff: 640,
-        shared_ff: 640,
-        ssm_conv: 4,
-        ssm_k_heads: 16,
-        ssm_v_heads: 48,
-        ssm_head_dim: 128,
-        ssm_gate: GateActivation::Sigmoid,
-        layers: vec![LayerKind::Linear],
-        qsa: Some(QsaConfig { n_heads: 4, head_dim: 128, budget: 2048 }),
-        ple: None,
-    }
+    Config { eps: EPS, ..Config::published_one_layer() }
 }
 
 /// The host's cos/sin table of position `pos`, as the decode uploads it.
