@@ -329,15 +329,8 @@ mod tests {
 
     /// Pseudo-random values in [-1, 1).
     fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
+        let mut r = crate::synth::fill::Rng::new(seed);
+        (0..n).map(|_| 2.0 * r.unit() - 1.0).collect()
     }
 
     /// A token's attention and a batch query's take the heads in tasks of

@@ -23,7 +23,7 @@
 //! from pre-quantized block pools at memory speed (see [`fill`]), so a 50 GB
 //! file takes about as long as the disk needs to take it.
 
-mod fill;
+pub(crate) mod fill;
 pub mod routing;
 pub mod shapes;
 mod vocab;

@@ -643,7 +643,7 @@ mod tests {
 
     #[test]
     fn shapes_past_the_shaders_are_refused_with_the_reason() {
-        let ok = Config { ssm_head_dim: 128, ..crate::vulkan::stage_twins::config() };
+        let ok = Config { ssm_head_dim: 128, ..Config::published_one_layer() };
         assert!(check_shapes(&ok).is_ok());
         let odd = Config { ssm_head_dim: 30, ..ok.clone() };
         let e = check_shapes(&odd).unwrap_err().to_string();

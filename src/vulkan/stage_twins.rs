@@ -305,12 +305,6 @@ fn identity(n: usize) -> Tensor {
     matrix(n, n, &v)
 }
 
-/// The real model's hyper-parameters (`src/synth/flash-next-text-config.json`);
-/// each test overrides what it varies.
-pub(super) fn config() -> Config {
-    Config { eps: EPS, ..Config::published_one_layer() }
-}
-
 /// The host's cos/sin table of position `pos`, as the decode uploads it.
 fn rope_table(rope: &Rope, dims: usize, pos: usize) -> Vec<f32> {
     let mut t = vec![0f32; dims];

@@ -40,7 +40,7 @@ fn case(nh: usize, nkv: usize, hd: usize, ratio: usize, budget: usize, t: usize)
         rope_dims: hd / 4,
         layers: vec![LayerKind::Attention { compress_ratio: ratio }],
         qsa: Some(QsaConfig { n_heads: IH, head_dim: ID, budget }),
-        ..config()
+        ..Config::published_one_layer()
     };
     let mut r = Rng::new((nh * 100_000 + hd * 1000 + t) as u64);
     let indexer = (ratio > 0).then(|| Indexer {

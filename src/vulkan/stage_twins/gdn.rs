@@ -25,7 +25,7 @@ struct Case {
 
 fn case(nk: usize, nv: usize, d: usize, kc: usize, window: usize, pos: usize, gate: GateActivation) -> Case {
     let hidden = 64;
-    let cfg = Config { hidden, ssm_k_heads: nk, ssm_v_heads: nv, ssm_head_dim: d, ssm_conv: kc, ssm_gate: gate, ..config() };
+    let cfg = Config { hidden, ssm_k_heads: nk, ssm_v_heads: nv, ssm_head_dim: d, ssm_conv: kc, ssm_gate: gate, ..Config::published_one_layer() };
     let dc = cfg.ssm_conv_dim();
     let mut r = Rng::new((nk * 1000 + nv * 100 + d + kc + pos) as u64);
     let w = Gdn {

@@ -33,7 +33,7 @@ fn min_gap(logits: &[f32], n: usize) -> f32 {
 /// Routes `x` on the GPU and with `moe::route`; ids must be equal (in rank order), weights within 1e-5.
 fn route(g: &Gpu, what: &str, router: Tensor, x: &[f32], k: usize, shared_in_arena: bool, r: &mut Rng) {
     let (n, h) = (router.rows(), x.len());
-    let cfg = Config { hidden: h, n_experts: n, n_experts_used: k, ..config() };
+    let cfg = Config { hidden: h, n_experts: n, n_experts_used: k, ..Config::published_one_layer() };
     let w = weights(router, r.vec(h, (3.0 / h as f32).sqrt()));
     let routes = moe::route(&w, &cfg, x);
     // The logits: the router matvec `moe::route` makes first.

@@ -32,7 +32,7 @@ fn ple_mix() {
             head_vocab: head_vocab.clone(),
         };
         let table = r.matrix(head_vocab.iter().sum::<u64>() as usize, p.row_dim);
-        let cfg = Config { hidden: h, hc: c, ple: Some(p.clone()), ..config() };
+        let cfg = Config { hidden: h, hc: c, ple: Some(p.clone()), ..Config::published_one_layer() };
         let ch = c * h;
         let w = Ple {
             key: r.matrix(ch, h),
